@@ -1,0 +1,178 @@
+"""Variable-length causal attention over packed tokens, with no padding and no mask.
+
+Layout: q (T, Hq, D), k and v (T, Hkv, D) with Hq a multiple of Hkv; `cu_seqlens`
+(N + 1,) int32 marks the N sequences inside the T tokens. Dispatch, best first:
+
+  flash_attn     flash-attn's varlen kernel, when the package is installed
+  torch_varlen   torch.nn.attention.varlen.varlen_attn (torch >= 2.10, CUDA, fp16/bf16)
+  per_sequence   scaled_dot_product_attention once per sequence: correct anywhere,
+                 slow, and reported through hasten.observability when used because
+                 a faster path was not available.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from hasten.observability import record_fallback
+
+Backend = Literal["flash_attn", "torch_varlen", "per_sequence"]
+GqaMode = Literal["auto", "native", "repeat"]
+
+_FAST_DTYPES = (torch.float16, torch.bfloat16)
+_MAX_HEAD_DIM = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_fn():
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as exc:
+        record_fallback("flash_attn_import", f"flash-attn is installed but failed to import ({exc}); using torch's "
+                        "varlen attention instead")
+        return None
+    return flash_attn_varlen_func
+
+
+def available_backends() -> list[str]:
+    backends = []
+    if _flash_attn_fn() is not None:
+        backends.append("flash_attn")
+    if _torch_varlen_fn() is not None:
+        backends.append("torch_varlen")
+    backends.append("per_sequence")
+    return backends
+
+
+def select_backend(q: torch.Tensor, requested: str = "auto") -> Backend:
+    """The fastest backend that can run these inputs; a forced slower one is honoured silently,
+    an unavailable fast one is reported once with the reason."""
+    if requested == "per_sequence":
+        return "per_sequence"
+    reason = None
+    if q.device.type != "cuda":
+        reason = f"varlen attention kernels need a CUDA GPU and the tensors are on {q.device.type}"
+    elif q.dtype not in _FAST_DTYPES:
+        reason = f"varlen attention kernels take float16/bfloat16 and the model runs in {q.dtype}"
+    elif q.shape[-1] > _MAX_HEAD_DIM:
+        reason = f"head_dim {q.shape[-1]} is above the kernels' limit of {_MAX_HEAD_DIM}"
+    if reason is None:
+        if requested in ("auto", "flash_attn") and _flash_attn_fn() is not None:
+            return "flash_attn"
+        if requested in ("auto", "torch_varlen") and _torch_varlen_fn() is not None:
+            return "torch_varlen"
+        reason = (f"torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not installed "
+                  "(upgrade to torch >= 2.10 or install flash-attn)")
+    record_fallback("attention_per_sequence", f"packed attention runs one sequence at a time: {reason}. Results "
+                    "are correct; speed is not.")
+    return "per_sequence"
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # (T, Hkv, D) -> (T, Hkv * groups, D), each K/V head repeated for its query heads.
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_takes_gqa_flag() -> bool:
+    fn = _torch_varlen_fn()
+    return fn is not None and "enable_gqa" in inspect.signature(fn).parameters
+
+
+_native_gqa_checked: dict[torch.device, bool] = {}
+
+
+def _torch_varlen_native_gqa_ok(device: torch.device) -> bool:
+    """Once per device: does torch's varlen kernel read fewer K/V heads than Q heads correctly?
+
+    torch 2.11 accepts such K/V without a flag; newer releases take `enable_gqa`. The
+    answer is checked against repeated K/V on a small problem, not assumed.
+    """
+    if device not in _native_gqa_checked:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(40, 4, 64, device=device, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(40, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(40, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
+        cu = torch.tensor([0, 17, 40], device=device, dtype=torch.int32)
+        try:
+            native = _call_torch_varlen(q, k, v, cu, 23, None, True, (-1, 0))
+            repeated = _call_torch_varlen(q, _repeat_kv(k, 2), _repeat_kv(v, 2), cu, 23, None, False, (-1, 0))
+            ok = torch.allclose(native.float(), repeated.float(), atol=1e-2, rtol=1e-2)
+            detail = "gave a different result from repeated K/V"
+        except (RuntimeError, ValueError) as exc:
+            ok, detail = False, f"raised {type(exc).__name__}: {exc}"
+        if not ok:
+            record_fallback("gqa_repeat_kv", f"torch's varlen attention with fewer K/V heads than Q heads {detail}; "
+                            "repeating K/V heads instead (more memory traffic)")
+        _native_gqa_checked[device] = ok
+    return _native_gqa_checked[device]
+
+
+def _call_torch_varlen(q, k, v, cu, max_seqlen, scale, gqa: bool, window):
+    fn = _torch_varlen_fn()
+    extra = {"enable_gqa": True} if gqa and _torch_varlen_takes_gqa_flag() else {}
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window, **extra)
+
+
+def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dropout: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()  # host sync per call: this path is the fallback
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, _repeat_kv(k, groups), _repeat_kv(v, groups)))
+        mask = None
+        if causal and left_window >= 0:
+            n = end - start
+            idx = torch.arange(n, device=q.device)
+            dist = idx[:, None] - idx[None, :]
+            mask = (dist >= 0) & (dist <= left_window)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout,
+                                           is_causal=causal and mask is None, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                     *, scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
+                     dropout: float = 0.0, backend: str = "auto", gqa: GqaMode = "auto") -> torch.Tensor:
+    """Attention of every packed sequence to itself only. Returns (T, Hq, D)."""
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    # sliding_window W (transformers' meaning): a query sees itself and the W - 1 tokens before it.
+    left = sliding_window - 1 if sliding_window is not None else -1
+    chosen = select_backend(q, backend)
+    if dropout > 0.0 and chosen == "torch_varlen":
+        record_fallback("attention_dropout", "torch's varlen attention has no dropout; attention dropout "
+                        f"{dropout} runs one sequence at a time (install flash-attn for the fast path)")
+        chosen = "per_sequence"
+    if chosen == "per_sequence":
+        return _per_sequence(q, k, v, cu_seqlens, scale, causal, left if causal else -1, dropout)
+
+    groups = q.shape[1] // k.shape[1]
+    if chosen == "flash_attn":  # reads shared K/V heads natively
+        return _flash_attn_fn()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout,
+                                softmax_scale=scale, causal=causal, window_size=(left, 0 if causal else -1))
+    window = (left, 0) if causal else (-1, -1)
+    native = groups > 1 and gqa != "repeat" and (gqa == "native" or _torch_varlen_native_gqa_ok(q.device))
+    if groups > 1 and not native:
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    return _call_torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale, native, window)

@@ -1,0 +1,199 @@
+"""hasten's typed configuration, loadable from the deployment guide's YAML.
+
+The schema is the dataclasses below; the YAML keys are their field names, nested
+by section. Unknown keys are an error that names the key and the nearest valid one;
+wrong types name the key and the expected type. Keys whose feature is not built yet
+are accepted and listed by `Config.inactive_features()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key path and the fix in the message."""
+
+
+@dataclass
+class CheckpointConfig:
+    # Double-buffered activation offload (issue: activation memory) -- not built yet.
+    double_buffer: bool = True
+    # Steps between training checkpoints (issue: production training) -- not built yet.
+    interval_steps: int = 100
+
+
+@dataclass
+class MoEConfig:
+    # One-kernel MoE grouping statistics (issue: fused MoE routing) -- not built yet.
+    fused_grouping: bool = True
+
+
+@dataclass
+class TrainingConfig:
+    # Pack short samples into rows with per-sample boundaries (varlen attention).
+    packed_sequence: bool = True
+    # Build packing metadata once per batch and share it across layers; false
+    # re-derives it inside every attention layer (slower; for comparison).
+    metadata_cache: bool = True
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # Tokens in one packed batch (rows of at most this many tokens).
+    max_tokens: int = 4096
+    # Samples longer than max_tokens: cut to max_tokens, or drop them.
+    overlong: Literal["truncate", "drop"] = "truncate"
+    max_steps: int = 20
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 2
+    gradient_accumulation_steps: int = 1
+    seed: int = 0
+    logging_steps: int = 1
+    # auto: GPU when there is one, else CPU.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    # auto: bf16 on a GPU that supports it, float32 on the CPU.
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+
+
+@dataclass
+class ModelConfig:
+    # A local transformers model folder; empty means the embedded default model.
+    path: str | None = None
+    # Size of the embedded default model when `path` is empty.
+    default_size: Literal["tiny", "small"] = "small"
+
+
+@dataclass
+class DataConfig:
+    # Local JSONL/JSON/Parquet file; empty means the embedded corpus.
+    path: str | None = None
+    text_field: str = "text"
+
+
+@dataclass
+class AttentionConfig:
+    # auto: flash-attn when installed, else torch varlen, else the per-sequence path.
+    backend: Literal["auto", "flash_attn", "torch_varlen", "per_sequence"] = "auto"
+    # Grouped-query attention: native lets the kernel read shared K/V heads;
+    # repeat materialises repeated K/V (for comparison and old kernels).
+    gqa: Literal["auto", "native", "repeat"] = "auto"
+    # Re-derive packing metadata in every layer and compare (also HASTEN_VERIFY=1).
+    verify: bool = False
+
+
+@dataclass
+class Config:
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, *, source: str = "config") -> "Config":
+        config = _build(cls, raw or {}, source, "")
+        validate(config)
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Config":
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (training:, model:, ...), "
+                              f"got {type(raw).__name__}")
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def inactive_features(self) -> list[str]:
+        """Keys that are set but whose feature this version does not provide yet."""
+        inactive = []
+        if self.training.checkpoint.double_buffer:
+            inactive.append("training.checkpoint.double_buffer (activation offload is not built yet)")
+        inactive.append("training.checkpoint.interval_steps (periodic training checkpoints are not built yet; "
+                        "the final model is saved)")
+        if self.training.moe.fused_grouping:
+            inactive.append("training.moe.fused_grouping (the fused MoE path is not built yet)")
+        return inactive
+
+
+def _build(cls: type, raw: dict[str, Any], source: str, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: `{prefix.rstrip('.') or '<top>'}` must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if key not in known:
+            valid = sorted(f"{prefix}{k}" for k in known)
+            near = difflib.get_close_matches(path, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean `{near[0]}`?" if near else f"; valid keys here: {', '.join(valid)}"
+            raise ConfigError(f"{source}: unknown key `{path}`{hint}")
+        values[key] = _coerce(hints[key], value, source, path)
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, source: str, path: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value if value is not None else {}, source, path + ".")
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{source}: `{path}` must be one of {', '.join(map(repr, args))}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, source, path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: `{path}` must be true or false; got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: `{path}` must be an integer; got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: `{path}` must be a number; got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: `{path}` must be a string; got {value!r}")
+        return value
+    raise AssertionError(f"config schema has an unsupported type at {path}: {hint}")  # schema bug
+
+
+def validate(config: Config) -> None:
+    """Range checks that the types alone cannot express."""
+    t = config.training
+    positive = {"training.max_tokens": t.max_tokens, "training.max_steps": t.max_steps,
+                "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
+                "training.logging_steps": t.logging_steps,
+                "training.checkpoint.interval_steps": t.checkpoint.interval_steps}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"`{key}` must be at least 1; got {value}")
+    if t.learning_rate <= 0:
+        raise ConfigError(f"`training.learning_rate` must be positive; got {t.learning_rate}")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"`training.warmup_steps` must be zero or more; got {t.warmup_steps}")

@@ -1,0 +1,230 @@
+"""hasten for Hugging Face transformers models: `accelerate(model)` patches in place.
+
+What the patch does:
+  * registers hasten's varlen attention under the name "hasten_varlen" with
+    transformers' AttentionInterface, and a mask function that builds no mask for
+    packed or plain causal batches, and switches the model to it;
+  * adds a forward pre-hook on the model that, once per forward, makes the
+    batch's packing metadata when only `position_ids` arrived (one device op, one
+    read-back) and passes it down through the standard FlashAttention keyword
+    arguments, so every layer reads the same object.
+The returned handle undoes all of it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hasten.attention.varlen import varlen_attention
+from hasten.config import Config
+from hasten.observability import logger, record_fallback
+from hasten.packing.meta import CU_Q, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
+
+ATTN_NAME = "hasten_varlen"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What hasten knows about one transformers architecture (by `config.model_type`)."""
+
+    family: str  # "dense" | "moe"
+    notes: str = ""
+
+
+# Architectures tested against transformers' own attention (tests/integrations,
+# tests/gpu). Others that use the standard attention interface are patched too,
+# with a one-time notice.
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec("dense"),
+    "qwen2": ArchSpec("dense", "sliding window honoured where the config enables it"),
+    "qwen3": ArchSpec("dense"),
+    "mistral": ArchSpec("dense", "sliding window honoured"),
+}
+
+
+@dataclass
+class _AttentionSettings:
+    packed_sequence: bool
+    metadata_cache: bool
+    backend: str
+    gqa: str
+    verify: bool
+
+
+# Settings per patched model, found from an attention module through `module.config`
+# (transformers' configs are unhashable, hence the id).
+_SETTINGS: dict[int, _AttentionSettings] = {}
+_DEFAULT_SETTINGS = _AttentionSettings(True, True, "auto", "auto", False)
+
+
+def _settings_for(module: torch.nn.Module) -> _AttentionSettings:
+    return _SETTINGS.get(id(getattr(module, "config", None)), _DEFAULT_SETTINGS)
+
+
+def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                             sliding_window: int | None = None, **kwargs: Any):
+    """transformers attention function. query (B, Hq, L, D), key/value (B, Hkv, S, D) -> (B, L, Hq, D)."""
+    settings = _settings_for(module)
+    cu_seqlens, max_seqlen = kwargs.get(CU_Q), kwargs.get(MAX_Q)
+    position_ids = kwargs.get("position_ids")
+    batch, _, q_len, _ = query.shape
+
+    if cu_seqlens is None:
+        if attention_mask is not None:
+            record_fallback("attention_padded_batch", "a batch came with a padding attention_mask, so attention ran "
+                            "through transformers' sdpa with a dense mask; pack the batch with "
+                            "hasten.PackingCollator (or pass position_ids without attention_mask) for the varlen path")
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                          sliding_window=sliding_window, **kwargs)
+        if q_len != key.shape[2]:  # decoding against a KV cache: not a training path
+            return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
+                                          sliding_window=sliding_window, **kwargs)
+        if settings.packed_sequence and position_ids is not None:
+            # metadata_cache off (or a caller that bypassed the model hook): derive in this layer.
+            meta = PackedMeta.from_position_ids(position_ids)
+            cu_seqlens, max_seqlen = meta.cu_seqlens, meta.max_seqlen
+        else:  # one sequence per row
+            cu_seqlens = torch.arange(0, (batch + 1) * q_len, q_len, device=query.device, dtype=torch.int32)
+            max_seqlen = q_len
+    elif settings.verify or verify_enabled():
+        if position_ids is None:
+            raise RuntimeError("HASTEN_VERIFY needs position_ids in the attention call to re-derive the metadata")
+        verify_against_position_ids(cu_seqlens, max_seqlen, position_ids, f"layer {getattr(module, 'layer_idx', '?')}")
+
+    # (B, H, L, D) -> (B * L, H, D): the packed token layout of the varlen kernels.
+    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
+    out = varlen_attention(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), int(max_seqlen),
+                           scale=scaling, causal=getattr(module, "is_causal", True), sliding_window=sliding_window,
+                           dropout=dropout, backend=settings.backend, gqa=settings.gqa)
+    return out.view(batch, q_len, out.shape[1], out.shape[2]), None
+
+
+def hasten_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """No mask for packed or plain causal batches (attention reads cu_seqlens). A real
+    padding mask is honoured by building transformers' sdpa mask, and the attention
+    function reports that fallback."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(ATTN_NAME, hasten_attention_forward)
+AttentionMaskInterface.register(ATTN_NAME, hasten_mask)
+
+
+class _PackingPreHook:
+    """Once per forward: packing metadata from position_ids, shared by all layers."""
+
+    def __init__(self, model: PreTrainedModel, settings: _AttentionSettings) -> None:
+        self.settings = settings
+        self.signature = inspect.signature(model.forward)
+        self.var_keyword = next((p.name for p in self.signature.parameters.values()
+                                 if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        bound = dict(self.signature.bind_partial(*args, **kwargs).arguments)
+        bound.update(bound.pop(self.var_keyword, None) or {})
+        return bound
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        bound = self._arguments(args, kwargs)
+        if bound.get("past_key_values") is not None:  # generation with a cache: leave it alone
+            return None
+        cu_seqlens = bound.get(CU_Q)
+        position_ids = bound.get("position_ids")
+        if cu_seqlens is None and position_ids is not None and self.settings.metadata_cache:
+            kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
+            cu_seqlens = kwargs[CU_Q]
+        if cu_seqlens is None:
+            return None
+        mask = bound.get("attention_mask")
+        if mask is not None:
+            if not bool(mask.all()):
+                raise ValueError("hasten: this batch has packing metadata (cu_seq_lens) and an attention_mask with "
+                                 "padding; packed batches carry their boundaries in cu_seq_lens. Drop attention_mask "
+                                 "from the batch (hasten.PackingCollator emits none).")
+            args, kwargs = _without(args, kwargs, "attention_mask", self.signature)
+        # A packed batch never generates: no KV cache (transformers builds one by default, which
+        # would also hold every layer's K/V for the whole forward).
+        if bound.get("use_cache") is not False:
+            args, kwargs = _without(args, kwargs, "use_cache", self.signature)
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+
+def _without(args: tuple, kwargs: dict, name: str, signature: inspect.Signature) -> tuple[tuple, dict]:
+    kwargs.pop(name, None)
+    names = list(signature.parameters)
+    if name in names and names.index(name) < len(args):
+        args = list(args)
+        args[names.index(name)] = None
+        args = tuple(args)
+    return args, kwargs
+
+
+@dataclass
+class AccelerationHandle:
+    """What `accelerate` changed on one model; `undo()` restores it."""
+
+    model: PreTrainedModel
+    config: Config
+    active: list[str] = field(default_factory=list)
+    inactive: list[str] = field(default_factory=list)
+    _previous_attn: str | None = None
+    _hook: Any = None
+
+    def undo(self) -> None:
+        if self._hook is None:
+            return
+        self._hook.remove()
+        self._hook = None
+        _SETTINGS.pop(id(self.model.config), None)
+        self.model.set_attn_implementation(self._previous_attn or "sdpa")
+
+    def report(self) -> str:
+        lines = ["hasten active: " + (", ".join(self.active) or "nothing")]
+        lines += [f"hasten not active: {item}" for item in self.inactive]
+        return "\n".join(lines)
+
+
+def accelerate(model: PreTrainedModel, config: Config | None = None) -> AccelerationHandle:
+    """Patch a loaded transformers model in place; returns a handle whose `undo()` reverts it."""
+    config = config or Config()
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"hasten.accelerate expects a transformers PreTrainedModel, got {type(model).__name__}; "
+                        "for a PEFT model pass model.get_base_model() or call accelerate before wrapping")
+    handle = AccelerationHandle(model, config, inactive=config.inactive_features())
+    model_type = getattr(model.config, "model_type", "?")
+    training = config.training
+    if not training.packed_sequence:
+        handle.inactive.append("training.packed_sequence is false: attention left as transformers configured it")
+        return handle
+    if model_type not in ARCHITECTURES:
+        if not getattr(model, "_supports_attention_backend", False):
+            record_fallback("unsupported_architecture", f"model type '{model_type}' does not use transformers' "
+                            "attention interface, so hasten cannot route its attention; the model is unchanged")
+            handle.inactive.append(f"varlen attention (model type '{model_type}' not supported)")
+            return handle
+        logger.warning("hasten: model type '%s' is not in hasten's tested table (%s); patching it through "
+                       "transformers' standard attention interface", model_type, ", ".join(sorted(ARCHITECTURES)))
+
+    settings = _AttentionSettings(True, training.metadata_cache, config.attention.backend, config.attention.gqa,
+                                  config.attention.verify)
+    handle._previous_attn = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    _SETTINGS[id(model.config)] = settings
+    handle._hook = model.register_forward_pre_hook(_PackingPreHook(model, settings), with_kwargs=True)
+    handle.active.append("varlen attention (packed sequences, no mask)")
+    handle.active.append("metadata cache (once per batch)" if training.metadata_cache
+                         else "metadata derived per layer (training.metadata_cache is false)")
+    return handle

@@ -1,0 +1,41 @@
+"""Loads hasten._C, the C++/CUDA op library, and answers questions about it."""
+
+from __future__ import annotations
+
+import torch
+
+_LOAD_ERROR: str | None = None
+try:
+    from hasten import _C  # noqa: F401  (registers torch.ops.hasten.*)
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    _LOAD_ERROR = (
+        f"hasten._C could not be loaded ({exc}). Rebuild it against the installed torch: "
+        "pip install --no-build-isolation -e ."
+    )
+
+# Every op the library declares; csrc/registration.cpp is the source of truth.
+_OPS = ("varlen_meta",)
+
+
+def is_loaded() -> bool:
+    return _LOAD_ERROR is None
+
+
+def extension_error() -> str | None:
+    return _LOAD_ERROR
+
+
+def require_extension() -> None:
+    if _LOAD_ERROR is not None:
+        raise RuntimeError(_LOAD_ERROR)
+
+
+def op_names() -> tuple[str, ...]:
+    return _OPS
+
+
+def has_cuda_kernel(op: str) -> bool:
+    """Whether hasten::<op> has a CUDA implementation compiled into this build."""
+    if not is_loaded():
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"hasten::{op}", "CUDA")

@@ -1,0 +1,201 @@
+"""PackingCollator: tokenized samples -> packed rows plus their varlen metadata.
+
+Everything is built on the CPU inside the data loader: the batch reaches the GPU
+with `cu_seq_lens_*` already computed and `max_length_*` as host ints, so the
+model needs no read-back at all for packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from hasten.packing.meta import PackedMeta
+
+IGNORE_INDEX = -100
+
+
+class PackingError(ValueError):
+    """A sample the collator cannot pack; the message names the sample and the problem."""
+
+
+@dataclass
+class PackingStats:
+    """Running totals over every batch this collator made."""
+
+    batches: int = 0
+    rows: int = 0
+    samples_in: int = 0
+    samples_packed: int = 0
+    empty_dropped: int = 0
+    overlong_truncated: int = 0
+    overlong_dropped: int = 0
+    tokens: int = 0  # real (non-padding) tokens packed
+    slots: int = 0   # rows * row length, padding included
+
+    @property
+    def efficiency(self) -> float:
+        """Share of packed slots that hold real tokens (1.0 = no padding)."""
+        return self.tokens / self.slots if self.slots else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["efficiency"] = self.efficiency
+        return out
+
+
+def _as_token_list(value: Any, index: int, field: str) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
+            raise PackingError(f"sample {index}: `{field}` must be a 1-D integer tensor, "
+                               f"got shape {tuple(value.shape)} dtype {value.dtype}")
+        return value.tolist()
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+            raise PackingError(f"sample {index}: `{field}` must be a 1-D integer array, "
+                               f"got shape {value.shape} dtype {value.dtype}")
+        return value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise PackingError(f"sample {index}: `{field}` must be a list of token ids, got {type(value).__name__}; "
+                           "tokenize the text before packing")
+    tokens = list(value)
+    for pos, tok in enumerate(tokens):
+        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+            raise PackingError(f"sample {index}: `{field}`[{pos}] is {tok!r}, not an integer token id")
+    return [int(t) for t in tokens]
+
+
+class PackingCollator:
+    """Pack tokenized samples into rows of at most `max_tokens` tokens.
+
+    Call it with a list of samples, each a mapping with `input_ids` and optionally
+    `labels` (same length; -100 marks tokens without loss). Returns a dict with
+
+      input_ids, labels, position_ids  (rows, L) int64
+      cu_seq_lens_q, cu_seq_lens_k     (sequences + 1,) int32, one tensor
+      max_length_q, max_length_k       int
+      seq_idx                          (rows * L,) int32
+      num_samples                      int
+
+    The first label of every sample is -100, so no token is predicted across a
+    sample boundary. Samples go into rows first-fit by decreasing length; when
+    they need more than one row, shorter rows end with a padding segment that is
+    a sequence of its own (attended only to itself, no loss) and counts against
+    `stats.efficiency`. For zero padding, feed batches whose samples fit one row
+    (`hasten.packing.TokenBudgetBatchSampler`).
+    """
+
+    def __init__(self, max_tokens: int, *, overlong: Literal["truncate", "drop"] = "truncate",
+                 pad_token_id: int = 0, pin_memory: bool = False) -> None:
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"PackingCollator: max_tokens must be a positive integer, got {max_tokens!r}")
+        if overlong not in ("truncate", "drop"):
+            raise ValueError(f"PackingCollator: overlong must be 'truncate' or 'drop', got {overlong!r}")
+        self.max_tokens = max_tokens
+        self.overlong = overlong
+        self.pad_token_id = pad_token_id
+        self.pin_memory = pin_memory
+        self.stats = PackingStats()
+
+    def _prepare(self, samples: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
+        prepared = []
+        for index, sample in enumerate(samples):
+            self.stats.samples_in += 1
+            if not isinstance(sample, Mapping):
+                raise PackingError(f"sample {index}: expected a mapping with `input_ids`, got {type(sample).__name__}")
+            if "input_ids" not in sample:
+                raise PackingError(f"sample {index}: has no `input_ids` (keys: {sorted(sample)})")
+            ids = _as_token_list(sample["input_ids"], index, "input_ids")
+            if sample.get("labels") is not None:
+                labels = _as_token_list(sample["labels"], index, "labels")
+                if len(labels) != len(ids):
+                    raise PackingError(f"sample {index}: `labels` has {len(labels)} tokens but `input_ids` has "
+                                       f"{len(ids)}; they must align one to one")
+            else:
+                labels = list(ids)
+            if any(t < 0 for t in ids):
+                raise PackingError(f"sample {index}: `input_ids` holds a negative token id; ids must be >= 0")
+            if not ids:
+                self.stats.empty_dropped += 1
+                continue
+            if len(ids) > self.max_tokens:
+                if self.overlong == "drop":
+                    self.stats.overlong_dropped += 1
+                    continue
+                self.stats.overlong_truncated += 1
+                ids, labels = ids[: self.max_tokens], labels[: self.max_tokens]
+            prepared.append((ids, labels))
+        return prepared
+
+    def _assign_rows(self, lengths: list[int]) -> list[list[int]]:
+        """Sample indices per row: one row in input order if all fit, else first-fit decreasing."""
+        if sum(lengths) <= self.max_tokens:
+            return [list(range(len(lengths)))]
+        rows: list[list[int]] = []
+        free: list[int] = []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            for r, space in enumerate(free):
+                if lengths[i] <= space:
+                    rows[r].append(i)
+                    free[r] -= lengths[i]
+                    break
+            else:
+                rows.append([i])
+                free.append(self.max_tokens - lengths[i])
+        return rows
+
+    def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
+        prepared = self._prepare(samples)
+        self.stats.batches += 1
+        rows = self._assign_rows([len(ids) for ids, _ in prepared]) if prepared else []
+        row_len = max((sum(len(prepared[i][0]) for i in row) for row in rows), default=0)
+
+        input_ids: list[int] = []
+        labels: list[int] = []
+        position_ids: list[int] = []
+        seq_lens: list[int] = []
+        for row in rows:
+            used = 0
+            for i in row:
+                ids, lab = prepared[i]
+                input_ids += ids
+                labels.append(IGNORE_INDEX)  # the first token is never a target across a boundary
+                labels += lab[1:]
+                position_ids += range(len(ids))
+                seq_lens.append(len(ids))
+                used += len(ids)
+            if used < row_len:  # padding segment: its own sequence, no loss
+                pad = row_len - used
+                input_ids += [self.pad_token_id] * pad
+                labels += [IGNORE_INDEX] * pad
+                position_ids += range(pad)
+                seq_lens.append(pad)
+
+        num_tokens = sum(len(ids) for ids, _ in prepared)
+        self.stats.rows += len(rows)
+        self.stats.samples_packed += len(prepared)
+        self.stats.tokens += num_tokens
+        self.stats.slots += len(rows) * row_len
+
+        shape = (len(rows), row_len)
+        cu_seqlens = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        if seq_lens:
+            torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0, out=cu_seqlens[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(len(seq_lens), dtype=torch.int32),
+                                          torch.tensor(seq_lens, dtype=torch.int64))
+        meta = PackedMeta(cu_seqlens, max(seq_lens, default=0), seq_idx)
+        batch = {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long).view(shape),
+            "labels": torch.tensor(labels, dtype=torch.long).view(shape),
+            "position_ids": torch.tensor(position_ids, dtype=torch.long).view(shape),
+            **meta.attention_kwargs(),
+            "seq_idx": seq_idx,
+            "num_samples": len(prepared),
+        }
+        if self.pin_memory and torch.cuda.is_available():
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return batch

@@ -1,0 +1,75 @@
+"""PackedMeta: the packing metadata of one batch, shared by every attention layer.
+
+A batch's metadata is made once, either by `PackingCollator` on the CPU (no GPU
+sync at all) or by `PackedMeta.from_position_ids` on the device (one read-back per
+batch: the sequence count and max length). It travels with the batch through the
+model's keyword arguments (`cu_seq_lens_q`, `max_length_q`, ...), so every layer
+of that forward -- and its recompute under activation checkpointing -- reads the
+same tensors, and the next batch brings its own: there is no global cache that
+could go stale.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# The keyword names transformers' attention functions already use for varlen
+# metadata (FlashAttentionKwargs), so flash_attention_2 reads them too.
+CU_Q, CU_K, MAX_Q, MAX_K = "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
+
+
+@dataclass(frozen=True)
+class PackedMeta:
+    cu_seqlens: torch.Tensor  # (num_seqs + 1,) int32, boundaries in the flattened (rows * L) tokens
+    max_seqlen: int           # longest sequence, a host int (varlen kernels size their grid with it)
+    seq_idx: torch.Tensor     # (tokens,) int32, sequence index of every token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> "PackedMeta":
+        """Derive the metadata on position_ids' device: one kernel, one read-back."""
+        from hasten.ops.packing import varlen_meta_raw
+
+        cu_padded, seq_idx, stats = varlen_meta_raw(position_ids)
+        num_seqs, max_seqlen = stats.tolist()  # the batch's single host sync
+        return cls(cu_padded[: num_seqs + 1], int(max_seqlen), seq_idx)
+
+    def attention_kwargs(self) -> dict:
+        """The model keyword arguments that carry this metadata to every layer."""
+        return {CU_Q: self.cu_seqlens, CU_K: self.cu_seqlens, MAX_Q: self.max_seqlen, MAX_K: self.max_seqlen}
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> "PackedMeta":
+        return PackedMeta(self.cu_seqlens.to(device, non_blocking=non_blocking), self.max_seqlen,
+                          self.seq_idx.to(device, non_blocking=non_blocking))
+
+
+def verify_enabled() -> bool:
+    return os.environ.get("HASTEN_VERIFY", "0") not in ("", "0", "false", "False")
+
+
+class StaleMetadataError(RuntimeError):
+    """The metadata an attention layer received does not describe its batch."""
+
+
+def verify_against_position_ids(cu_seqlens: torch.Tensor, max_seqlen: int, position_ids: torch.Tensor,
+                                where: str) -> None:
+    """HASTEN_VERIFY=1: re-derive the metadata from position_ids and raise on any mismatch."""
+    fresh = PackedMeta.from_position_ids(position_ids)
+    same = (
+        fresh.cu_seqlens.numel() == cu_seqlens.numel()
+        and torch.equal(fresh.cu_seqlens.to(cu_seqlens.device), cu_seqlens.to(torch.int32))
+        and fresh.max_seqlen == int(max_seqlen)
+    )
+    if not same:
+        raise StaleMetadataError(
+            f"hasten verify ({where}): the packing metadata passed to attention does not match this batch's "
+            f"position_ids (got {cu_seqlens.numel() - 1} sequences, max {int(max_seqlen)}; position_ids give "
+            f"{fresh.num_seqs} sequences, max {fresh.max_seqlen}). The batch's cu_seq_lens and position_ids come "
+            "from different batches, or the collator and position_ids disagree."
+        )
