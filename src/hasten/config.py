@@ -142,9 +142,9 @@ def _build(cls: type, raw: dict[str, Any], source: str, prefix: str):
     for key, value in raw.items():
         path = f"{prefix}{key}"
         if key not in known:
-            valid = sorted(f"{prefix}{k}" for k in known)
-            near = difflib.get_close_matches(path, valid, n=1, cutoff=0.5)
-            hint = f"; did you mean `{near[0]}`?" if near else f"; valid keys here: {', '.join(valid)}"
+            near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+            hint = (f"; did you mean `{prefix}{near[0]}`?" if near
+                    else f"; valid keys here: {', '.join(prefix + k for k in sorted(known))}")
             raise ConfigError(f"{source}: unknown key `{path}`{hint}")
         values[key] = _coerce(hints[key], value, source, path)
     return cls(**values)

@@ -1,0 +1,54 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hasten.attention.varlen import select_backend, varlen_attention
+from hasten.observability import fallback_counts
+
+
+def _dense_reference(q, k, v, cu, scale, window=None):
+    """Block-diagonal causal attention through one dense masked SDPA on repeated K/V (float64)."""
+    t = q.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    seq = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff().long())
+    idx = torch.arange(t)
+    mask = (seq[:, None] == seq[None, :]) & (idx[:, None] >= idx[None, :])
+    if window is not None:
+        mask &= idx[:, None] - idx[None, :] < window
+    out = F.scaled_dot_product_attention(*(x.transpose(0, 1).double() for x in (q, k, v)), attn_mask=mask,
+                                         scale=scale)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("lengths,hq,hkv,window", [([1], 2, 1, None), ([5, 1, 17, 3], 4, 2, None),
+                                                   ([33, 64, 1, 1, 7], 8, 8, None), ([40, 9], 6, 3, 4)])
+def test_per_sequence_matches_dense_block_diagonal(lengths, hq, hkv, window):
+    gen = torch.Generator().manual_seed(sum(lengths) + hq)
+    t, d = sum(lengths), 16
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    out = varlen_attention(q, k, v, cu, max(lengths), scale=0.3, sliding_window=window)
+    ref = _dense_reference(q, k, v, cu, 0.3, window)
+    assert out.shape == (t, hq, d)
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_flow_through_per_sequence_path():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(12, h, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    torch.autograd.gradcheck(lambda a, b, c: varlen_attention(a, b, c, cu, 6), (q, k, v))
+
+
+def test_cpu_selects_per_sequence_and_says_why_once():
+    q = torch.randn(3, 2, 8)
+    assert select_backend(q) == "per_sequence"
+    assert select_backend(q) == "per_sequence"
+    assert fallback_counts() == {"attention_per_sequence": 2}
+
+
+def test_rejects_head_counts_that_do_not_divide():
+    q, k = torch.randn(4, 3, 8), torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        varlen_attention(q, k, k, torch.tensor([0, 4], dtype=torch.int32), 4)
