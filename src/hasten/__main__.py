@@ -1,0 +1,5 @@
+import sys
+
+from hasten.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,239 @@
+"""`hasten doctor`: checks this machine against the deployment guide before a run.
+
+GPU, driver and CUDA runtime, versions against hasten.compat's table, the op library, and
+access to the data, output and log folders a run will use. Exit code 1 means a blocker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from hasten import compat
+from hasten.compat import Finding
+from hasten.ops import extension_error, has_cuda_kernel, is_loaded, op_names
+
+NO_GPU = "no CUDA GPU: hasten runs its CPU reference paths, correct but slow"
+REBUILD_WITH_CUDA = "rebuild with a CUDA torch and nvcc: pip install --no-build-isolation -e ."
+TORCH_INSTALL_URL = "https://pytorch.org/get-started/locally/"
+PROBE_PREFIX = ".hasten-doctor-probe"
+STATUS_WIDTH = len("blocker")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check GPU, driver, CUDA, versions, op library and folder access",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="data file or folder that must be readable (repeatable)",
+    )
+    parser.add_argument(
+        "--output_dir", action="append", default=[], metavar="PATH", help="folder that must be writable (repeatable)"
+    )
+    parser.add_argument(
+        "--log_dir", action="append", default=[], metavar="PATH", help="folder that must be writable (repeatable)"
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    findings = collect_findings(data=args.data, output_dirs=args.output_dir, log_dirs=args.log_dir)
+    counts = summarize(findings)
+    if args.json:
+        print(json.dumps({"findings": [asdict(finding) for finding in findings], "summary": counts}, indent=2))
+    else:
+        print(format_table(findings, counts))
+    return 1 if counts["blockers"] else 0
+
+
+def collect_findings(data: list[str], output_dirs: list[str], log_dirs: list[str]) -> list[Finding]:
+    gpu_rows, gpu_count = gpu_findings()
+    return [
+        *system_findings(),
+        *compat.check_versions(cuda_available=gpu_count > 0),
+        *gpu_rows,
+        *op_library_findings(gpu_present=gpu_count > 0),
+        *(readable_path_finding(path) for path in data),
+        *(writable_dir_finding("output_dir", path) for path in output_dirs),
+        *(writable_dir_finding("log_dir", path) for path in log_dirs),
+    ]
+
+
+def summarize(findings: list[Finding]) -> dict[str, int]:
+    counts = Counter(finding.status for finding in findings)
+    return {"blockers": counts["blocker"], "warnings": counts["warn"], "info": counts["info"], "ok": counts["ok"]}
+
+
+def format_table(findings: list[Finding], counts: dict[str, int]) -> str:
+    name_width = max(len("check"), *(len(finding.name) for finding in findings))
+    lines = [f"{'status':<{STATUS_WIDTH}}  {'check':<{name_width}}  detail"]
+    for finding in findings:
+        lines.append(f"{finding.status:<{STATUS_WIDTH}}  {finding.name:<{name_width}}  {finding.detail}")
+        if finding.status != "ok" and finding.fix:
+            lines.append(f"{'':<{STATUS_WIDTH}}  {'':<{name_width}}  fix: {finding.fix}")
+    lines.append(f"doctor: {counts['blockers']} blockers, {counts['warnings']} warnings")
+    return "\n".join(lines)
+
+
+def system_findings() -> list[Finding]:
+    cpus = os.cpu_count() or 0
+    cpu_detail = str(cpus)
+    if hasattr(os, "sched_getaffinity"):
+        # Containers and job schedulers often pin fewer cores than the host has.
+        usable = len(os.sched_getaffinity(0))
+        if usable != cpus:
+            cpu_detail += f" ({usable} usable by this process)"
+    return [
+        Finding("platform", "info", platform.platform()),
+        Finding("interpreter", "info", sys.executable),
+        Finding("cpus", "info", cpu_detail),
+        Finding("host memory", "info", _host_memory()),
+    ]
+
+
+def _host_memory() -> str:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return "unknown"
+    return _format_bytes(total)
+
+
+def _format_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def gpu_findings() -> tuple[list[Finding], int]:
+    """The GPU rows and the number of usable CUDA GPUs."""
+    driver = nvidia_driver_version()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return [Finding("gpu", "warn", NO_GPU, _no_gpu_fix(driver))], 0
+    try:
+        rows = [Finding("gpu count", "ok", str(count))]
+        for index in range(count):
+            props = torch.cuda.get_device_properties(index)
+            rows.append(
+                compat.check_compute_capability(index, props.name, (props.major, props.minor), props.total_memory)
+            )
+    except RuntimeError as exc:  # a GPU is listed but CUDA cannot talk to it
+        return [Finding("gpu", "blocker", f"CUDA error: {exc}", "check the GPU and driver with nvidia-smi")], count
+    rows.append(driver_finding(driver))
+    return rows, count
+
+
+def _no_gpu_fix(driver: str | None) -> str:
+    if driver is None:
+        return "for speed, run on a machine with an NVIDIA GPU (compute capability >= 8.0)"
+    if torch.version.cuda is None:
+        return (
+            f"NVIDIA driver {driver} is installed but torch is a CPU-only build: "
+            f"install a CUDA build ({TORCH_INSTALL_URL})"
+        )
+    return (
+        f"NVIDIA driver {driver} is installed but torch sees no GPU: check CUDA_VISIBLE_DEVICES "
+        f"and that the driver supports CUDA {torch.version.cuda}"
+    )
+
+
+def nvidia_driver_version() -> str | None:
+    """The driver version nvidia-smi reports, or None when it is absent or fails."""
+    executable = shutil.which("nvidia-smi")
+    if executable is None:
+        return None
+    try:
+        result = subprocess.run(
+            [executable, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    versions = sorted({line.strip() for line in result.stdout.splitlines() if line.strip()})
+    return ", ".join(versions) or None
+
+
+def driver_finding(driver: str | None) -> Finding:
+    if driver is None:
+        return Finding("driver", "info", "unknown (nvidia-smi not found or failed)")
+    return Finding("driver", "ok", driver)
+
+
+def op_library_findings(gpu_present: bool) -> list[Finding]:
+    if not is_loaded():
+        return [Finding("hasten._C", "blocker", "not loaded", extension_error() or REBUILD_WITH_CUDA)]
+    findings = [Finding("hasten._C", "ok", "loaded")]
+    for op in op_names():
+        name = f"op {op}"
+        if has_cuda_kernel(op):
+            findings.append(Finding(name, "ok", "CUDA kernel built"))
+        elif gpu_present:
+            findings.append(Finding(name, "blocker", "no CUDA kernel in this build", REBUILD_WITH_CUDA))
+        else:
+            findings.append(Finding(name, "info", "no CUDA kernel (none needed without a GPU)"))
+    return findings
+
+
+def _os_error_text(exc: OSError) -> str:
+    code = errno.errorcode.get(exc.errno or 0, "")
+    return f"{exc.strerror or exc} [{code}]" if code else str(exc.strerror or exc)
+
+
+def readable_path_finding(path: str) -> Finding:
+    target = Path(path)
+    fix = "pass an existing file or folder this user can read"
+    try:
+        if target.is_dir():
+            count = len(os.listdir(target))
+            return Finding("data", "ok", f"{path}: readable folder, {count} {'entry' if count == 1 else 'entries'}")
+        with target.open("rb") as handle:
+            handle.read(1)
+        return Finding("data", "ok", f"{path}: readable file, {_format_bytes(target.stat().st_size)}")
+    except OSError as exc:
+        return Finding("data", "blocker", f"{path}: cannot read: {_os_error_text(exc)}", fix)
+
+
+def writable_dir_finding(kind: str, path: str) -> Finding:
+    """Creates the folder if missing, then writes and deletes a probe file in it."""
+    target = Path(path)
+    fix = f"pass a --{kind} this user can create and write to"
+    if target.exists() and not target.is_dir():
+        return Finding(kind, "blocker", f"{path}: exists and is not a folder", fix)
+    existed = target.is_dir()
+    probe = target / f"{PROBE_PREFIX}-{os.getpid()}"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        # A real write catches read-only mounts and ACLs that os.access does not see.
+        try:
+            probe.write_bytes(b"probe")
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        return Finding(kind, "blocker", f"{path}: not writable: {_os_error_text(exc)}", fix)
+    return Finding(kind, "ok", f"{path}: writable" + ("" if existed else " (created)"))

@@ -1,0 +1,30 @@
+"""The `hasten` command: train | doctor."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hasten._version import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hasten.cli import doctor, train
+
+    parser = argparse.ArgumentParser(prog="hasten", description="Training acceleration for LLM fine-tuning.")
+    parser.add_argument("--version", action="version", version=f"hasten {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    train.add_parser(subparsers)
+    doctor.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""`hasten train --config FILE --output_dir DIR --log_dir DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hasten.config import Config, ConfigError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "train", help="train a model with hasten (the embedded default when no model or data is named)",
+        description="Train with hasten. With no --config, or a config that names no model and no data, it trains "
+                    "the embedded default: a small Qwen3-architecture model on a text corpus shipped with hasten.")
+    parser.add_argument("--config", help="YAML config (keys: docs/configuration.md); default: built-in defaults")
+    parser.add_argument("--output_dir", default="runs/default", help="where the trained model is saved")
+    parser.add_argument("--log_dir", default=None, help="metrics.jsonl and summary.json (default: OUTPUT_DIR/logs)")
+    parser.add_argument("--max_steps", type=int, help="override training.max_steps")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], help="override training.device")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar (log lines only)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from hasten.data import DataError
+    from hasten.packing import PackingError
+    from hasten.training.loop import train
+
+    try:
+        config = Config.from_yaml(args.config) if args.config else Config()
+        overrides = {}
+        if args.max_steps is not None:
+            overrides["max_steps"] = args.max_steps
+        if args.device is not None:
+            overrides["device"] = args.device
+        if overrides:
+            merged = config.to_dict()
+            merged["training"].update(overrides)
+            config = Config.from_dict(merged, source="command line")
+        log_dir = args.log_dir or f"{args.output_dir}/logs"
+        result = train(config, args.output_dir, log_dir, progress=not args.no_progress)
+    except (ConfigError, DataError, PackingError) as exc:
+        print(f"hasten train: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"hasten train: {result.steps} steps, final loss {result.final_loss:.4f}; model in {result.model_dir}, "
+          f"metrics in {result.metrics_path}")
+    return 0

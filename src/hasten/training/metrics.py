@@ -1,0 +1,45 @@
+"""Per-logging-step metrics: console line, progress bar postfix, and a JSONL file."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class MetricsLog:
+    """Appends one JSON object per logging step to `log_dir/metrics.jsonl`."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.path = log_dir / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"time": time.time(), **row}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def format_row(row: dict[str, Any]) -> str:
+    text = (f"step {row['step']:>5} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"{row['tokens_per_s']:,.0f} tok/s | step {row['step_s'] * 1000:.1f} ms | "
+            f"peak {row['peak_gib']:.2f} GiB")
+    if row.get("fallbacks"):
+        text += " | fallbacks " + ", ".join(f"{k}={v}" for k, v in sorted(row["fallbacks"].items()))
+    return text

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from hasten.cli.main import main
+
+TINY = """
+model:
+  default_size: tiny
+training:
+  max_tokens: 512
+  max_steps: 4
+  learning_rate: 0.003
+  warmup_steps: 1
+  logging_steps: 2
+"""
+
+
+def test_embedded_default_trains_and_logs(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    rc = main(["train", "--config", str(config), "--output_dir", str(out), "--log_dir", str(logs), "--no_progress"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]
+    assert rows[-1]["loss"] < rows[0]["loss"]  # it learns
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["peak_gib"] > 0
+        assert r["packing_efficiency"] == 1.0
+        assert r["fallbacks"].get("attention_per_sequence", 0) > 0  # CPU: the fallback is in the metrics
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["packing"]["samples_packed"] > 0
+    assert "attention_per_sequence" in summary["fallback_reasons"]
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_padded_baseline_runs(tmp_path):
+    config = tmp_path / "padded.yaml"
+    config.write_text(TINY.replace("training:\n", "training:\n  packed_sequence: false\n"))
+    assert main(["train", "--config", str(config), "--output_dir", str(tmp_path / "o"), "--no_progress",
+                 "--max_steps", "2"]) == 0
+
+
+@pytest.mark.parametrize("text,message", [
+    ("training:\n  max_stepz: 3\n", "unknown key `training.max_stepz`; did you mean `training.max_steps`"),
+    ("training:\n  max_steps: many\n", "`training.max_steps` must be an integer"),
+    ("data:\n  path: /nonexistent/data.jsonl\n", "/nonexistent/data.jsonl"),
+    ("model:\n  path: /nonexistent/model\n", "model.path /nonexistent/model is not a folder"),
+])
+def test_bad_config_exits_nonzero_naming_the_problem(tmp_path, capsys, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    rc = main(["train", "--config", str(config), "--output_dir", str(tmp_path / "o"), "--no_progress"])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unwritable_output_dir(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["train", "--output_dir", str(blocker / "sub"), "--no_progress", "--max_steps", "1"])
+    assert rc == 2
+    assert "cannot create" in capsys.readouterr().err
