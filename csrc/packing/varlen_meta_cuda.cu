@@ -1,5 +1,5 @@
 // CUDA hasten::varlen_meta: one kernel launch on the current stream, no host sync.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -36,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_meta_cuda(const at::Tensor
   params.cu_seqlens = cu.data_ptr<int32_t>();
   params.seq_idx = seq_idx.data_ptr<int32_t>();
   params.stats = stats.data_ptr<int32_t>();
-  const cudaError_t err = kernels::launch_varlen_meta(params, at::cuda::getCurrentCUDAStream());
+  const cudaError_t err = kernels::launch_varlen_meta(params, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "hasten::varlen_meta: kernel launch failed: ", cudaGetErrorString(err));
   return {cu, seq_idx, stats};
 }

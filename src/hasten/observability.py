@@ -7,9 +7,13 @@ not used" is never silent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import warnings
 from collections import Counter
+
+import torch
 
 logger = logging.getLogger("hasten")
 
@@ -56,3 +60,35 @@ def _ensure_console_handler() -> None:
 
 
 _ensure_console_handler()
+
+
+class HostSyncCount:
+    """Result of `count_host_syncs`: `count` is set when the block exits."""
+
+    count: int = 0
+    sites: list[str]
+
+    def __init__(self) -> None:
+        self.sites = []
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Count the synchronizing CUDA operations (item, nonzero, device-to-host copies, ...)
+    issued inside the block, through torch's sync debug mode. A no-op count of 0
+    without CUDA."""
+    result = HostSyncCount()
+    if not torch.cuda.is_available():
+        yield result
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield result
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    result.count = len(syncs)
+    result.sites = [f"{w.filename}:{w.lineno}" for w in syncs]

@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine:
+#   make train   install, then train the embedded default (GPU if present, else CPU)
+#   make test    install, then CPU tests, C++ op tests and the CUDA compile check
+PYTHON ?= python3
+# torch is installed only when missing; the extension builds against whatever torch is there.
+TORCH_SPEC ?= torch==2.13.0
+TRAIN_ARGS ?=
+STAMP := build/.installed
+
+.PHONY: install train test compile-check gpu-test clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/include/hasten/*.h)
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -r requirements.txt
+	$(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	@mkdir -p build && touch $(STAMP)
+
+train: install
+	$(PYTHON) -m hasten train --output_dir runs/default --log_dir runs/default/logs $(TRAIN_ARGS)
+
+test: install
+	$(PYTHON) -m pytest tests -q
+	$(MAKE) --no-print-directory compile-check
+
+# Every CUDA kernel (csrc/kernels, torch-free) compiled for the default archs, no GPU needed.
+compile-check:
+	@bash scripts/compile_check.sh
+
+# On the GPU machine: build for sm_90 and run the CUDA tests.
+gpu-test: install
+	$(PYTHON) -m pytest tests/gpu -q
+
+clean:
+	rm -rf build src/hasten/*.so src/*.egg-info
