@@ -1,0 +1,63 @@
+"""Shared pieces of hasten's benchmarks: timing, result rows (see BENCHMARKS in docs)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def commit() -> str:
+    if os.environ.get("HASTEN_COMMIT"):
+        return os.environ["HASTEN_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def new_run_id() -> str:
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"{now}-{commit()}"
+
+
+def environment() -> dict:
+    return {"commit": commit(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__}
+
+
+def time_steps(step, warmup: int, iters: int) -> list[float]:
+    """Seconds per call of `step()`, each measured with a device sync around it."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def write_rows(rows: list[dict], workload: str, out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{workload}.jsonl"
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path

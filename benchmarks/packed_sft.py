@@ -1,0 +1,191 @@
+"""W1: packed SFT throughput on a Qwen3-0.6B-shaped model, one H200 (see docs/benchmarks.md).
+
+One run measures every variant on the same 16,384-token batch of 61 samples:
+  hf_padded          transformers, micro-batches of 8 samples padded, sdpa, gradient accumulation
+  hf_packed_sdpa     transformers, one packed row with position_ids, sdpa, use_cache=False (dense mask)
+  hasten             hasten.accelerate + PackingCollator metadata (no read-back)
+  hasten_posids      hasten with position_ids only (metadata derived on the device once per forward)
+  hasten_gqa_repeat  hasten with K/V heads repeated instead of read natively
+  hasten_no_cache    hasten with training.metadata_cache false (metadata derived in every layer)
+Each row: median step time, non-padding tokens/s, peak memory, host syncs per step,
+and an isolation check (a sample's logits inside the pack vs the sample alone).
+
+    python benchmarks/packed_sft.py [--steps 6] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import hasten  # noqa: E402
+from hasten.config import Config  # noqa: E402
+from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
+
+TOKENS = 16384
+VOCAB = 151936
+
+
+def qwen3_06b() -> Qwen3Config:
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       max_position_embeddings=40960)
+
+
+def make_samples(seed: int = 0) -> list[list[int]]:
+    """Log-normal lengths exp(N(5.3, 0.9)) clipped to [16, 2048], topped up to exactly TOKENS."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < TOKENS:
+        n = int(min(2048, max(16, math.exp(5.3 + 0.9 * torch.randn((), generator=gen).item()))))
+        lengths.append(min(n, TOKENS - sum(lengths)))
+    if lengths[-1] < 16:  # fold a tiny tail into the previous sample
+        lengths[-2] += lengths.pop()
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def build_model() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(qwen3_06b())
+    return model.to(torch.bfloat16).train()
+
+
+def _to_cuda(batch: dict) -> dict:
+    moved: dict[int, torch.Tensor] = {}
+    return {k: moved.setdefault(id(v), v.cuda(non_blocking=True)) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
+
+
+def padded_microbatches(samples: list[list[int]], size: int = 8) -> list[dict]:
+    out = []
+    for i in range(0, len(samples), size):
+        group = samples[i: i + size]
+        width = max(len(s) for s in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(group):
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(s)] = 1
+        out.append(_to_cuda({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}))
+    return out
+
+
+CHECKED = (0, 30, 60)  # samples whose logits are compared inside the pack and alone
+
+
+@torch.no_grad()
+def reference_logits(samples) -> dict[int, torch.Tensor]:
+    """The checked samples alone through transformers' own sdpa, same seed-0 weights as every variant."""
+    model = build_model().eval()
+    refs = {i: model(input_ids=torch.tensor([samples[i]], device="cuda"), use_cache=False).logits[0].float()
+            for i in CHECKED}
+    del model
+    return refs
+
+
+@torch.no_grad()
+def isolation_error(model, forward_pack, samples, refs) -> float:
+    """Max relative error of the checked samples' logits inside the pack vs alone."""
+    model.eval()
+    logits = forward_pack().logits[0]
+    model.train()
+    starts = [0]
+    for s in samples:
+        starts.append(starts[-1] + len(s))
+    return max(((logits[starts[i]: starts[i + 1]].float() - ref).norm() / ref.norm()).item()
+               for i, ref in refs.items())
+
+
+def run_variant(name: str, samples, refs, steps: int) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    reset_fallbacks()
+    model = build_model()
+    handle = None
+    hasten_cfg = {"hasten": {}, "hasten_posids": {}, "hasten_gqa_repeat": {"attention": {"gqa": "repeat"}},
+                  "hasten_no_cache": {"training": {"metadata_cache": False}}}
+    if name in hasten_cfg:
+        handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
+    packed = _to_cuda(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]))
+    if name in ("hasten", "hasten_gqa_repeat"):
+        inputs = [packed]
+    elif name in ("hasten_posids", "hasten_no_cache"):
+        inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")}]
+    elif name == "hf_packed_sdpa":
+        inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")} | {"use_cache": False}]
+    elif name == "hf_padded":
+        inputs = padded_microbatches(samples)
+    else:
+        raise ValueError(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step():
+        for micro in inputs:
+            (model(**micro).loss / len(inputs)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    times = common.time_steps(step, warmup=2, iters=steps)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    with count_host_syncs() as syncs:
+        step()
+    if name == "hf_padded":
+        correct, err = True, 0.0  # each sample sits in its own padded row with a padding mask
+    else:
+        err = isolation_error(model, lambda: model(**inputs[0]), samples, refs)
+        correct = err <= 1e-2
+    step_s = common.median(times)
+    row = {"workload": "W1", "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
+           "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count, "correct": correct,
+           "notes": f"isolation rel err {err:.2e}; steps {[round(t, 4) for t in times]}; "
+                    f"fallbacks {fallback_counts()}"}
+    if handle is not None:
+        handle.undo()
+    del model, optimizer, inputs, packed
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--variants", default="hf_padded,hf_packed_sdpa,hasten,hasten_posids,hasten_gqa_repeat,"
+                                              "hasten_no_cache")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("W1 needs a CUDA GPU", file=sys.stderr)
+        return 1
+    samples = make_samples()
+    print(f"W1: {len(samples)} samples, {sum(map(len, samples))} tokens, max {max(map(len, samples))}")
+    refs = reference_logits(samples)
+    run_id = common.new_run_id()
+    rows = []
+    for name in args.variants.split(","):
+        row = run_variant(name, samples, refs, args.steps) | {"run_id": run_id}
+        rows.append(row)
+        print(f"{name:>18}: {row['tokens_per_s']:>9,.0f} tok/s  {row['step_s']:.4f} s  {row['peak_gib']:6.1f} GiB  "
+              f"syncs {row['host_syncs_per_step']:>3}  correct {row['correct']}  ({row['notes'][:60]})", flush=True)
+    path = common.write_rows(rows, "W1", args.out)
+    base = {r["variant"]: r for r in rows}
+    if "hasten" in base:
+        for ref in ("hf_padded", "hf_packed_sdpa"):
+            if ref in base:
+                print(f"hasten vs {ref}: {base['hasten']['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
+                      f"peak {base['hasten']['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")
+    print(f"rows appended to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On the GPU machine: build for sm_90, doctor, all tests (CPU + tests/gpu), the W1 benchmark,
+# and the embedded default job. Logs and benchmark rows go to $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+python3 -m hasten doctor 2>&1 | tee "$OUT/doctor.log"
+python3 -m pytest tests -q -x -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15
+python3 -m pytest tests/gpu -q -s -k host_syncs 2>&1 | grep "host syncs" | tee -a "$OUT/tests.log"
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  python3 benchmarks/packed_sft.py --out "$OUT" 2>&1 | tee "$OUT/w1.log"
+fi
+python3 -m hasten train --output_dir /tmp/hasten-default --max_steps 20 --no_progress 2>&1 | tail -6 | tee "$OUT/train.log"
