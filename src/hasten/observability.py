@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
+import traceback
 import warnings
 from collections import Counter
 
@@ -63,32 +65,47 @@ _ensure_console_handler()
 
 
 class HostSyncCount:
-    """Result of `count_host_syncs`: `count` is set when the block exits."""
-
-    count: int = 0
-    sites: list[str]
+    """Result of `count_host_syncs`: `count` and, per sync, the innermost caller
+    outside torch itself (`sites`), filled in when the block exits."""
 
     def __init__(self) -> None:
-        self.sites = []
+        self.count = 0
+        self.sites: list[str] = []
+
+
+def _caller_outside_torch() -> str:
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = traceback.extract_stack()[:-2]
+    for frame in reversed(frames):
+        if not frame.filename.startswith(torch_dir) and frame.filename != __file__:
+            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return "<torch>"
 
 
 @contextlib.contextmanager
 def count_host_syncs():
-    """Count the synchronizing CUDA operations (item, nonzero, device-to-host copies, ...)
-    issued inside the block, through torch's sync debug mode. A no-op count of 0
-    without CUDA."""
+    """Count the synchronizing CUDA operations (item, nonzero, device-to-host copies,
+    device synchronize, ...) issued inside the block, through torch's sync debug mode.
+    Counts 0 without CUDA."""
     result = HostSyncCount()
     if not torch.cuda.is_available():
         yield result
         return
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        original_show = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing" in str(message):
+                result.count += 1
+                result.sites.append(_caller_outside_torch())
+            else:
+                original_show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield result
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    syncs = [w for w in caught if "synchronizing" in str(w.message)]
-    result.count = len(syncs)
-    result.sites = [f"{w.filename}:{w.lineno}" for w in syncs]

@@ -28,10 +28,12 @@ def test_embedded_default_trains_and_logs(tmp_path):
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["peak_gib"] > 0
         assert r["packing_efficiency"] == 1.0
-        assert r["fallbacks"].get("attention_per_sequence", 0) > 0  # CPU: the fallback is in the metrics
     summary = json.loads((logs / "summary.json").read_text())
     assert summary["packing"]["samples_packed"] > 0
-    assert "attention_per_sequence" in summary["fallback_reasons"]
+    on_cpu = summary["device"] == "cpu"
+    for r in rows:  # the CPU path is a fallback, and the metrics say so; on a GPU there is none
+        assert (r["fallbacks"].get("attention_per_sequence", 0) > 0) == on_cpu
+    assert ("attention_per_sequence" in summary["fallback_reasons"]) == on_cpu
     assert (out / "final" / "model.safetensors").is_file()
 
 
