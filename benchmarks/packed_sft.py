@@ -80,6 +80,7 @@ def padded_microbatches(samples: list[list[int]], size: int = 8) -> list[dict]:
     return out
 
 
+ISOLATION_TOLERANCE = 3e-2
 CHECKED = (0, 30, 60)  # samples whose logits are compared inside the pack and alone
 
 
@@ -137,8 +138,10 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
 
     # Isolation first, on the untrained seed-0 weights that the references were computed with.
     err = 0.0 if name == "hf_padded" else isolation_error(model, lambda: model(**inputs[0]), samples, refs)
-    # hf_padded: each sample sits in its own padded row behind a padding mask.
-    correct = err <= 1e-2
+    # hf_padded: each sample sits in its own padded row behind a padding mask. Threshold:
+    # bf16 noise over 28 layers and 152k logits measured 1.3e-2 for transformers' own
+    # correct packed path on H200; leakage across samples measures 0.3 and more.
+    correct = err <= ISOLATION_TOLERANCE
     torch.cuda.reset_peak_memory_stats()
     times = common.time_steps(step, warmup=2, iters=steps)
     peak = torch.cuda.max_memory_allocated() / 2**30

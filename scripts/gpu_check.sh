@@ -10,7 +10,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -m hasten doctor 2>&1 | tee "$OUT/doctor.log"
 python3 -m pytest ${TESTS:-tests} -q -rs 2>&1 | tee "$OUT/tests.log" | tail -15
-python3 -m pytest tests/gpu -q -s -k host_syncs 2>&1 | grep "host syncs" | tee -a "$OUT/tests.log"
+python3 -m pytest tests/gpu -q -s -k "host_syncs or loss_curve" 2>&1 | grep -E "host syncs|^padded|^packed" | tee -a "$OUT/tests.log"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 benchmarks/packed_sft.py --out "$OUT" 2>&1 | tee "$OUT/w1.log"
 fi

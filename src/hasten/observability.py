@@ -74,11 +74,15 @@ class HostSyncCount:
 
 
 def _caller_outside_torch() -> str:
-    torch_dir = os.path.dirname(torch.__file__)
-    frames = traceback.extract_stack()[:-2]
-    for frame in reversed(frames):
-        if not frame.filename.startswith(torch_dir) and frame.filename != __file__:
-            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    """The innermost frame that is neither torch, the warnings machinery nor this module,
+    with the torch frame it called into."""
+    skip = (os.path.dirname(torch.__file__), warnings.__file__, __file__)
+    frames = traceback.extract_stack()
+    for depth in range(len(frames) - 1, -1, -1):
+        frame = frames[depth]
+        if not frame.filename.startswith(skip):
+            callee = frames[depth + 1] if depth + 1 < len(frames) else frame
+            return f"{frame.filename}:{frame.lineno} ({frame.name}) -> {os.path.basename(callee.filename)}:{callee.lineno}"
     return "<torch>"
 
 

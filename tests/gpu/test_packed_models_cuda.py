@@ -25,16 +25,13 @@ def _model(name, seed=0):
 
 def _samples(seed, n, max_len=300, learnable=False):
     """Random lengths (one- and two-token samples included). Learnable samples are
-    arithmetic sequences mod 1000 (random start and stride), so loss can fall."""
+    runs of consecutive ids mod 1000 from a random start, so loss can fall."""
     gen = torch.Generator().manual_seed(seed)
     lengths = [1, 2] + torch.randint(3, max_len, (n - 2,), generator=gen).tolist()
     if not learnable:
         return [{"input_ids": torch.randint(0, 1000, (k,), generator=gen).tolist()} for k in lengths]
-    out = []
-    for k in lengths:
-        start, stride = torch.randint(0, 1000, (2,), generator=gen).tolist()
-        out.append({"input_ids": [(start + stride * i) % 1000 for i in range(k)]})
-    return out
+    starts = torch.randint(0, 1000, (n,), generator=gen).tolist()
+    return [{"input_ids": [(start + i) % 1000 for i in range(k)]} for start, k in zip(starts, lengths)]
 
 
 def _cuda_batch(batch):
@@ -92,9 +89,11 @@ def test_twenty_steps_packed_match_padded_loss_curve():
         return losses
 
     padded, packed = run(False), run(True)
-    assert packed[-1] < packed[0] - 0.5, packed  # it trains
+    print("padded", [round(x, 4) for x in padded])
+    print("packed", [round(x, 4) for x in packed])
     for step, (a, b) in enumerate(zip(padded, packed)):
         assert abs(a - b) <= 0.03 * abs(a) + 0.02, f"step {step}: padded {a:.4f} packed {b:.4f}"
+    assert packed[-1] < packed[0] - 0.5, packed  # it trains
 
 
 def test_host_syncs_per_step():
