@@ -100,15 +100,18 @@ def count_host_syncs():
         warnings.simplefilter("always")
         original_show = warnings.showwarning
 
+        armed = False  # switching the debug mode on may itself warn; count only the block
+
         def record(message, category, filename, lineno, file=None, line=None):
-            if "synchronizing" in str(message):
+            if "synchronizing" in str(message) and armed:
                 result.count += 1
                 result.sites.append(_caller_outside_torch())
-            else:
+            elif "synchronizing" not in str(message):
                 original_show(message, category, filename, lineno, file, line)
 
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
+        armed = True
         try:
             yield result
         finally:

@@ -112,4 +112,6 @@ def test_host_syncs_per_step():
     # hasten adds none on the collator path and exactly one (the stats read-back) on the
     # position_ids path; transformers' own packed-sequence detection in create_causal_mask adds one.
     assert collator_path.count <= 1
-    assert posids_path.count <= collator_path.count + 1
+    assert not any("/hasten/" in site for site in collator_path.sites), collator_path.sites
+    hasten_sites = [site for site in posids_path.sites if "/hasten/" in site]
+    assert len(hasten_sites) == 1 and "meta.py" in hasten_sites[0], posids_path.sites
