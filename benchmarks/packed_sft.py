@@ -30,6 +30,7 @@ import common  # noqa: E402
 import hasten  # noqa: E402
 from hasten.config import Config  # noqa: E402
 from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
+from hasten.packing import move_batch  # noqa: E402
 
 TOKENS = 16384
 VOCAB = 151936
@@ -60,12 +61,6 @@ def build_model() -> Qwen3ForCausalLM:
     return model.to(torch.bfloat16).train()
 
 
-def _to_cuda(batch: dict) -> dict:
-    moved: dict[int, torch.Tensor] = {}
-    return {k: moved.setdefault(id(v), v.cuda(non_blocking=True)) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
-
-
 def padded_microbatches(samples: list[list[int]], size: int = 8) -> list[dict]:
     out = []
     for i in range(0, len(samples), size):
@@ -76,7 +71,7 @@ def padded_microbatches(samples: list[list[int]], size: int = 8) -> list[dict]:
         for r, s in enumerate(group):
             ids[r, : len(s)] = torch.tensor(s)
             mask[r, : len(s)] = 1
-        out.append(_to_cuda({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}))
+        out.append(move_batch({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}, "cuda"))
     return out
 
 
@@ -117,7 +112,7 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
                   "hasten_no_cache": {"training": {"metadata_cache": False}}}
     if name in hasten_cfg:
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
-    packed = _to_cuda(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]))
+    packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), "cuda")
     if name in ("hasten", "hasten_gqa_repeat"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):

@@ -8,6 +8,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 import hasten
 from hasten.config import Config
 from hasten.observability import count_host_syncs, fallback_counts
+from hasten.packing import move_batch
 
 SHAPE = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=8,
              num_key_value_heads=2)
@@ -34,11 +35,6 @@ def _samples(seed, n, max_len=300, learnable=False):
     return [{"input_ids": [(start + i) % 1000 for i in range(k)]} for start, k in zip(starts, lengths)]
 
 
-def _cuda_batch(batch):
-    moved = {}
-    return {k: moved.setdefault(id(v), v.cuda()) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -51,7 +47,7 @@ def test_isolation_inside_pack_equals_alone_bf16(name, gqa):
     samples = _samples(1, 12)
     alone = [model(input_ids=torch.tensor([s["input_ids"]], device="cuda")).logits[0] for s in samples]
     hasten.accelerate(model, Config.from_dict({"attention": {"gqa": gqa}}))
-    batch = _cuda_batch(hasten.PackingCollator(max_tokens=8192)(samples))
+    batch = move_batch(hasten.PackingCollator(max_tokens=8192)(samples), "cuda")
     packed = model(**batch).logits[0]
     cu = batch["cu_seq_lens_q"].tolist()
     worst = max(_rel(packed[s:e], alone[i]) for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])))
@@ -72,7 +68,7 @@ def test_twenty_steps_packed_match_padded_loss_curve():
         collate = hasten.PackingCollator(max_tokens=1 << 16)
         for samples in data:
             if packed:
-                loss = model(**_cuda_batch(collate(samples))).loss
+                loss = model(**move_batch(collate(samples), "cuda")).loss
             else:
                 width = max(len(s["input_ids"]) for s in samples)
                 ids = torch.zeros(len(samples), width, dtype=torch.long)
@@ -100,7 +96,7 @@ def test_host_syncs_per_step():
     model = _model("qwen3").train()
     hasten.accelerate(model)
     samples = _samples(7, 40)
-    batch = _cuda_batch(hasten.PackingCollator(max_tokens=16384)(samples))
+    batch = move_batch(hasten.PackingCollator(max_tokens=16384)(samples), "cuda")
     posids_only = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
     model(**batch).loss.backward()  # warm-up (GQA probe, lazy init)
     with count_host_syncs() as collator_path:

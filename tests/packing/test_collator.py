@@ -116,3 +116,11 @@ def test_metadata_matches_the_op_on_the_collators_position_ids():
     n = stats[0].item()
     assert torch.equal(cu_padded[: n + 1], batch["cu_seq_lens_q"])
     assert torch.equal(seq_idx, batch["seq_idx"]) and stats[1].item() == batch["max_length_q"]
+
+
+def test_move_batch_keeps_shared_tensors_shared_and_ints_on_host():
+    from hasten.packing import move_batch
+
+    batch = move_batch(PackingCollator(max_tokens=8)([{"input_ids": [1, 2]}, {"input_ids": [3]}]), "cpu")
+    assert batch["cu_seq_lens_q"] is batch["cu_seq_lens_k"]
+    assert isinstance(batch["max_length_q"], int) and batch["num_samples"] == 2

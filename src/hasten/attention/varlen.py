@@ -51,16 +51,6 @@ def _flash_attn_fn():
     return flash_attn_varlen_func
 
 
-def available_backends() -> list[str]:
-    backends = []
-    if _flash_attn_fn() is not None:
-        backends.append("flash_attn")
-    if _torch_varlen_fn() is not None:
-        backends.append("torch_varlen")
-    backends.append("per_sequence")
-    return backends
-
-
 def select_backend(q: torch.Tensor, requested: str = "auto") -> Backend:
     """The fastest backend that can run these inputs; a forced slower one is honoured silently,
     an unavailable fast one is reported once with the reason."""

@@ -13,10 +13,6 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "pip install --no-build-isolation -e ."
     )
 
-# Every op the library declares; csrc/registration.cpp is the source of truth.
-_OPS = ("varlen_meta",)
-
-
 def is_loaded() -> bool:
     return _LOAD_ERROR is None
 
@@ -31,7 +27,11 @@ def require_extension() -> None:
 
 
 def op_names() -> tuple[str, ...]:
-    return _OPS
+    """Every op the library declares (the schemas in csrc/registration.cpp)."""
+    if not is_loaded():
+        return ()
+    return tuple(sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                        if name.startswith("hasten::")))
 
 
 def has_cuda_kernel(op: str) -> bool:

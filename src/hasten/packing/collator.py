@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from hasten.packing.meta import PackedMeta
+from hasten.packing.meta import PackedMeta, map_batch_tensors
 
 IGNORE_INDEX = -100
 
@@ -197,5 +197,5 @@ class PackingCollator:
             "num_samples": len(prepared),
         }
         if self.pin_memory and torch.cuda.is_available():
-            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = map_batch_tensors(batch, torch.Tensor.pin_memory)
         return batch

@@ -44,10 +44,6 @@ class PackedMeta:
         """The model keyword arguments that carry this metadata to every layer."""
         return {CU_Q: self.cu_seqlens, CU_K: self.cu_seqlens, MAX_Q: self.max_seqlen, MAX_K: self.max_seqlen}
 
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "PackedMeta":
-        return PackedMeta(self.cu_seqlens.to(device, non_blocking=non_blocking), self.max_seqlen,
-                          self.seq_idx.to(device, non_blocking=non_blocking))
-
 
 def verify_enabled() -> bool:
     return os.environ.get("HASTEN_VERIFY", "0") not in ("", "0", "false", "False")
@@ -73,3 +69,16 @@ def verify_against_position_ids(cu_seqlens: torch.Tensor, max_seqlen: int, posit
             f"{fresh.num_seqs} sequences, max {fresh.max_seqlen}). The batch's cu_seq_lens and position_ids come "
             "from different batches, or the collator and position_ids disagree."
         )
+
+
+def map_batch_tensors(batch: dict, fn) -> dict:
+    """Apply `fn` to each tensor of a batch once, so tensors shared between keys stay
+    shared (the collator's cu_seq_lens_q *is* cu_seq_lens_k); other values pass through."""
+    done: dict[int, torch.Tensor] = {}
+    return {key: done.setdefault(id(v), fn(v)) if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
+
+
+def move_batch(batch: dict, device: torch.device | str, non_blocking: bool = True) -> dict:
+    """Move a batch's tensors to `device`; host ints (max_length_*) stay on the host.
+    From pinned memory the copies are asynchronous: no host sync."""
+    return map_batch_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))

@@ -17,7 +17,7 @@ import hasten
 from hasten.config import Config, ConfigError
 from hasten.data import ByteTokenizer, load_dataset
 from hasten.observability import fallback_counts, fallback_reasons, logger, reset_fallbacks
-from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler
+from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
 from hasten.training.defaults import embedded_model_config
 from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib
 
@@ -88,18 +88,6 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # cosine to 10%
 
 
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    moved: dict[int, torch.Tensor] = {}  # keep shared tensors shared (cu_seq_lens_q is cu_seq_lens_k)
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            if id(value) not in moved:
-                moved[id(value)] = value.to(device, non_blocking=True)
-            value = moved[id(value)]
-        out[key] = value
-    return out
-
-
 def _batches_forever(loader: DataLoader, sampler: TokenBudgetBatchSampler):
     epoch = 0
     while True:
@@ -154,7 +142,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
             batch = next(batches)
             while batch["num_samples"] == 0:  # every sample of this batch was empty or dropped
                 batch = next(batches)
-            batch = _to_device(batch, device)
+            batch = move_batch(batch, device)
             tokens = int(batch["input_ids"].numel() if t.packed_sequence else batch["attention_mask"].sum())
             window_tokens += tokens
             loss = model(**batch).loss / t.gradient_accumulation_steps
