@@ -21,4 +21,25 @@ TORCH_LIBRARY(hasten, m) {
   //   seq_idx    (int32, T):   index of the sequence each token belongs to.
   //   stats      (int32, 2):   [N, max_seqlen], read once per batch by the caller.
   m.def("varlen_meta(Tensor position_ids) -> (Tensor cu_seqlens, Tensor seq_idx, Tensor stats)");
+
+  // MoE routing statistics from router top-k expert ids (T, k): S = T*k slots, slot s is
+  // token s / k, choice s % k. All int32:
+  //   counts (E,), offsets (E+1,) exclusive starts with offsets[E] = valid slots,
+  //   permutation (S,) sorted position -> slot, stable (token order inside an expert),
+  //   inverse (S,) slot -> sorted position.
+  // Ids outside [0, E): an error on the CPU; on CUDA they are dropped slots, placed after
+  // every expert (positions >= offsets[E]) and ignored by moe_permute / moe_combine.
+  m.def("moe_group(Tensor expert_ids, int num_experts) -> (Tensor counts, Tensor offsets, Tensor permutation, "
+        "Tensor inverse)");
+  // x (T, H) -> (S, H) in expert order: out[p] = slot_scale[s] * x[s / k], s = permutation[p];
+  // rows of dropped slots are zero.
+  m.def("moe_permute(Tensor x, Tensor permutation, Tensor offsets, int top_k, Tensor? slot_scale) -> Tensor");
+  // y (S, H) in expert order -> (T, H): out[t] = sum_j weights[t, j] * y[inverse[t*k + j]]
+  // (weight 1 without weights), summed in float in a fixed order: deterministic.
+  m.def("moe_combine(Tensor y, Tensor inverse, Tensor offsets, int top_k, Tensor? weights) -> Tensor");
+  // Router-weight gradient of moe_combine: (T, k), dot(grad_out[t], y[inverse[t*k + j]]).
+  m.def("moe_combine_weight_grad(Tensor grad_out, Tensor y, Tensor inverse, Tensor offsets, int top_k) -> Tensor");
+  // SwiGLU on [gate | up] rows (R, 2I): silu(gate) * up -> (R, I); and its backward -> (R, 2I).
+  m.def("swiglu(Tensor gate_up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad_act, Tensor gate_up) -> Tensor");
 }

@@ -32,3 +32,38 @@ def random_packed_position_ids(gen: torch.Generator, rows: int, row_len: int, ma
             row += range(start, start + n)
         out.append(row[:row_len])
     return torch.tensor(out, dtype=dtype).reshape(rows, row_len)
+
+
+def moe_group_reference(expert_ids: torch.Tensor, num_experts: int):
+    """Stable sort + bincount: counts, exclusive offsets, permutation, inverse (int64, CPU)."""
+    flat = expert_ids.reshape(-1).long().cpu()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))  # dropped slots sort last
+    permutation = torch.sort(key, stable=True).indices
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(flat.numel())
+    counts = torch.bincount(flat[valid], minlength=num_experts)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    return counts, offsets, permutation, inverse
+
+
+def moe_permute_reference(x, permutation, top_k, valid, slot_scale=None):
+    out = torch.zeros(permutation.numel(), x.shape[1], dtype=torch.float64)
+    src = x.double()[permutation[:valid].long() // top_k]
+    if slot_scale is not None:
+        src = src * slot_scale.double()[permutation[:valid].long()].unsqueeze(1)
+    out[:valid] = src
+    return out
+
+
+def moe_combine_reference(y, inverse, top_k, valid, weights=None):
+    tokens = inverse.numel() // top_k
+    rows = y.double()[inverse.long().clamp_max(max(y.shape[0] - 1, 0))] if y.shape[0] else y.double()
+    keep = (inverse.long() < valid).double().unsqueeze(1)
+    w = weights.double().reshape(-1, 1) if weights is not None else torch.ones(inverse.numel(), 1, dtype=torch.float64)
+    return (rows * keep * w).reshape(tokens, top_k, -1).sum(1)
+
+
+def swiglu_reference(gate_up):
+    g, u = gate_up.double().chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u

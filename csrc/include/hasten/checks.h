@@ -43,4 +43,26 @@ inline void check_fits_int32(int64_t n, const char* op, const char* what) {
               "split the batch into smaller ones.");
 }
 
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op, const char* arg_a,
+                              const char* arg_b) {
+  TORCH_CHECK(a.device() == b.device(), "hasten::", op, ": `", arg_a, "` is on ", a.device(), " but `", arg_b,
+              "` is on ", b.device(), "; move them to one device");
+}
+
+inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* arg, const char* shape) {
+  TORCH_CHECK(t.dim() == dim, "hasten::", op, ": `", arg, "` must be ", shape, ", got shape ", t.sizes());
+}
+
+inline void check_size(const at::Tensor& t, int64_t dim, int64_t expected, const char* op, const char* arg,
+                       const char* meaning) {
+  TORCH_CHECK(t.size(dim) == expected, "hasten::", op, ": `", arg, "` dimension ", dim, " must be ", meaning, " (",
+              expected, "), got shape ", t.sizes());
+}
+
+inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, const char* arg_a,
+                             const char* arg_b) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "hasten::", op, ": `", arg_b, "` must have the dtype of `", arg_a,
+              "` (", a.scalar_type(), "), got ", b.scalar_type());
+}
+
 }  // namespace hasten

@@ -19,15 +19,18 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hasten.attention.varlen import varlen_attention
 from hasten.config import Config
+from hasten.moe import MoeLoadStats, fused_experts_forward, unsupported_reason
 from hasten.observability import logger, record_fallback
 from hasten.packing.meta import CU_Q, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
 
 ATTN_NAME = "hasten_varlen"
+EXPERTS_NAME = "hasten_fused"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2": ArchSpec("dense", "sliding window honoured where the config enables it"),
     "qwen3": ArchSpec("dense"),
     "mistral": ArchSpec("dense", "sliding window honoured"),
+    "qwen3_moe": ArchSpec("moe"),
+    "qwen2_moe": ArchSpec("moe", "the shared expert stays transformers' own MLP"),
+    "mixtral": ArchSpec("moe"),
+    "olmoe": ArchSpec("moe"),
 }
 
 
@@ -120,6 +127,7 @@ def hasten_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
 
 AttentionInterface.register(ATTN_NAME, hasten_attention_forward)
 AttentionMaskInterface.register(ATTN_NAME, hasten_mask)
+ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, fused_experts_forward)
 
 
 class _PackingPreHook:
@@ -180,21 +188,90 @@ class AccelerationHandle:
     config: Config
     active: list[str] = field(default_factory=list)
     inactive: list[str] = field(default_factory=list)
-    _previous_attn: str | None = None
-    _hook: Any = None
+    moe_stats: MoeLoadStats | None = None
+    _undo_steps: list = field(default_factory=list)
 
     def undo(self) -> None:
-        if self._hook is None:
-            return
-        self._hook.remove()
-        self._hook = None
-        _SETTINGS.pop(id(self.model.config), None)
-        self.model.set_attn_implementation(self._previous_attn or "sdpa")
+        while self._undo_steps:
+            self._undo_steps.pop()()
 
     def report(self) -> str:
         lines = ["hasten active: " + (", ".join(self.active) or "nothing")]
         lines += [f"hasten not active: {item}" for item in self.inactive]
         return "\n".join(lines)
+
+
+def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    # transformers' use_experts_implementation decorator marks experts modules with these flags
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated")]
+
+
+def _patch_attention(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    training = config.training
+    if not training.packed_sequence:
+        handle.inactive.append("training.packed_sequence is false: attention left as transformers configured it")
+        return
+    model_type = getattr(model.config, "model_type", "?")
+    if model_type not in ARCHITECTURES:
+        if not getattr(model, "_supports_attention_backend", False):
+            record_fallback("unsupported_architecture", f"model type '{model_type}' does not use transformers' "
+                            "attention interface, so hasten cannot route its attention; attention is unchanged")
+            handle.inactive.append(f"varlen attention (model type '{model_type}' not supported)")
+            return
+        logger.warning("hasten: model type '%s' is not in hasten's tested table (%s); patching it through "
+                       "transformers' standard attention interface", model_type, ", ".join(sorted(ARCHITECTURES)))
+    settings = _AttentionSettings(True, training.metadata_cache, config.attention.backend, config.attention.gqa,
+                                  config.attention.verify)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    _SETTINGS[id(model.config)] = settings
+    hook = model.register_forward_pre_hook(_PackingPreHook(model, settings), with_kwargs=True)
+
+    def undo() -> None:
+        hook.remove()
+        _SETTINGS.pop(id(model.config), None)
+        model.set_attn_implementation(previous or "sdpa")
+
+    handle._undo_steps.append(undo)
+    handle.active.append("varlen attention (packed sequences, no mask)")
+    handle.active.append("metadata cache (once per batch)" if training.metadata_cache
+                         else "metadata derived per layer (training.metadata_cache is false)")
+
+
+def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    experts = _experts_modules(model)
+    if not experts:
+        if config.training.moe.fused_grouping:
+            handle.inactive.append("training.moe.fused_grouping (this model has no MoE experts)")
+        return
+    if not config.training.moe.fused_grouping:
+        handle.inactive.append("training.moe.fused_grouping is false: experts left as transformers configured them")
+        return
+    reasons = {reason for m in experts if (reason := unsupported_reason(m)) is not None}
+    if reasons:
+        record_fallback("moe_unsupported_experts", "the fused MoE path cannot run these experts ("
+                        + "; ".join(sorted(reasons)) + "); transformers' experts implementation is used")
+        handle.inactive.append("fused MoE experts (" + "; ".join(sorted(reasons)) + ")")
+        return
+    model_type = getattr(model.config, "model_type", "?")
+    if ARCHITECTURES.get(model_type, ArchSpec("")).family != "moe":
+        logger.warning("hasten: MoE model type '%s' is not in hasten's tested table; its experts match the fused "
+                       "path's layout, so they are patched", model_type)
+    previous = model.config._experts_implementation
+    model.set_experts_implementation(EXPERTS_NAME)
+    stats = MoeLoadStats()
+    for m in experts:
+        m._hasten_moe_stats = stats
+
+    def undo() -> None:
+        for m in experts:
+            m.__dict__.pop("_hasten_moe_stats", None)
+        model.set_experts_implementation(previous or "eager")
+
+    handle._undo_steps.append(undo)
+    handle.moe_stats = stats
+    handle.active.append(f"fused MoE experts ({len(experts)} layers: one-kernel grouping, grouped GEMM, "
+                         "fused SwiGLU, deterministic combine)")
 
 
 def accelerate(model: PreTrainedModel, config: Config | None = None) -> AccelerationHandle:
@@ -204,27 +281,6 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
         raise TypeError(f"hasten.accelerate expects a transformers PreTrainedModel, got {type(model).__name__}; "
                         "for a PEFT model pass model.get_base_model() or call accelerate before wrapping")
     handle = AccelerationHandle(model, config, inactive=config.inactive_features())
-    model_type = getattr(model.config, "model_type", "?")
-    training = config.training
-    if not training.packed_sequence:
-        handle.inactive.append("training.packed_sequence is false: attention left as transformers configured it")
-        return handle
-    if model_type not in ARCHITECTURES:
-        if not getattr(model, "_supports_attention_backend", False):
-            record_fallback("unsupported_architecture", f"model type '{model_type}' does not use transformers' "
-                            "attention interface, so hasten cannot route its attention; the model is unchanged")
-            handle.inactive.append(f"varlen attention (model type '{model_type}' not supported)")
-            return handle
-        logger.warning("hasten: model type '%s' is not in hasten's tested table (%s); patching it through "
-                       "transformers' standard attention interface", model_type, ", ".join(sorted(ARCHITECTURES)))
-
-    settings = _AttentionSettings(True, training.metadata_cache, config.attention.backend, config.attention.gqa,
-                                  config.attention.verify)
-    handle._previous_attn = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
-    _SETTINGS[id(model.config)] = settings
-    handle._hook = model.register_forward_pre_hook(_PackingPreHook(model, settings), with_kwargs=True)
-    handle.active.append("varlen attention (packed sequences, no mask)")
-    handle.active.append("metadata cache (once per batch)" if training.metadata_cache
-                         else "metadata derived per layer (training.metadata_cache is false)")
+    _patch_attention(model, config, handle)
+    _patch_moe(model, config, handle)
     return handle

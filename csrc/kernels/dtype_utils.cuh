@@ -1,0 +1,42 @@
+// Float conversions for the element types hasten's kernels take (float, half, bfloat16),
+// without torch headers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace hasten {
+namespace kernels {
+
+enum class ElementType { kFloat32, kFloat16, kBFloat16 };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Elements per 16-byte vector.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+
+// Runs the statements with `T` bound to the CUDA type of `type`; returns their cudaError_t.
+#define HASTEN_DISPATCH_ELEMENT(type, ...)                                        \
+  [&]() -> cudaError_t {                                                          \
+    switch (type) {                                                               \
+      case ::hasten::kernels::ElementType::kFloat32: { using T = float; __VA_ARGS__ }         \
+      case ::hasten::kernels::ElementType::kFloat16: { using T = __half; __VA_ARGS__ }        \
+      case ::hasten::kernels::ElementType::kBFloat16: { using T = __nv_bfloat16; __VA_ARGS__ } \
+    }                                                                             \
+    return cudaErrorInvalidValue;                                                 \
+  }()
+
+}  // namespace kernels
+}  // namespace hasten

@@ -1,0 +1,188 @@
+// CUDA glue of the MoE ops: checks, device guard, outputs, one kernel launch each on the
+// current stream. No host sync anywhere (moe_group's valid-slot count stays on the device).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../kernels/moe.cuh"
+#include "moe_checks.h"
+
+namespace hasten {
+namespace {
+
+kernels::ElementType element_type(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kernels::ElementType::kFloat32;
+    case at::kHalf: return kernels::ElementType::kFloat16;
+    case at::kBFloat16: return kernels::ElementType::kBFloat16;
+    default: TORCH_CHECK(false, "hasten::", op, ": CUDA kernels take float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "hasten::", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group_cuda(const at::Tensor& expert_ids,
+                                                                          int64_t num_experts) {
+  check_device(expert_ids, "moe_group", "expert_ids", c10::DeviceType::CUDA);
+  check_moe_group_args(expert_ids, num_experts);
+  TORCH_CHECK(num_experts <= kernels::kMoeMaxExperts, "hasten::moe_group: the CUDA kernel supports up to ",
+              kernels::kMoeMaxExperts, " experts, got ", num_experts);
+  const c10::cuda::CUDAGuard guard(expert_ids.device());
+  const auto ids = expert_ids.contiguous();
+  const int64_t slots = ids.numel();
+  const int device = ids.get_device();
+  auto opts = ids.options().dtype(at::kInt);
+  auto counts = at::empty({num_experts}, opts);
+  auto offsets = at::empty({num_experts + 1}, opts);
+  auto permutation = at::empty({slots}, opts);
+  auto inverse = at::empty({slots}, opts);
+  auto workspace = at::empty({kernels::moe_group_workspace_ints(slots, static_cast<int>(num_experts), device)}, opts);
+  kernels::MoeGroupParams p;
+  p.expert_ids = ids.data_ptr();
+  p.ids_int64 = ids.scalar_type() == at::kLong;
+  p.num_slots = slots;
+  p.num_experts = static_cast<int>(num_experts);
+  p.counts = counts.data_ptr<int32_t>();
+  p.offsets = offsets.data_ptr<int32_t>();
+  p.permutation = permutation.data_ptr<int32_t>();
+  p.inverse = inverse.data_ptr<int32_t>();
+  p.workspace = workspace.data_ptr<int32_t>();
+  check_launch(kernels::launch_moe_group(p, device, c10::cuda::getCurrentCUDAStream()), "moe_group");
+  return {counts, offsets, permutation, inverse};
+}
+
+at::Tensor moe_permute_cuda(const at::Tensor& x, const at::Tensor& permutation, const at::Tensor& offsets,
+                            int64_t top_k, const std::optional<at::Tensor>& slot_scale) {
+  check_device(x, "moe_permute", "x", c10::DeviceType::CUDA);
+  check_routing_args("moe_permute", x, permutation, offsets, top_k);
+  const int64_t slots = permutation.numel();
+  check_size(x, 0, slots / top_k, "moe_permute", "x", "tokens = slots / top_k");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto xc = x.contiguous();
+  std::optional<at::Tensor> scale;
+  if (slot_scale.has_value()) {
+    check_same_dtype(x, *slot_scale, "moe_permute", "x", "slot_scale");
+    scale = slot_scale->contiguous();
+  }
+  auto out = at::empty({slots, x.size(1)}, x.options());
+  kernels::MoePermuteParams p;
+  p.x = xc.data_ptr();
+  p.permutation = permutation.contiguous().data_ptr<int32_t>();
+  p.offsets = offsets.data_ptr<int32_t>();
+  p.slot_scale = scale ? scale->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.num_slots = slots;
+  p.hidden = x.size(1);
+  p.num_experts = static_cast<int>(offsets.numel() - 1);
+  p.top_k = static_cast<int>(top_k);
+  p.type = element_type(x, "moe_permute");
+  check_launch(kernels::launch_moe_permute(p, c10::cuda::getCurrentCUDAStream()), "moe_permute");
+  return out;
+}
+
+at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& offsets, int64_t top_k,
+                            const std::optional<at::Tensor>& weights) {
+  check_device(y, "moe_combine", "y", c10::DeviceType::CUDA);
+  check_routing_args("moe_combine", y, inverse, offsets, top_k);
+  const int64_t slots = inverse.numel(), tokens = slots / top_k;
+  check_size(y, 0, slots, "moe_combine", "y", "slots = tokens * top_k");
+  const c10::cuda::CUDAGuard guard(y.device());
+  const auto yc = y.contiguous();
+  std::optional<at::Tensor> w;
+  if (weights.has_value()) {
+    check_same_dtype(y, *weights, "moe_combine", "y", "weights");
+    TORCH_CHECK(weights->numel() == slots, "hasten::moe_combine: `weights` must be (tokens, top_k), got ",
+                weights->sizes());
+    w = weights->contiguous();
+  }
+  auto out = at::empty({tokens, y.size(1)}, y.options());
+  kernels::MoeCombineParams p;
+  p.y = yc.data_ptr();
+  p.inverse = inverse.contiguous().data_ptr<int32_t>();
+  p.offsets = offsets.data_ptr<int32_t>();
+  p.weights = w ? w->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.num_tokens = tokens;
+  p.hidden = y.size(1);
+  p.num_experts = static_cast<int>(offsets.numel() - 1);
+  p.top_k = static_cast<int>(top_k);
+  p.type = element_type(y, "moe_combine");
+  check_launch(kernels::launch_moe_combine(p, c10::cuda::getCurrentCUDAStream()), "moe_combine");
+  return out;
+}
+
+at::Tensor moe_combine_weight_grad_cuda(const at::Tensor& grad_out, const at::Tensor& y, const at::Tensor& inverse,
+                                        const at::Tensor& offsets, int64_t top_k) {
+  check_device(y, "moe_combine_weight_grad", "y", c10::DeviceType::CUDA);
+  check_routing_args("moe_combine_weight_grad", y, inverse, offsets, top_k);
+  check_same_dtype(y, grad_out, "moe_combine_weight_grad", "y", "grad_out");
+  const int64_t slots = inverse.numel(), tokens = slots / top_k;
+  check_size(grad_out, 0, tokens, "moe_combine_weight_grad", "grad_out", "tokens");
+  const c10::cuda::CUDAGuard guard(y.device());
+  const auto g = grad_out.contiguous();
+  const auto yc = y.contiguous();
+  auto out = at::empty({tokens, top_k}, y.options());
+  kernels::MoeCombineWeightGradParams p;
+  p.grad_out = g.data_ptr();
+  p.y = yc.data_ptr();
+  p.inverse = inverse.contiguous().data_ptr<int32_t>();
+  p.offsets = offsets.data_ptr<int32_t>();
+  p.grad_weights = out.data_ptr();
+  p.num_tokens = tokens;
+  p.hidden = y.size(1);
+  p.num_experts = static_cast<int>(offsets.numel() - 1);
+  p.top_k = static_cast<int>(top_k);
+  p.type = element_type(y, "moe_combine_weight_grad");
+  check_launch(kernels::launch_moe_combine_weight_grad(p, c10::cuda::getCurrentCUDAStream()),
+               "moe_combine_weight_grad");
+  return out;
+}
+
+at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
+  check_device(gate_up, "swiglu", "gate_up", c10::DeviceType::CUDA);
+  check_dim(gate_up, 2, "swiglu", "gate_up", "2-D (rows, 2 * inner)");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "hasten::swiglu: `gate_up` must hold [gate | up] halves, got an odd width ",
+              gate_up.size(1));
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto x = gate_up.contiguous();
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  kernels::SwigluParams p{x.data_ptr(), nullptr, out.data_ptr(), x.size(0), x.size(1) / 2, element_type(x, "swiglu")};
+  check_launch(kernels::launch_swiglu_forward(p, c10::cuda::getCurrentCUDAStream()), "swiglu");
+  return out;
+}
+
+at::Tensor swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& gate_up) {
+  check_device(gate_up, "swiglu_backward", "gate_up", c10::DeviceType::CUDA);
+  check_dim(gate_up, 2, "swiglu_backward", "gate_up", "2-D (rows, 2 * inner)");
+  check_same_dtype(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
+  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == gate_up.size(0) && grad_act.size(1) * 2 == gate_up.size(1),
+              "hasten::swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
+              grad_act.sizes(), " and ", gate_up.sizes());
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto x = gate_up.contiguous();
+  const auto d = grad_act.contiguous();
+  auto out = at::empty_like(x);
+  kernels::SwigluParams p{x.data_ptr(), d.data_ptr(), out.data_ptr(), x.size(0), x.size(1) / 2,
+                          element_type(x, "swiglu_backward")};
+  check_launch(kernels::launch_swiglu_backward(p, c10::cuda::getCurrentCUDAStream()), "swiglu_backward");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
+  m.impl("moe_group", &moe_group_cuda);
+  m.impl("moe_permute", &moe_permute_cuda);
+  m.impl("moe_combine", &moe_combine_cuda);
+  m.impl("moe_combine_weight_grad", &moe_combine_weight_grad_cuda);
+  m.impl("swiglu", &swiglu_cuda);
+  m.impl("swiglu_backward", &swiglu_backward_cuda);
+}
+
+}  // namespace hasten

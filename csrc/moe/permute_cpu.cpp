@@ -1,0 +1,119 @@
+// CPU references of hasten::moe_permute, moe_combine and moe_combine_weight_grad:
+// plain row loops with float (double for float64) accumulation.
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <optional>
+
+#include "moe_checks.h"
+
+namespace hasten {
+namespace {
+
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+at::Tensor moe_permute_cpu(const at::Tensor& x, const at::Tensor& permutation, const at::Tensor& offsets,
+                           int64_t top_k, const std::optional<at::Tensor>& slot_scale) {
+  check_routing_args("moe_permute", x, permutation, offsets, top_k);
+  check_device(x, "moe_permute", "x", c10::DeviceType::CPU);
+  const int64_t slots = permutation.numel(), hidden = x.size(1), experts = offsets.numel() - 1;
+  check_size(x, 0, slots / top_k, "moe_permute", "x", "tokens = slots / top_k");
+  const auto xc = x.contiguous();
+  const auto perm = permutation.contiguous();
+  const int32_t valid = offsets[experts].item<int32_t>();
+  auto out = at::zeros({slots, hidden}, x.options());
+  std::optional<at::Tensor> scale;
+  if (slot_scale.has_value()) {
+    check_same_dtype(x, *slot_scale, "moe_permute", "x", "slot_scale");
+    scale = slot_scale->contiguous();
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_permute_cpu", [&] {
+    const scalar_t* src = xc.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int32_t* p = perm.data_ptr<int32_t>();
+    for (int64_t pos = 0; pos < valid; ++pos) {
+      const int64_t s = p[pos];
+      const acc_t<scalar_t> w = scale ? static_cast<acc_t<scalar_t>>(scale->data_ptr<scalar_t>()[s]) : 1;
+      for (int64_t h = 0; h < hidden; ++h)
+        dst[pos * hidden + h] = static_cast<scalar_t>(w * static_cast<acc_t<scalar_t>>(src[(s / top_k) * hidden + h]));
+    }
+  });
+  return out;
+}
+
+at::Tensor moe_combine_cpu(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& offsets, int64_t top_k,
+                           const std::optional<at::Tensor>& weights) {
+  check_routing_args("moe_combine", y, inverse, offsets, top_k);
+  check_device(y, "moe_combine", "y", c10::DeviceType::CPU);
+  const int64_t slots = inverse.numel(), tokens = slots / top_k, hidden = y.size(1), experts = offsets.numel() - 1;
+  check_size(y, 0, slots, "moe_combine", "y", "slots = tokens * top_k");
+  const auto yc = y.contiguous();
+  const auto inv = inverse.contiguous();
+  const int32_t valid = offsets[experts].item<int32_t>();
+  std::optional<at::Tensor> w;
+  if (weights.has_value()) {
+    check_same_dtype(y, *weights, "moe_combine", "y", "weights");
+    TORCH_CHECK(weights->numel() == slots, "hasten::moe_combine: `weights` must be (tokens, top_k) = (", tokens,
+                ", ", top_k, "), got ", weights->sizes());
+    w = weights->contiguous();
+  }
+  auto out = at::empty({tokens, hidden}, y.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "moe_combine_cpu", [&] {
+    const scalar_t* rows = yc.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int32_t* iv = inv.data_ptr<int32_t>();
+    std::vector<acc_t<scalar_t>> acc(hidden);
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::fill(acc.begin(), acc.end(), 0);
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t s = t * top_k + j;
+        if (iv[s] >= valid) continue;
+        const acc_t<scalar_t> weight = w ? static_cast<acc_t<scalar_t>>(w->data_ptr<scalar_t>()[s]) : 1;
+        const scalar_t* r = rows + static_cast<int64_t>(iv[s]) * hidden;
+        for (int64_t h = 0; h < hidden; ++h) acc[h] += weight * static_cast<acc_t<scalar_t>>(r[h]);
+      }
+      for (int64_t h = 0; h < hidden; ++h) dst[t * hidden + h] = static_cast<scalar_t>(acc[h]);
+    }
+  });
+  return out;
+}
+
+at::Tensor moe_combine_weight_grad_cpu(const at::Tensor& grad_out, const at::Tensor& y, const at::Tensor& inverse,
+                                       const at::Tensor& offsets, int64_t top_k) {
+  check_routing_args("moe_combine_weight_grad", y, inverse, offsets, top_k);
+  check_device(y, "moe_combine_weight_grad", "y", c10::DeviceType::CPU);
+  check_same_dtype(y, grad_out, "moe_combine_weight_grad", "y", "grad_out");
+  const int64_t slots = inverse.numel(), tokens = slots / top_k, hidden = y.size(1), experts = offsets.numel() - 1;
+  check_size(grad_out, 0, tokens, "moe_combine_weight_grad", "grad_out", "tokens");
+  const auto g = grad_out.contiguous();
+  const auto yc = y.contiguous();
+  const auto inv = inverse.contiguous();
+  const int32_t valid = offsets[experts].item<int32_t>();
+  auto out = at::zeros({tokens, top_k}, y.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "moe_combine_weight_grad_cpu", [&] {
+    const scalar_t* gp = g.data_ptr<scalar_t>();
+    const scalar_t* rows = yc.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int32_t* iv = inv.data_ptr<int32_t>();
+    for (int64_t s = 0; s < slots; ++s) {
+      if (iv[s] >= valid) continue;
+      acc_t<scalar_t> acc = 0;
+      for (int64_t h = 0; h < hidden; ++h)
+        acc += static_cast<acc_t<scalar_t>>(gp[(s / top_k) * hidden + h]) *
+               static_cast<acc_t<scalar_t>>(rows[static_cast<int64_t>(iv[s]) * hidden + h]);
+      dst[s] = static_cast<scalar_t>(acc);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hasten, CPU, m) {
+  m.impl("moe_permute", &moe_permute_cpu);
+  m.impl("moe_combine", &moe_combine_cpu);
+  m.impl("moe_combine_weight_grad", &moe_combine_weight_grad_cpu);
+}
+
+}  // namespace hasten

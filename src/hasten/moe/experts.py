@@ -1,0 +1,99 @@
+"""The fused experts forward for transformers' MoE experts modules.
+
+Works on the experts module's own weights in place (gate_up_proj (E, 2I, H), down_proj
+(E, H, I)), so state dicts and checkpoints are unchanged. Per layer:
+
+  ids (T, k) --moe_group--> grouping (one kernel, no host sync)
+  x (T, H) --permute--> (S, H) --grouped GEMM gate_up--> (S, 2I) --swiglu--> (S, I)
+           --grouped GEMM down--> (S, H) --combine, router weights--> (T, H)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hasten.observability import record_fallback
+from hasten.ops import moe as moe_ops
+
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+def unsupported_reason(experts: torch.nn.Module) -> str | None:
+    """Why this experts module cannot take the fused path, or None when it can."""
+    if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")):
+        return "its weights are not stored as gate_up_proj / down_proj 3-D tensors"
+    if not getattr(experts, "has_gate", True) or not getattr(experts, "is_concatenated", True):
+        return "its gate and up projections are not concatenated [gate | up]"
+    if getattr(experts, "has_bias", False):
+        return "its projections have biases"
+    if getattr(experts, "is_transposed", False):
+        return "its weights are stored transposed"
+    act = getattr(getattr(experts, "config", None), "hidden_act", None)
+    if act not in ("silu", "swish") and not isinstance(getattr(experts, "act_fn", None), torch.nn.SiLU):
+        return f"its activation is {act or type(getattr(experts, 'act_fn', None)).__name__}, not SiLU (SwiGLU)"
+    return None
+
+
+def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    if _GROUPED_MM is None:
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if x.device.type != "cuda":
+        return "grouped GEMM needs a CUDA GPU"
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return f"grouped GEMM takes bfloat16 and the experts run in {weight.dtype}"
+    if (x.shape[1] * 2) % 16 or (weight.shape[1] * 2) % 16:
+        return "grouped GEMM needs row sizes that are multiples of 8 elements"
+    return None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping) -> torch.Tensor:
+    """x (S, in) in expert order, weight (E, out, in) -> (S, out); rows past the valid slots are undefined."""
+    reason = _grouped_mm_usable(x, weight)
+    if reason is None:
+        return _GROUPED_MM(x, weight.transpose(-2, -1), offs=g.group_ends)
+    record_fallback("moe_grouped_gemm", f"MoE experts run one matmul per expert ({reason}); correct, slower, "
+                    "and one host sync per layer")
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    bounds = g.offsets.tolist()
+    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > start:
+            out[start:end] = x[start:end] @ weight[expert].transpose(0, 1)
+    return out
+
+
+class MoeLoadStats:
+    """Tokens per expert, accumulated on the device per layer (no sync) and read once per logging step."""
+
+    def __init__(self) -> None:
+        self._per_layer: dict[int, torch.Tensor] = {}
+
+    def add(self, layer: int, counts: torch.Tensor) -> None:
+        acc = self._per_layer.get(layer)
+        if acc is None:
+            self._per_layer[layer] = counts.to(torch.int64)
+        else:
+            acc += counts
+
+    def summary(self, reset: bool = True) -> dict | None:
+        if not self._per_layer:
+            return None
+        table = torch.stack([self._per_layer[k] for k in sorted(self._per_layer)]).float().cpu()  # one sync
+        if reset:
+            self._per_layer.clear()
+        mean = table.mean(dim=1).clamp_min(1e-9)
+        imbalance = table.max(dim=1).values / mean  # 1.0 = perfectly even
+        return {"tokens_per_expert_min": int(table.min()), "tokens_per_expert_max": int(table.max()),
+                "imbalance_max": float(imbalance.max()), "imbalance_mean": float(imbalance.mean())}
+
+
+def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers experts forward: hidden (T, H), ids (T, k), weights (T, k) -> (T, H)."""
+    g = moe_ops.group(top_k_index, self.num_experts)
+    stats: MoeLoadStats | None = getattr(self, "_hasten_moe_stats", None)
+    if stats is not None:
+        stats.add(id(self), g.counts)
+    x = moe_ops.permute(hidden_states, g)
+    act = moe_ops.swiglu(grouped_linear(x, self.gate_up_proj, g))
+    y = grouped_linear(act, self.down_proj, g)
+    return moe_ops.combine(y, top_k_weights.to(y.dtype), g)

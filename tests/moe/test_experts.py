@@ -1,0 +1,84 @@
+"""hasten's fused experts against transformers' eager experts on tiny configs of each MoE architecture."""
+
+import pytest
+import torch
+from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+import hasten
+from hasten.config import Config
+
+COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+MODELS = {
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                                                            num_experts=8, norm_topk_prob=True, **COMMON)),
+    "qwen2_moe": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16,
+                                                            shared_expert_intermediate_size=24, num_experts=8,
+                                                            **COMMON)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(intermediate_size=16, num_local_experts=6, **COMMON)),
+    "olmoe": lambda: OlmoeForCausalLM(OlmoeConfig(intermediate_size=16, num_experts=8, **COMMON)),
+}
+
+
+def _pair(name):
+    torch.manual_seed(0)
+    reference = MODELS[name]()
+    torch.manual_seed(0)
+    patched = MODELS[name]()
+    reference.set_experts_implementation("eager")
+    return reference, patched
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fused_experts_match_eager_outputs_aux_loss_and_gradients(name):
+    reference, patched = _pair(name)
+    handle = hasten.accelerate(patched, Config.from_dict({"training": {"packed_sequence": False}}))
+    assert any("fused MoE experts" in item for item in handle.active), handle.report()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (2, 11), generator=gen)
+    want = reference(input_ids=ids, labels=ids)
+    got = patched(input_ids=ids, labels=ids)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(got.aux_loss, want.aux_loss, atol=1e-6)  # the router's load-balancing loss is kept
+    got.loss.backward()
+    want.loss.backward()
+    for (pname, p), (_, q) in zip(reference.named_parameters(), patched.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), pname
+        if p.grad is not None:
+            assert torch.allclose(q.grad, p.grad, atol=1e-5, rtol=1e-4), pname
+    # same parameters, same state dict: checkpoints stay loadable by transformers
+    assert patched.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_load_stats_accumulate_without_per_layer_reads():
+    _, model = _pair("qwen3_moe")
+    handle = hasten.accelerate(model)
+    ids = torch.randint(0, 97, (1, 13))
+    model(input_ids=ids)
+    model(input_ids=ids)
+    summary = handle.moe_stats.summary()
+    # 2 forwards x 13 tokens x top-2 = 52 slots per layer
+    assert summary["tokens_per_expert_max"] >= 52 / 8 and summary["tokens_per_expert_min"] >= 0
+    assert summary["imbalance_max"] >= 1.0
+    assert handle.moe_stats.summary() is None  # reset after reading
+
+
+def test_undo_and_switch_off():
+    _, model = _pair("mixtral")
+    handle = hasten.accelerate(model)
+    assert model.config._experts_implementation == "hasten_fused"
+    handle.undo()
+    assert model.config._experts_implementation != "hasten_fused"
+    handle = hasten.accelerate(model, Config.from_dict({"training": {"moe": {"fused_grouping": False}}}))
+    assert model.config._experts_implementation != "hasten_fused"
+    assert any("fused_grouping is false" in item for item in handle.inactive)
+
+
+def test_dense_model_reports_fused_grouping_inactive():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    handle = hasten.accelerate(model)
+    assert any("no MoE experts" in item for item in handle.inactive)

@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+from hasten.ops import moe as moe_ops
+from tests.reference import (moe_combine_reference, moe_group_reference, moe_permute_reference,
+                             swiglu_reference)
+
+
+def _ids(gen, tokens, top_k, experts, dtype=torch.int64, skew=False):
+    if skew:  # one expert takes most slots, several get none
+        ids = torch.where(torch.rand(tokens, top_k, generator=gen) < 0.8, 0,
+                          torch.randint(0, experts, (tokens, top_k), generator=gen))
+    else:
+        ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    return ids.to(dtype)
+
+
+def check_grouping(ids, experts, device="cpu"):
+    counts, offsets, permutation, inverse = torch.ops.hasten.moe_group(ids.to(device), experts)
+    ref = moe_group_reference(ids, experts)
+    for got, want in zip((counts, offsets, permutation, inverse), ref):
+        assert got.dtype == torch.int32
+        assert torch.equal(got.cpu().long(), want)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 1, 1), (1, 8, 128), (37, 2, 8), (513, 8, 64), (2000, 1, 3),
+                                                  (300, 4, 257)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_group_matches_sort_and_bincount(tokens, top_k, experts, dtype):
+    gen = torch.Generator().manual_seed(tokens * 31 + experts)
+    for skew in (False, True):
+        check_grouping(_ids(gen, tokens, top_k, experts, dtype, skew), experts)
+
+
+def test_group_empty_and_single_expert_takes_all():
+    check_grouping(torch.zeros(0, 8, dtype=torch.long), 16)
+    counts, offsets, permutation, _ = torch.ops.hasten.moe_group(torch.full((5, 2), 3), 4)
+    assert counts.tolist() == [0, 0, 0, 10] and offsets.tolist() == [0, 0, 0, 0, 10]
+    assert permutation.tolist() == list(range(10))  # stable: token order inside the expert
+
+
+def test_group_rejects_out_of_range_ids_on_cpu():
+    with pytest.raises(RuntimeError, match=r"expert id 9 at token 1, choice 0 is outside \[0, 4\)"):
+        torch.ops.hasten.moe_group(torch.tensor([[0, 1], [9, 2]]), 4)
+    with pytest.raises(RuntimeError, match=r"expert_ids.*\(tokens, top_k\)"):
+        torch.ops.hasten.moe_group(torch.tensor([0, 1]), 4)
+
+
+def _routing(gen, tokens, top_k, experts):
+    ids = _ids(gen, tokens, top_k, experts)
+    return ids, moe_ops.group(ids, experts)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 1, 8), (19, 3, 33), (64, 8, 64)])
+def test_permute_and_combine_match_reference(dtype, tol, tokens, top_k, hidden):
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    _, g = _routing(gen, tokens, top_k, 6)
+    valid = int(g.offsets[-1])
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    scale = torch.rand(tokens * top_k, generator=gen).to(dtype)
+    for s in (None, scale):
+        got = torch.ops.hasten.moe_permute(x, g.permutation, g.offsets, top_k, s)
+        assert torch.allclose(got.double(), moe_permute_reference(x, g.permutation, top_k, valid, s), atol=tol, rtol=tol)
+    y = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
+    w = torch.rand(tokens, top_k, generator=gen).to(dtype)
+    for weights in (None, w):
+        got = torch.ops.hasten.moe_combine(y, g.inverse, g.offsets, top_k, weights)
+        want = moe_combine_reference(y, g.inverse, top_k, valid, weights)
+        assert torch.allclose(got.double(), want, atol=tol * 4, rtol=tol * 4)
+    grad_out = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    got = torch.ops.hasten.moe_combine_weight_grad(grad_out, y, g.inverse, g.offsets, top_k)
+    want = (grad_out.double().unsqueeze(1) * y.double()[g.inverse.long()].reshape(tokens, top_k, hidden)).sum(-1)
+    assert torch.allclose(got.double(), want, atol=tol * hidden, rtol=tol * 4)
+
+
+def test_permute_combine_gradients():
+    gen = torch.Generator().manual_seed(0)
+    _, g = _routing(gen, 7, 3, 4)
+    x = torch.randn(7, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    torch.autograd.gradcheck(lambda t: moe_ops.permute(t, g), (x,))
+    y = torch.randn(21, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b: moe_ops.combine(a, b, g), (y, w))
+
+
+@pytest.mark.parametrize("rows,inner", [(1, 1), (17, 24), (0, 8)])
+def test_swiglu_matches_reference_and_gradcheck(rows, inner):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * inner, generator=gen, dtype=torch.float64) * 3
+    assert torch.allclose(torch.ops.hasten.swiglu(gate_up), swiglu_reference(gate_up), atol=1e-12)
+    if rows:
+        torch.autograd.gradcheck(moe_ops.swiglu, (gate_up.requires_grad_(),))
+    bf = torch.ops.hasten.swiglu(gate_up.bfloat16())
+    assert torch.allclose(bf.double(), swiglu_reference(gate_up.bfloat16()), atol=2e-2, rtol=2e-2)
+
+
+def test_swiglu_rejects_odd_width():
+    with pytest.raises(RuntimeError, match="odd width"):
+        torch.ops.hasten.swiglu(torch.randn(2, 3))
+
+
+def test_opcheck_moe_ops():
+    gen = torch.Generator().manual_seed(1)
+    ids, g = _routing(gen, 9, 2, 5)
+    x = torch.randn(9, 16, generator=gen)
+    y = torch.randn(18, 16, generator=gen)
+    w = torch.rand(9, 2, generator=gen)
+    ops = torch.ops.hasten
+    torch.library.opcheck(ops.moe_group.default, (ids, 5))
+    torch.library.opcheck(ops.moe_permute.default, (x, g.permutation, g.offsets, 2, None))
+    torch.library.opcheck(ops.moe_combine.default, (y, g.inverse, g.offsets, 2, w))
+    torch.library.opcheck(ops.moe_combine_weight_grad.default, (x, y, g.inverse, g.offsets, 2))
+    torch.library.opcheck(ops.swiglu.default, (torch.randn(4, 10, generator=gen),))
+    torch.library.opcheck(ops.swiglu_backward.default, (torch.randn(4, 5, generator=gen), torch.randn(4, 10, generator=gen)))
