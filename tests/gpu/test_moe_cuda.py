@@ -90,7 +90,7 @@ def _rel(a, b):
 
 def test_fused_block_equals_eager_block_bf16_and_syncs_nothing():
     block, config = _w3_block()
-    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, 4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # (B, T, H)
     config._experts_implementation = "eager"
     want = block(x)
     want.float().square().mean().backward()
