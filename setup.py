@@ -39,7 +39,7 @@ def _want_cuda() -> tuple[bool, str]:
 
 
 def _extension():
-    cpu_sources = ["csrc/registration.cpp"] + _sources("csrc/*/*_cpu.cpp")
+    cpu_sources = ["csrc/registration.cpp"] + _sources("csrc/*/*_cpu.cpp")  # every build
     include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
     cxx_flags = ["-O3", "-std=c++17"]
     with_cuda, why_not = _want_cuda()
@@ -49,7 +49,10 @@ def _extension():
                             extra_compile_args={"cxx": cxx_flags})
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     print(f"hasten: building CPU and CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
-    cuda_sources = _sources("csrc/*/*_cuda.cu") + _sources("csrc/kernels/*.cu")
+    # Torch-facing glue (*_cuda.cpp) is host C++ for the host compiler; nvcc compiles only the
+    # torch-free kernels. Host code that nvcc compiled emitted its own copies of libstdc++
+    # templates (ostream << long) that crashed every error message with a number in it.
+    cuda_sources = _sources("csrc/*/*_cuda.cpp") + _sources("csrc/kernels/*.cu")
     return CUDAExtension(
         "hasten._C",
         cpu_sources + cuda_sources,

@@ -1,5 +1,5 @@
 // Every hasten op schema, declared once. Implementations register per backend in
-// their own files (<family>/<op>_cpu.cpp, <family>/<op>_cuda.cu).
+// their own files (<family>/<op>_cpu.cpp, <family>/<op>_cuda.cpp).
 #include <Python.h>
 #include <torch/library.h>
 

@@ -5,10 +5,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "element_type.h"
+
 namespace hasten {
 namespace kernels {
-
-enum class ElementType { kFloat32, kFloat16, kBFloat16 };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

@@ -1,4 +1,4 @@
-// Torch-free interface of the MoE kernels: grouping, permute, combine, SwiGLU.
+// Torch-free, host-includable interface of the MoE kernels: grouping, permute, combine, SwiGLU.
 // Layout conventions (S = T * top_k token-expert slots, slot s = token s / top_k, choice s % top_k):
 //   expert_ids   (S,) int32/int64, valid ids in [0, E); others are "dropped" slots
 //   offsets      (E + 1,) int32, exclusive starts; offsets[E] = number of valid slots
@@ -10,7 +10,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
-#include "dtype_utils.cuh"
+#include "element_type.h"
 
 namespace hasten {
 namespace kernels {

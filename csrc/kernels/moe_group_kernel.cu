@@ -9,6 +9,7 @@
 //      which is the stable order. Buckets: experts 0..E-1, then bucket E for invalid ids.
 #include <cooperative_groups.h>
 
+#include "dtype_utils.cuh"
 #include "moe.cuh"
 
 namespace cg = cooperative_groups;

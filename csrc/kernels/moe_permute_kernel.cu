@@ -2,6 +2,7 @@
 // tokens, weighted sum over the top-k choices in a fixed order: deterministic, no
 // atomics), and the router-weight gradient of combine. Rows move as 16-byte vectors
 // when the row length allows it.
+#include "dtype_utils.cuh"
 #include "moe.cuh"
 
 namespace hasten {

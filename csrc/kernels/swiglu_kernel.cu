@@ -1,6 +1,7 @@
 // SwiGLU on the concatenated [gate | up] rows of the experts' first projection:
 // one pass reads both halves and writes the activation (forward), or reads them with
 // the incoming gradient and writes both halves' gradients (backward). float math.
+#include "dtype_utils.cuh"
 #include "moe.cuh"
 
 namespace hasten {

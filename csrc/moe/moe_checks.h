@@ -4,9 +4,6 @@
 #include "hasten/checks.h"
 
 namespace hasten {
-// Internal linkage: each translation unit (g++ for *_cpu.cpp, nvcc for *_cuda.cu) keeps its
-// own copy, so the linker never mixes one compiler's inline code into the other's objects.
-namespace {
 
 inline void check_moe_group_args(const at::Tensor& expert_ids, int64_t num_experts) {
   check_dtype(expert_ids, "moe_group", "expert_ids", {at::kLong, at::kInt});
@@ -34,5 +31,4 @@ inline void check_routing_args(const char* op, const at::Tensor& rows, const at:
   check_same_device(rows, offsets, op, "rows", "offsets");
 }
 
-}  // namespace
 }  // namespace hasten

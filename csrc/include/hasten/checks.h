@@ -8,9 +8,6 @@
 #include <string>
 
 namespace hasten {
-// Internal linkage: each translation unit (g++ for *_cpu.cpp, nvcc for *_cuda.cu) keeps its
-// own copy, so the linker never mixes one compiler's inline code into the other's objects.
-namespace {
 
 inline std::string dtype_list(std::initializer_list<at::ScalarType> allowed) {
   std::string names;
@@ -68,5 +65,4 @@ inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const cha
               "` (", a.scalar_type(), "), got ", b.scalar_type());
 }
 
-}  // namespace
 }  // namespace hasten
