@@ -18,8 +18,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group_cpu(const a
   const int64_t slots = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t s = 0; s < slots; ++s) {
-    TORCH_CHECK(id[s] >= 0 && id[s] < num_experts, "hasten::moe_group: expert id ", id[s], " at token ",
-                s / ids.size(1), ", choice ", s % ids.size(1), " is outside [0, ", num_experts,
+    TORCH_CHECK(id[s] >= 0 && id[s] < num_experts, "hasten::moe_group: expert id ", num(id[s]), " at token ",
+                num(s / ids.size(1)), ", choice ", num(s % ids.size(1)), " is outside [0, ", num(num_experts),
                 "); check the router's top-k and the model's num_experts");
   }
   auto opts = ids.options().dtype(at::kInt);

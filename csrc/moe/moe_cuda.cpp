@@ -32,7 +32,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group_cuda(const 
   check_device(expert_ids, "moe_group", "expert_ids", c10::DeviceType::CUDA);
   check_moe_group_args(expert_ids, num_experts);
   TORCH_CHECK(num_experts <= kernels::kMoeMaxExperts, "hasten::moe_group: the CUDA kernel supports up to ",
-              kernels::kMoeMaxExperts, " experts, got ", num_experts);
+              num(kernels::kMoeMaxExperts), " experts, got ", num(num_experts));
   const c10::cuda::CUDAGuard guard(expert_ids.device());
   const auto ids = expert_ids.contiguous();
   const int64_t slots = ids.numel();
@@ -98,7 +98,7 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, cons
   if (weights.has_value()) {
     check_same_dtype(y, *weights, "moe_combine", "y", "weights");
     TORCH_CHECK(weights->numel() == slots, "hasten::moe_combine: `weights` must be (tokens, top_k), got ",
-                weights->sizes());
+                shape(weights->sizes()));
     w = weights->contiguous();
   }
   auto out = at::empty({tokens, y.size(1)}, y.options());
@@ -148,7 +148,7 @@ at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
   check_device(gate_up, "swiglu", "gate_up", c10::DeviceType::CUDA);
   check_dim(gate_up, 2, "swiglu", "gate_up", "2-D (rows, 2 * inner)");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "hasten::swiglu: `gate_up` must hold [gate | up] halves, got an odd width ",
-              gate_up.size(1));
+              num(gate_up.size(1)));
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const auto x = gate_up.contiguous();
   auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
@@ -163,7 +163,7 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& ga
   check_same_dtype(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
   TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == gate_up.size(0) && grad_act.size(1) * 2 == gate_up.size(1),
               "hasten::swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
-              grad_act.sizes(), " and ", gate_up.sizes());
+              shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const auto x = gate_up.contiguous();
   const auto d = grad_act.contiguous();

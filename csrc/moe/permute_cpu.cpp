@@ -54,8 +54,8 @@ at::Tensor moe_combine_cpu(const at::Tensor& y, const at::Tensor& inverse, const
   std::optional<at::Tensor> w;
   if (weights.has_value()) {
     check_same_dtype(y, *weights, "moe_combine", "y", "weights");
-    TORCH_CHECK(weights->numel() == slots, "hasten::moe_combine: `weights` must be (tokens, top_k) = (", tokens,
-                ", ", top_k, "), got ", weights->sizes());
+    TORCH_CHECK(weights->numel() == slots, "hasten::moe_combine: `weights` must be (tokens, top_k) = (",
+                num(tokens), ", ", num(top_k), "), got ", shape(weights->sizes()));
     w = weights->contiguous();
   }
   auto out = at::empty({tokens, hidden}, y.options());

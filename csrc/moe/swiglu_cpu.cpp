@@ -12,7 +12,7 @@ namespace {
 void check_gate_up(const at::Tensor& gate_up, const char* op) {
   check_dim(gate_up, 2, op, "gate_up", "2-D (rows, 2 * inner)");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "hasten::", op, ": `gate_up` must hold [gate | up] halves, got an odd width ",
-              gate_up.size(1));
+              num(gate_up.size(1)));
 }
 
 template <typename T>
@@ -43,7 +43,7 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gat
   const auto d = grad_act.contiguous();
   const int64_t rows = x.size(0), inner = x.size(1) / 2;
   TORCH_CHECK(d.dim() == 2 && d.size(0) == rows && d.size(1) == inner, "hasten::swiglu_backward: `grad_act` must be (",
-              rows, ", ", inner, "), got ", d.sizes());
+              num(rows), ", ", num(inner), "), got ", shape(d.sizes()));
   auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "swiglu_backward_cpu", [&] {
     using A = acc_t<scalar_t>;
