@@ -25,8 +25,10 @@ class ConfigError(ValueError):
 class CheckpointConfig:
     # Double-buffered activation offload (issue: activation memory) -- not built yet.
     double_buffer: bool = True
-    # Steps between training checkpoints (issue: production training) -- not built yet.
+    # Optimizer steps between training checkpoints (OUTPUT_DIR/checkpoints), written atomically.
     interval_steps: int = 100
+    # Checkpoints kept; older ones are deleted once a newer one is complete.
+    keep_last: int = 3
 
 
 @dataclass
@@ -127,8 +129,6 @@ class Config:
         inactive = []
         if self.training.checkpoint.double_buffer:
             inactive.append("training.checkpoint.double_buffer (activation offload is not built yet)")
-        inactive.append("training.checkpoint.interval_steps (periodic training checkpoints are not built yet; "
-                        "the final model is saved)")
         return inactive
 
 
@@ -188,7 +188,8 @@ def validate(config: Config) -> None:
     positive = {"training.max_tokens": t.max_tokens, "training.max_steps": t.max_steps,
                 "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
                 "training.logging_steps": t.logging_steps,
-                "training.checkpoint.interval_steps": t.checkpoint.interval_steps}
+                "training.checkpoint.interval_steps": t.checkpoint.interval_steps,
+                "training.checkpoint.keep_last": t.checkpoint.keep_last}
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"`{key}` must be at least 1; got {value}")

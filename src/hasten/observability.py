@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import traceback
 import warnings
@@ -52,10 +53,22 @@ def reset_fallbacks() -> None:
         _reasons.clear()
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (redirected, captured, or a tqdm bar's)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _ensure_console_handler() -> None:
     # A user who never configured logging must still see fallback warnings.
     if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
+        handler = _CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from hasten.config import Config, ConfigError
@@ -18,6 +19,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--log_dir", default=None, help="metrics.jsonl and summary.json (default: OUTPUT_DIR/logs)")
     parser.add_argument("--max_steps", type=int, help="override training.max_steps")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], help="override training.device")
+    parser.add_argument("--resume", default="none", metavar="auto|none|PATH",
+                        help="auto: continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints "
+                             "(fresh start if there is none); PATH: that checkpoint folder; none (default)")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar (log lines only)")
     parser.set_defaults(func=run)
     return parser
@@ -40,10 +44,14 @@ def run(args: argparse.Namespace) -> int:
             merged["training"].update(overrides)
             config = Config.from_dict(merged, source="command line")
         log_dir = args.log_dir or f"{args.output_dir}/logs"
-        result = train(config, args.output_dir, log_dir, progress=not args.no_progress)
+        result = train(config, args.output_dir, log_dir, progress=not args.no_progress, resume=args.resume)
     except (ConfigError, DataError, PackingError) as exc:
         print(f"hasten train: error: {exc}", file=sys.stderr)
         return 2
+    if result.interrupted_by is not None:
+        print(f"hasten train: stopped by {result.interrupted_by} after step {result.steps}; checkpoint "
+              f"{result.last_checkpoint}; continue with --resume auto", file=sys.stderr)
+        return 128 + int(getattr(signal, result.interrupted_by))
     print(f"hasten train: {result.steps} steps, final loss {result.final_loss:.4f}; model in {result.model_dir}, "
           f"metrics in {result.metrics_path}")
     return 0

@@ -27,9 +27,12 @@ class TokenBudgetBatchSampler:
         self.seed = seed
         self.window = window
         self.epoch = 0
+        self.skip = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Select the epoch's shuffle; `skip` drops its first batches (resuming mid-epoch)."""
         self.epoch = epoch
+        self.skip = skip
 
     def batches(self) -> list[list[int]]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
@@ -57,7 +60,7 @@ class TokenBudgetBatchSampler:
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches())
+        return iter(self.batches()[self.skip:])
 
     def __len__(self) -> int:
-        return len(self.batches())
+        return max(0, len(self.batches()) - self.skip)

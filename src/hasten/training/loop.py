@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,18 +20,48 @@ from hasten.config import Config, ConfigError
 from hasten.data import ByteTokenizer, load_dataset
 from hasten.observability import fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
+from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_valid, load_checkpoint, save_checkpoint,
+                                       verify)
 from hasten.training.defaults import embedded_model_config
 from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib
 
 
 @dataclass
 class TrainResult:
-    steps: int
+    steps: int                 # optimizer steps completed in total (resumed ones included)
     final_loss: float
-    losses: list[float]
+    losses: list[float]        # mean loss of each logging window of this process
     tokens: int
     metrics_path: Path
-    model_dir: Path
+    model_dir: Path | None     # the final model; None when the run was interrupted
+    interrupted_by: str | None = None   # "SIGTERM" / "SIGINT" when a signal stopped it
+    resumed_from: Path | None = None
+    last_checkpoint: Path | None = None
+
+
+class _StopRequest:
+    """SIGTERM / SIGINT set a flag; the loop saves a checkpoint after the current step and stops."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.signal_name = signal.Signals(signum).name
+        logger.warning("hasten: %s received; saving a checkpoint after the current step, then stopping",
+                       self.signal_name)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -88,15 +120,34 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # cosine to 10%
 
 
-def _batches_forever(loader: DataLoader, sampler: TokenBudgetBatchSampler):
-    epoch = 0
+def _batches_from(loader: DataLoader, sampler: TokenBudgetBatchSampler, epoch: int, skip: int):
+    """(epoch, batches consumed in that epoch, batch), forever, starting `skip` batches into `epoch`."""
     while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+        sampler.set_epoch(epoch, skip=skip)
+        for consumed, batch in enumerate(loader, start=skip + 1):
+            yield epoch, consumed, batch
+        epoch, skip = epoch + 1, 0
 
 
-def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progress: bool = True) -> TrainResult:
+def _resolve_resume(resume: str | None, checkpoints: Path) -> Path | None:
+    if resume in (None, "", "none"):
+        return None
+    if resume == "auto":
+        found = latest_valid(checkpoints)
+        if found is None:
+            logger.info("hasten: --resume auto found no complete checkpoint in %s; starting fresh", checkpoints)
+        return found
+    path = Path(resume)
+    try:
+        verify(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume {resume}: {exc}; pass another checkpoint folder or --resume auto") from exc
+    return path
+
+
+def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progress: bool = True,
+          resume: str | None = None) -> TrainResult:
+    """Train per `config`; `resume` is None, "auto" (newest complete checkpoint, if any) or a checkpoint folder."""
     output_dir, log_dir = Path(output_dir), Path(log_dir)
     for folder in (output_dir, log_dir):
         try:
@@ -104,6 +155,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
         except OSError as exc:
             raise ConfigError(f"cannot create {folder}: {exc.strerror}; choose a writable folder") from exc
     t = config.training
+    checkpoints = output_dir / "checkpoints"
+    resume_from = _resolve_resume(resume, checkpoints)
     reset_fallbacks()
     torch.manual_seed(t.seed)
     device = resolve_device(t.device)
@@ -121,65 +174,84 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     collate = collator if t.packed_sequence else _pad_collate(pad_id)
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
 
-    fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
-                                  fused=fused)
+                                  fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, t.warmup_steps, t.max_steps))
+    state = TrainerState(step=0, epoch=0, batches_in_epoch=0)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer, scheduler)
+        logger.info("hasten: resumed from %s at step %d", resume_from, state.step)
 
     metrics = MetricsLog(log_dir)
     (log_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    batches = _batches_forever(loader, sampler)
+    batches = _batches_from(loader, sampler, state.epoch, state.batches_in_epoch)
     losses: list[float] = []
-    total_tokens = 0
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
+    last_checkpoint: Path | None = resume_from
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     window_start = time.perf_counter()
-    bar = tqdm(total=t.max_steps, desc="hasten train", unit="step", disable=None if progress else True,
-               dynamic_ncols=True)  # None: no bar when the output is not a terminal
-    for step in range(t.max_steps):
-        for _ in range(t.gradient_accumulation_steps):
-            batch = next(batches)
-            while batch["num_samples"] == 0:  # every sample of this batch was empty or dropped
-                batch = next(batches)
-            batch = move_batch(batch, device)
-            tokens = int(batch["input_ids"].numel() if t.packed_sequence else batch["attention_mask"].sum())
-            window_tokens += tokens
-            loss = model(**batch).loss / t.gradient_accumulation_steps
-            loss.backward()
-            window_loss += loss.detach()
-            window_micro += 1
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        if (step + 1) % t.logging_steps == 0 or step + 1 == t.max_steps:
-            mean_loss = float(window_loss) * t.gradient_accumulation_steps / window_micro  # syncs once
-            elapsed = time.perf_counter() - window_start
-            steps_in_window = window_micro // t.gradient_accumulation_steps
-            row = {"step": step + 1, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
-                   "tokens": window_tokens, "tokens_per_s": window_tokens / elapsed,
-                   "step_s": elapsed / steps_in_window, "peak_gib": peak_memory_gib(device),
-                   "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
-                   "fallbacks": fallback_counts()}
-            metrics.write(row)
-            bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-            tqdm.write(format_row(row))
-            losses.append(mean_loss)
-            total_tokens += window_tokens
-            window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
-            window_start = time.perf_counter()
+    bar = tqdm(total=t.max_steps, initial=state.step, desc="hasten train", unit="step",
+               disable=None if progress else True, dynamic_ncols=True)  # None: no bar when not a terminal
+    with _StopRequest() as stop:
+        while state.step < t.max_steps and stop.signal_name is None:
+            for _ in range(t.gradient_accumulation_steps):
+                state.epoch, state.batches_in_epoch, batch = next(batches)
+                while batch["num_samples"] == 0:  # every sample of this batch was empty or dropped
+                    state.epoch, state.batches_in_epoch, batch = next(batches)
+                batch = move_batch(batch, device)
+                tokens = int(batch["input_ids"].numel() if t.packed_sequence else batch["attention_mask"].sum())
+                window_tokens += tokens
+                loss = model(**batch).loss / t.gradient_accumulation_steps
+                loss.backward()
+                window_loss += loss.detach()
+                window_micro += 1
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            bar.update(1)
+            if state.step % t.logging_steps == 0 or state.step == t.max_steps or stop.signal_name:
+                mean_loss = float(window_loss) * t.gradient_accumulation_steps / window_micro  # syncs once
+                elapsed = time.perf_counter() - window_start
+                row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
+                       "tokens": window_tokens, "tokens_per_s": window_tokens / elapsed,
+                       "step_s": elapsed / (window_micro // t.gradient_accumulation_steps),
+                       "peak_gib": peak_memory_gib(device),
+                       "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
+                       "fallbacks": fallback_counts()}
+                if handle.moe_stats is not None:
+                    row["moe"] = handle.moe_stats.summary()
+                metrics.write(row)
+                bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+                tqdm.write(format_row(row))
+                losses.append(mean_loss)
+                state.tokens += window_tokens
+                state.losses.append(mean_loss)
+                window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
+                window_start = time.perf_counter()
+            if state.step % t.checkpoint.interval_steps == 0 or stop.signal_name:
+                last_checkpoint = save_checkpoint(checkpoints, state, model, optimizer, scheduler,
+                                                  keep_last=t.checkpoint.keep_last)
+                tqdm.write(f"checkpoint: {last_checkpoint}")
     bar.close()
 
-    model_dir = output_dir / "final"
-    model.save_pretrained(model_dir, safe_serialization=True)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(model_dir)
-    summary = {"steps": t.max_steps, "final_loss": losses[-1], "tokens": total_tokens, "device": str(device),
+    model_dir = None
+    if stop.signal_name is None:
+        model_dir = output_dir / "final"
+        model.save_pretrained(model_dir, safe_serialization=True)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(model_dir)
+    final_loss = state.losses[-1] if state.losses else float("nan")
+    summary = {"steps": state.step, "final_loss": final_loss, "tokens": state.tokens, "device": str(device),
                "dtype": str(dtype), "packing": collator.stats.as_dict() if t.packed_sequence else None,
                "hasten_active": handle.active, "hasten_inactive": handle.inactive,
-               "fallbacks": fallback_counts(), "fallback_reasons": fallback_reasons()}
+               "fallbacks": fallback_counts(), "fallback_reasons": fallback_reasons(),
+               "interrupted_by": stop.signal_name,
+               "resumed_from": str(resume_from) if resume_from else None,
+               "last_checkpoint": str(last_checkpoint) if last_checkpoint else None}
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     metrics.close()
     handle.undo()
-    return TrainResult(t.max_steps, losses[-1], losses, total_tokens, metrics.path, model_dir)
+    return TrainResult(state.step, final_loss, losses, state.tokens, metrics.path, model_dir, stop.signal_name,
+                       resume_from, last_checkpoint)
