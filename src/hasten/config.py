@@ -51,12 +51,19 @@ class TrainingConfig:
     max_tokens: int = 4096
     # Samples longer than max_tokens: cut to max_tokens, or drop them.
     overlong: Literal["truncate", "drop"] = "truncate"
+    # Optimizer steps to train (the LR schedule spans them).
     max_steps: int = 20
+    # Peak learning rate of AdamW (linear warmup, then cosine down to 10%).
     learning_rate: float = 3e-4
+    # AdamW decoupled weight decay.
     weight_decay: float = 0.0
+    # Steps of linear LR warmup.
     warmup_steps: int = 2
+    # Packed batches per optimizer step.
     gradient_accumulation_steps: int = 1
+    # Seeds model init, data order and every RNG (resumed runs restore the RNG states).
     seed: int = 0
+    # Optimizer steps between metric lines (console, metrics.jsonl).
     logging_steps: int = 1
     # auto: GPU when there is one, else CPU.
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -76,6 +83,7 @@ class ModelConfig:
 class DataConfig:
     # Local JSONL/JSON/Parquet file; empty means the embedded corpus.
     path: str | None = None
+    # Field of plain-text records (records with prompt/completion or messages are detected).
     text_field: str = "text"
 
 

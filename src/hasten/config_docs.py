@@ -1,0 +1,168 @@
+"""Generates docs/configuration.md from the dataclasses in hasten.config.
+
+Each key's type and default come from the dataclass fields; its description is the `# ...`
+comment block directly above the field in config.py. Keys that `Config().inactive_features()`
+lists are marked "accepted, not active yet".
+
+    python -m hasten.config_docs > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import types
+import typing
+from typing import Any, Literal
+
+from hasten.config import Config
+
+REGENERATE = "python -m hasten.config_docs > docs/configuration.md"
+NO_DESCRIPTION = "(no comment in config.py)"
+_FIELD_LINE = re.compile(r"^\s*([A-Za-z_]\w*)\s*:")
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One YAML key of the schema: a leaf value or a section (nested dataclass)."""
+
+    path: str
+    hint: Any
+    default: Any
+    description: str
+    is_section: bool
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Field name -> the `#` comment lines directly above it in the class source, joined."""
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    lines = inspect.getsource(cls).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("class "))  # after decorators
+    body = [line for line in lines[start + 1:] if line.strip()]
+    indent = len(body[0]) - len(body[0].lstrip()) if body else 0
+    for line in body:
+        stripped = line.strip()
+        if len(line) - len(line.lstrip()) != indent:  # method bodies and continuation lines
+            pending = []
+            continue
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("#").strip())
+            continue
+        match = _FIELD_LINE.match(line)
+        if match:
+            comments.setdefault(match.group(1), " ".join(pending))
+        pending = []
+    return comments
+
+
+def walk(cls: type = Config, prefix: str = "") -> list[Key]:
+    """Every key of the schema in source order, sections before their keys."""
+    hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
+    keys: list[Key] = []
+    for f in dataclasses.fields(cls):
+        path = prefix + f.name
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys.append(Key(path, hint, None, comments.get(f.name, ""), True))
+            keys.extend(walk(hint, path + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        keys.append(Key(path, hint, default, comments.get(f.name, ""), False))
+    return keys
+
+
+def leaf_keys() -> list[str]:
+    return [key.path for key in walk() if not key.is_section]
+
+
+def inactive_keys() -> dict[str, str]:
+    """Key path -> why it is not active, from Config().inactive_features()."""
+    result = {}
+    for entry in Config().inactive_features():
+        path, _, rest = entry.partition(" ")
+        result[path] = rest.strip().removeprefix("(").removesuffix(")")
+    return result
+
+
+def yaml_value(value: Any) -> str:
+    if value is dataclasses.MISSING:
+        return "(required)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(f"`{yaml_value(a)}`" for a in args)
+    if origin in (typing.Union, types.UnionType):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if dataclasses.is_dataclass(hint):
+        return "section"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _defaults_yaml(keys: list[Key]) -> list[str]:
+    lines = []
+    for key in keys:
+        depth = key.path.count(".")
+        name = key.path.rsplit(".", 1)[-1]
+        lines.append("  " * depth + (f"{name}:" if key.is_section else f"{name}: {yaml_value(key.default)}"))
+    return lines
+
+
+def render_config_reference() -> str:
+    keys = walk()
+    inactive = inactive_keys()
+    out = [
+        "# Configuration reference",
+        "",
+        f"Generated from `src/hasten/config.py` by `{REGENERATE}`; do not edit by hand.",
+        "",
+        "A config file is YAML with one mapping per section below (`hasten train --config FILE`). Every key is "
+        "optional; a missing key takes its default. An unknown key is an error naming the nearest valid key, "
+        "and a value of the wrong type is an error naming the key and the expected type. Keys marked "
+        "**accepted, not active yet** load without error, but their feature is not built in this version; "
+        "`hasten train` lists them as not active at start-up and in `summary.json` (`hasten_inactive`).",
+        "",
+    ]
+    sections = [Key("", Config, None, "", True)] + [k for k in keys if k.is_section]
+    for section in sections:
+        leaves = [k for k in keys if not k.is_section and k.path.rsplit(".", 1)[0] == section.path]
+        if not leaves:
+            continue
+        out += [f"## `{section.path}`", ""]
+        if section.description:
+            out += [section.description, ""]
+        out += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+        for key in leaves:
+            description = key.description or NO_DESCRIPTION
+            if key.path in inactive:
+                description = f"**Accepted, not active yet** ({inactive[key.path]}). {description}"
+            out.append(f"| `{key.path}` | {_cell(type_name(key.hint))} | `{yaml_value(key.default)}` | "
+                       f"{_cell(description)} |")
+        out.append("")
+    out += ["## All keys with their defaults", "", "```yaml", *_defaults_yaml(keys), "```", ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render_config_reference(), end="")
