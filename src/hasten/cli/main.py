@@ -1,4 +1,4 @@
-"""The `hasten` command: train | doctor."""
+"""The `hasten` command: train | bench | doctor."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from hasten._version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hasten.cli import doctor, train
+    from hasten.cli import bench, doctor, train
 
     parser = argparse.ArgumentParser(prog="hasten", description="Training acceleration for LLM fine-tuning.")
     parser.add_argument("--version", action="version", version=f"hasten {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     train.add_parser(subparsers)
     doctor.add_parser(subparsers)
+    bench.add_parser(subparsers)
     return parser
 
 

@@ -101,7 +101,9 @@ class PackingCollator:
         self.pin_memory = pin_memory
         self.stats = PackingStats()
 
-    def _prepare(self, samples: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
+    def prepare_samples(self, samples: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
+        """Validated (input_ids, labels) per kept sample: empty ones dropped, over-long ones cut or
+        dropped per `overlong`, all counted in `stats`."""
         prepared = []
         for index, sample in enumerate(samples):
             self.stats.samples_in += 1
@@ -149,7 +151,7 @@ class PackingCollator:
         return rows
 
     def __call__(self, samples: Sequence[Any]) -> dict[str, Any]:
-        prepared = self._prepare(samples)
+        prepared = self.prepare_samples(samples)
         self.stats.batches += 1
         rows = self._assign_rows([len(ids) for ids, _ in prepared]) if prepared else []
         row_len = max((sum(len(prepared[i][0]) for i in row) for row in rows), default=0)

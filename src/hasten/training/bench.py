@@ -321,6 +321,7 @@ def write_plot(report: BenchReport, path: str | Path) -> Path:
     Raises ImportError when matplotlib is not installed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, without touching pyplot's global backend
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,6 +334,7 @@ def write_plot(report: BenchReport, path: str | Path) -> Path:
     loss_ax.set(title="loss per step", xlabel="step", ylabel="loss")
     speed_ax.set(title="tokens/s per step", xlabel="step", ylabel="tokens/s")
     for ax in (loss_ax, speed_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(f"hasten bench: {report.hasten.device}, {report.steps} steps")

@@ -94,21 +94,22 @@ def load_model_and_tokenizer(config: Config, dtype: torch.dtype):
     return model, tokenizer
 
 
-def _pad_collate(pad_token_id: int):
-    """Padded micro-batches (training.packed_sequence false): the unpacked baseline."""
+def _pad_collate(collator: PackingCollator, pad_token_id: int):
+    """Padded micro-batches (training.packed_sequence false): the unpacked baseline, with the
+    same validation, truncation and drops as the packed path (the collator's)."""
 
     def collate(samples: list[dict]) -> dict[str, Any]:
-        samples = [s for s in samples if s["input_ids"]]
-        width = max((len(s["input_ids"]) for s in samples), default=0)
-        ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+        prepared = collator.prepare_samples(samples)
+        width = max((len(ids) for ids, _ in prepared), default=0)
+        ids = torch.full((len(prepared), width), pad_token_id, dtype=torch.long)
         labels = torch.full_like(ids, IGNORE_INDEX)
         mask = torch.zeros_like(ids)
-        for row, s in enumerate(samples):
-            n = len(s["input_ids"])
-            ids[row, :n] = torch.tensor(s["input_ids"])
-            labels[row, :n] = torch.tensor(s.get("labels") or s["input_ids"])
+        for row, (sample_ids, sample_labels) in enumerate(prepared):
+            n = len(sample_ids)
+            ids[row, :n] = torch.tensor(sample_ids)
+            labels[row, :n] = torch.tensor(sample_labels)
             mask[row, :n] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask, "num_samples": len(samples)}
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask, "num_samples": len(prepared)}
 
     return collate
 
@@ -171,7 +172,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sampler = TokenBudgetBatchSampler([len(s["input_ids"]) for s in samples], t.max_tokens, seed=t.seed)
     collator = PackingCollator(t.max_tokens, overlong=t.overlong, pad_token_id=pad_id)
-    collate = collator if t.packed_sequence else _pad_collate(pad_id)
+    collate = collator if t.packed_sequence else _pad_collate(collator, pad_id)
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
