@@ -99,11 +99,20 @@ class AttentionConfig:
 
 
 @dataclass
+class LoggingConfig:
+    # TensorBoard scalars under LOG_DIR/tensorboard: auto = when tensorboard is installed.
+    tensorboard: Literal["auto", "true", "false"] = "auto"
+    # GPU utilisation, memory, temperature and power per logging step (NVML, nvidia-ml-py).
+    gpu_monitor: bool = True
+
+
+@dataclass
 class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, *, source: str = "config") -> "Config":

@@ -24,6 +24,7 @@ from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_va
                                        verify)
 from hasten.training.defaults import embedded_model_config
 from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib
+from hasten.training.telemetry import GpuMonitor, TensorBoardSink, redact, version_record
 
 
 @dataclass
@@ -184,7 +185,10 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
         logger.info("hasten: resumed from %s at step %d", resume_from, state.step)
 
     metrics = MetricsLog(log_dir)
-    (log_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    tensorboard = TensorBoardSink(log_dir, config.logging.tensorboard)
+    gpu_monitor = GpuMonitor(device) if config.logging.gpu_monitor else None
+    (log_dir / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2))
+    (log_dir / "versions.json").write_text(json.dumps(redact(version_record()), indent=2))
     batches = _batches_from(loader, sampler, state.epoch, state.batches_in_epoch)
     losses: list[float] = []
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
@@ -223,7 +227,10 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                        "fallbacks": fallback_counts()}
                 if handle.moe_stats is not None:
                     row["moe"] = handle.moe_stats.summary()
+                if gpu_monitor is not None and (gpu := gpu_monitor.read()) is not None:
+                    row["gpu"] = gpu
                 metrics.write(row)
+                tensorboard.write(row)
                 bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
                 tqdm.write(format_row(row))
                 losses.append(mean_loss)
@@ -251,8 +258,9 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                "interrupted_by": stop.signal_name,
                "resumed_from": str(resume_from) if resume_from else None,
                "last_checkpoint": str(last_checkpoint) if last_checkpoint else None}
-    (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (log_dir / "summary.json").write_text(json.dumps(redact(summary), indent=2))
     metrics.close()
+    tensorboard.close()
     handle.undo()
     return TrainResult(state.step, final_loss, losses, state.tokens, metrics.path, model_dir, stop.signal_name,
                        resume_from, last_checkpoint)
