@@ -67,6 +67,8 @@ class TrainingConfig:
     logging_steps: int = 1
     # auto: GPU when there is one, else CPU.
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # Under torchrun: ddp replicates the model, fsdp2 shards it per decoder layer (auto: ddp).
+    distributed: Literal["auto", "ddp", "fsdp2", "none"] = "auto"
     # auto: bf16 on a GPU that supports it, float32 on the CPU.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hasten train: stopped by {result.interrupted_by} after step {result.steps}; checkpoint "
               f"{result.last_checkpoint}; continue with --resume auto", file=sys.stderr)
         return 128 + int(getattr(signal, result.interrupted_by))
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for the job
+        return 0
     print(f"hasten train: {result.steps} steps, final loss {result.final_loss:.4f}; model in {result.model_dir}, "
           f"metrics in {result.metrics_path}")
     return 0

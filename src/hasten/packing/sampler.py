@@ -18,7 +18,7 @@ class TokenBudgetBatchSampler:
     """
 
     def __init__(self, lengths: Sequence[int], max_tokens: int, *, shuffle: bool = True, seed: int = 0,
-                 window: int = 2048) -> None:
+                 window: int = 2048, rank: int = 0, world_size: int = 1) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         self.lengths = [int(n) for n in lengths]
@@ -28,6 +28,10 @@ class TokenBudgetBatchSampler:
         self.window = window
         self.epoch = 0
         self.skip = 0
+        # Under data parallelism every rank builds the same batch list and takes every
+        # world_size-th batch from `rank`, trimmed so that all ranks get as many.
+        self.rank = rank
+        self.world_size = world_size
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch's shuffle; `skip` drops its first batches (resuming mid-epoch)."""
@@ -57,6 +61,9 @@ class TokenBudgetBatchSampler:
         if self.shuffle:
             perm = torch.randperm(len(batches), generator=gen).tolist()
             batches = [batches[p] for p in perm]
+        if self.world_size > 1:
+            usable = len(batches) - len(batches) % self.world_size
+            batches = batches[self.rank:usable:self.world_size]
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -93,29 +93,64 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler, *, keep_last: int) -> Path:
-    """Write checkpoint-<step> under `root` atomically; keep the newest `keep_last`."""
-    root.mkdir(parents=True, exist_ok=True)
+def _gather_rng_states(ctx) -> list[dict[str, Any]]:
+    if ctx is None or not ctx.enabled:
+        return [_rng_state()]
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(states, _rng_state())
+    return states
+
+
+def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler, *, keep_last: int,
+                    ctx=None) -> Path:
+    """Write checkpoint-<step> under `root` atomically; keep the newest `keep_last`.
+
+    Under torchrun (`ctx` enabled) every rank must call this: the full model and optimizer
+    states are gathered to rank 0 (DDP and FSDP2 alike), which writes; all ranks return
+    after the checkpoint is in place."""
     final = root / f"{PREFIX}{state.step:06d}"
-    tmp = root / f".tmp-{PREFIX}{state.step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(asdict(state)))
-    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(tmp.rglob("*")) if p.is_file()}
-    (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=1))
-    _fsync_tree(tmp)
-    if final.exists():  # a previous run wrote this step: replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    for old in sorted(_candidates(root))[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    distributed = ctx is not None and ctx.enabled
+    model_state = optimizer_state = None
+    if distributed:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=options)
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    rng_states = _gather_rng_states(ctx)
+    if ctx is None or ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{PREFIX}{state.step:06d}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        hf_model = getattr(model, "module", model)
+        if distributed:
+            weights = {k: v for k, v in model_state.items() if k not in ctx.tied_names}
+            hf_model.save_pretrained(tmp / "model", state_dict=weights, safe_serialization=True)
+        else:
+            hf_model.save_pretrained(tmp / "model", safe_serialization=True)
+        torch.save(optimizer_state if distributed else optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save({"per_rank": rng_states}, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state)))
+        files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():  # a previous run wrote this step: replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in sorted(_candidates(root))[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
     return final
 
 
@@ -158,33 +193,68 @@ def latest_valid(root: Path) -> Path | None:
     return None
 
 
-def _load_model_weights(model, folder: Path) -> None:
+def _read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
         "model.safetensors"]
-    loaded: set[str] = set()
+    weights: dict[str, torch.Tensor] = {}
     for shard in shards:
-        tensors = safetensors.torch.load_file(folder / shard, device="cpu")
-        result = model.load_state_dict(tensors, strict=False)
-        if result.unexpected_keys:
-            raise CheckpointError(f"{folder}: weights for parameters this model does not have: "
-                                  f"{sorted(result.unexpected_keys)[:5]}")
-        loaded |= tensors.keys()
+        weights.update(safetensors.torch.load_file(folder / shard, device="cpu"))
+    return weights
+
+
+def _load_model_weights(model, folder: Path) -> None:
+    weights = _read_model_weights(folder)
+    result = model.load_state_dict(weights, strict=False)
+    if result.unexpected_keys:
+        raise CheckpointError(f"{folder}: weights for parameters this model does not have: "
+                              f"{sorted(result.unexpected_keys)[:5]}")
     # Tied weights are saved once: a parameter counts as loaded when any name sharing its storage was.
     by_storage: dict[int, list[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         by_storage.setdefault(tensor.data_ptr(), []).append(name)
-    missing = [names[0] for names in by_storage.values() if not loaded.intersection(names)]
+    missing = [names[0] for names in by_storage.values() if not set(weights).intersection(names)]
     if missing:
         raise CheckpointError(f"{folder}: no weights for {missing[:5]}; the checkpoint belongs to another model")
 
 
-def load_checkpoint(folder: Path, model, optimizer, scheduler) -> TrainerState:
-    """Restore everything `save_checkpoint` wrote (after verifying it) and return the trainer state."""
+def load_checkpoint(folder: Path, model, optimizer, scheduler, ctx=None) -> TrainerState:
+    """Restore everything `save_checkpoint` wrote (after verifying it) and return the trainer state.
+    Under torchrun every rank calls this; rank 0 reads the weights and broadcasts them."""
     verify(folder)
-    _load_model_weights(model, folder / "model")
-    device = next(model.parameters()).device
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=device, weights_only=True))
+    if ctx is not None and ctx.enabled:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        model_state = _read_model_weights(folder / "model") if ctx.is_main else {}
+        optimizer_state = torch.load(folder / "optimizer.pt", weights_only=True) if ctx.is_main else {}
+        set_model_state_dict(model, model_state, options=options)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+        rank = ctx.rank
+    else:
+        _load_model_weights(getattr(model, "module", model), folder / "model")
+        device = next(model.parameters()).device
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=device, weights_only=True))
+        rank = 0
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    _set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
+    per_rank = torch.load(folder / "rng.pt", weights_only=True)["per_rank"]
+    if rank >= len(per_rank):
+        logger.warning("hasten: checkpoint %s was written by %d ranks; rank %d reuses rank %d's RNG state",
+                       folder, len(per_rank), rank, rank % len(per_rank))
+    _set_rng_state(per_rank[rank % len(per_rank)])
     return TrainerState(**json.loads((folder / "trainer_state.json").read_text()))
+
+
+def save_final_model(model, hf_model, folder: Path, ctx=None) -> None:
+    """The trained model as a transformers folder; under torchrun the full weights are gathered to
+    rank 0 (every rank must call this)."""
+    if ctx is None or not ctx.enabled:
+        hf_model.save_pretrained(folder, safe_serialization=True)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        hf_model.save_pretrained(folder, state_dict={k: v for k, v in weights.items() if k not in ctx.tied_names},
+                                 safe_serialization=True)

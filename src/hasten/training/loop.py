@@ -21,8 +21,9 @@ from hasten.data import ByteTokenizer, load_dataset
 from hasten.observability import fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
 from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_valid, load_checkpoint, save_checkpoint,
-                                       verify)
+                                       save_final_model, verify)
 from hasten.training.defaults import embedded_model_config
+from hasten.training.distributed import all_reduce_sum, from_environment, shutdown, wrap_model
 from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib
 from hasten.training.telemetry import GpuMonitor, TensorBoardSink, redact, version_record
 
@@ -157,21 +158,30 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
         except OSError as exc:
             raise ConfigError(f"cannot create {folder}: {exc.strerror}; choose a writable folder") from exc
     t = config.training
+    ctx = from_environment(t.distributed)
     checkpoints = output_dir / "checkpoints"
     resume_from = _resolve_resume(resume, checkpoints)
     reset_fallbacks()
     torch.manual_seed(t.seed)
     device = resolve_device(t.device)
+    if device.type == "cuda" and ctx.enabled:
+        device = torch.device("cuda", ctx.local_rank)
     dtype = resolve_dtype(t.dtype, device)
     model, tokenizer = load_model_and_tokenizer(config, dtype)
     model.to(device).train()
     handle = hasten.accelerate(model, config)
-    for line in handle.report().splitlines():
-        logger.info(line)
+    if ctx.is_main:
+        for line in handle.report().splitlines():
+            logger.info(line)
+    hf_model = model
+    model = wrap_model(model, ctx, device)
+    if ctx.enabled and ctx.is_main:
+        logger.info("hasten: %s over %d processes", ctx.strategy, ctx.world_size)
 
     samples = load_dataset(config.data.path, tokenizer, text_field=config.data.text_field)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    sampler = TokenBudgetBatchSampler([len(s["input_ids"]) for s in samples], t.max_tokens, seed=t.seed)
+    sampler = TokenBudgetBatchSampler([len(s["input_ids"]) for s in samples], t.max_tokens, seed=t.seed,
+                                      rank=ctx.rank, world_size=ctx.world_size)
     collator = PackingCollator(t.max_tokens, overlong=t.overlong, pad_token_id=pad_id)
     collate = collator if t.packed_sequence else _pad_collate(collator, pad_id)
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
@@ -181,14 +191,16 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, t.warmup_steps, t.max_steps))
     state = TrainerState(step=0, epoch=0, batches_in_epoch=0)
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler)
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, ctx)
         logger.info("hasten: resumed from %s at step %d", resume_from, state.step)
 
-    metrics = MetricsLog(log_dir)
-    tensorboard = TensorBoardSink(log_dir, config.logging.tensorboard)
-    gpu_monitor = GpuMonitor(device) if config.logging.gpu_monitor else None
-    (log_dir / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2))
-    (log_dir / "versions.json").write_text(json.dumps(redact(version_record()), indent=2))
+    # Rank 0 reports for the whole job; the other ranks write nothing.
+    metrics = MetricsLog(log_dir) if ctx.is_main else None
+    tensorboard = TensorBoardSink(log_dir, config.logging.tensorboard if ctx.is_main else "false")
+    gpu_monitor = GpuMonitor(device) if config.logging.gpu_monitor and ctx.is_main else None
+    if ctx.is_main:
+        (log_dir / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2))
+        (log_dir / "versions.json").write_text(json.dumps(redact(version_record()), indent=2))
     batches = _batches_from(loader, sampler, state.epoch, state.batches_in_epoch)
     losses: list[float] = []
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
@@ -197,9 +209,10 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
         torch.cuda.reset_peak_memory_stats(device)
     window_start = time.perf_counter()
     bar = tqdm(total=t.max_steps, initial=state.step, desc="hasten train", unit="step",
-               disable=None if progress else True, dynamic_ncols=True)  # None: no bar when not a terminal
+               disable=None if progress and ctx.is_main else True, dynamic_ncols=True)  # None: no bar off a terminal
+    stopping = False  # the whole job stops (ranks agree at a logging step)
     with _StopRequest() as stop:
-        while state.step < t.max_steps and stop.signal_name is None:
+        while state.step < t.max_steps and not stopping:
             for _ in range(t.gradient_accumulation_steps):
                 state.epoch, state.batches_in_epoch, batch = next(batches)
                 while batch["num_samples"] == 0:  # every sample of this batch was empty or dropped
@@ -216,11 +229,17 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             bar.update(1)
-            if state.step % t.logging_steps == 0 or state.step == t.max_steps or stop.signal_name:
-                mean_loss = float(window_loss) * t.gradient_accumulation_steps / window_micro  # syncs once
+            # Alone, a signal stops after this step; under torchrun the ranks agree at the next logging step.
+            stopping = stop.signal_name is not None and not ctx.enabled
+            if state.step % t.logging_steps == 0 or state.step == t.max_steps or stopping:
+                # one read-back (and, under torchrun, one small all-reduce) per logging step
+                tokens_all, loss_all, micro_all, stop_all = all_reduce_sum(
+                    [window_tokens, float(window_loss), window_micro, float(stop.signal_name is not None)], ctx, device)
+                stopping = stopping or stop_all > 0
+                mean_loss = loss_all * t.gradient_accumulation_steps / micro_all
                 elapsed = time.perf_counter() - window_start
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
-                       "tokens": window_tokens, "tokens_per_s": window_tokens / elapsed,
+                       "tokens": int(tokens_all), "tokens_per_s": tokens_all / elapsed,
                        "step_s": elapsed / (window_micro // t.gradient_accumulation_steps),
                        "peak_gib": peak_memory_gib(device),
                        "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
@@ -229,38 +248,46 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                     row["moe"] = handle.moe_stats.summary()
                 if gpu_monitor is not None and (gpu := gpu_monitor.read()) is not None:
                     row["gpu"] = gpu
-                metrics.write(row)
-                tensorboard.write(row)
-                bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-                tqdm.write(format_row(row))
+                if ctx.is_main:
+                    metrics.write(row)
+                    tensorboard.write(row)
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+                    tqdm.write(format_row(row))
                 losses.append(mean_loss)
-                state.tokens += window_tokens
+                state.tokens += int(tokens_all)
                 state.losses.append(mean_loss)
                 window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
                 window_start = time.perf_counter()
-            if state.step % t.checkpoint.interval_steps == 0 or stop.signal_name:
+            if not ctx.enabled:  # a signal that came during this step's logging still stops here
+                stopping = stopping or stop.signal_name is not None
+            if state.step % t.checkpoint.interval_steps == 0 or stopping:
                 last_checkpoint = save_checkpoint(checkpoints, state, model, optimizer, scheduler,
-                                                  keep_last=t.checkpoint.keep_last)
-                tqdm.write(f"checkpoint: {last_checkpoint}")
+                                                  keep_last=t.checkpoint.keep_last, ctx=ctx)
+                if ctx.is_main:
+                    tqdm.write(f"checkpoint: {last_checkpoint}")
     bar.close()
 
+    interrupted_by = stop.signal_name if stopping else None
     model_dir = None
-    if stop.signal_name is None:
+    if not stopping:
         model_dir = output_dir / "final"
-        model.save_pretrained(model_dir, safe_serialization=True)
-        if hasattr(tokenizer, "save_pretrained"):
+        save_final_model(model, hf_model, model_dir, ctx)
+        if ctx.is_main and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(model_dir)
     final_loss = state.losses[-1] if state.losses else float("nan")
     summary = {"steps": state.step, "final_loss": final_loss, "tokens": state.tokens, "device": str(device),
                "dtype": str(dtype), "packing": collator.stats.as_dict() if t.packed_sequence else None,
                "hasten_active": handle.active, "hasten_inactive": handle.inactive,
                "fallbacks": fallback_counts(), "fallback_reasons": fallback_reasons(),
-               "interrupted_by": stop.signal_name,
+               "interrupted_by": interrupted_by, "world_size": ctx.world_size,
+               "distributed": ctx.strategy,
                "resumed_from": str(resume_from) if resume_from else None,
                "last_checkpoint": str(last_checkpoint) if last_checkpoint else None}
-    (log_dir / "summary.json").write_text(json.dumps(redact(summary), indent=2))
-    metrics.close()
+    if ctx.is_main:
+        (log_dir / "summary.json").write_text(json.dumps(redact(summary), indent=2))
+        metrics.close()
     tensorboard.close()
     handle.undo()
-    return TrainResult(state.step, final_loss, losses, state.tokens, metrics.path, model_dir, stop.signal_name,
-                       resume_from, last_checkpoint)
+    shutdown(ctx)
+    return TrainResult(state.step, final_loss, losses, state.tokens, log_dir / "metrics.jsonl", model_dir,
+                       interrupted_by, resume_from, last_checkpoint)

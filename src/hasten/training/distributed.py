@@ -1,0 +1,110 @@
+"""Distributed training on PyTorch's own engine: torchrun sets the ranks, hasten wraps the model
+in DDP or FSDP2, shards the packed batches by rank and reduces the metrics onto rank 0.
+
+    torchrun --nproc_per_node 8 -m hasten train --config c.yaml --output_dir out --resume auto
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
+             --max-restarts 3 -m hasten train ...      # elastic restarts resume from checkpoints
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hasten.config import ConfigError
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    strategy: str = "none"     # none | ddp | fsdp2
+    tied_names: set[str] = field(default_factory=set)  # parameters saved once under another name
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def from_environment(strategy: str) -> DistContext:
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK); one process otherwise."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistContext()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    chosen = "ddp" if strategy == "auto" else strategy
+    if chosen == "none":
+        raise ConfigError(f"training.distributed is 'none' but torchrun started {world_size} processes; use ddp, "
+                          "fsdp2 or auto")
+    return DistContext(rank, world_size, local_rank, chosen)
+
+
+def tied_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that share storage with an earlier one (saved once by save_pretrained)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.data_ptr() in seen:
+            tied.add(name)
+        else:
+            seen[param.data_ptr()] = name
+    return tied
+
+
+def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> torch.nn.Module:
+    if not ctx.enabled:
+        return model
+    ctx.tied_names = tied_parameter_names(model)
+    if ctx.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if ctx.strategy == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (ctx.world_size,))
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ConfigError("training.distributed fsdp2 shards per decoder layer and this model has no "
+                              "model.layers; use ddp")
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    raise ConfigError(f"unknown training.distributed strategy {ctx.strategy!r}")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+def all_reduce_sum(values: list[float], ctx: DistContext, device: torch.device) -> list[float]:
+    """Sum of each value over ranks (one small collective; called per logging step only)."""
+    if not ctx.enabled:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,54 @@
+"""torchrun on the CPU (gloo): DDP and FSDP2 train, shard the batches, report once, and resume."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:  # torchrun's static rendezvous needs a concrete port
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(tmp_path, name, training, *extra):
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(json.dumps({"model": {"default_size": "tiny"},
+                                  "training": {"max_tokens": 256, "learning_rate": 0.003, "warmup_steps": 1,
+                                               "logging_steps": 1, **training},
+                                  "logging": {"tensorboard": "false"}}))
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out), "--no_progress", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return out, rows
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_train_and_report_once(tmp_path, strategy):
+    out, rows = _torchrun(tmp_path, strategy, {"distributed": strategy, "max_steps": 2,
+                                               "checkpoint": {"interval_steps": 2}})
+    assert [r["step"] for r in rows] == [2 - 1, 2]  # rank 0 alone writes, one row per step
+    summary = json.loads((out / "logs" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["distributed"] == strategy
+    assert summary["tokens"] == sum(r["tokens"] for r in rows) > 256  # both ranks' tokens
+    assert (out / "checkpoints" / "checkpoint-000002" / "manifest.json").is_file()
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_fsdp2_resume_continues_the_same_losses(tmp_path):
+    straight, rows = _torchrun(tmp_path, "a", {"distributed": "fsdp2", "max_steps": 4,
+                                               "checkpoint": {"interval_steps": 2}})
+    want = {r["step"]: r["loss"] for r in rows}
+    _, resumed_rows = _torchrun(tmp_path, "b", {"distributed": "fsdp2", "max_steps": 4,
+                                                "checkpoint": {"interval_steps": 2}},
+                                "--resume", str(straight / "checkpoints" / "checkpoint-000002"))
+    got = {r["step"]: r["loss"] for r in resumed_rows}
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), step
