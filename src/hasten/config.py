@@ -101,6 +101,20 @@ class AttentionConfig:
 
 
 @dataclass
+class LoraConfig:
+    # Train LoRA adapters through PEFT instead of every weight (single process or ddp).
+    enabled: bool = False
+    # Adapter rank.
+    r: int = 16
+    # LoRA scaling numerator (the update is scaled by alpha / r).
+    alpha: int = 32
+    # Dropout on the adapter input.
+    dropout: float = 0.0
+    # Comma-separated module names to adapt.
+    target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+@dataclass
 class LoggingConfig:
     # TensorBoard scalars under LOG_DIR/tensorboard: auto = when tensorboard is installed.
     tensorboard: Literal["auto", "true", "false"] = "auto"
@@ -114,6 +128,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @classmethod
@@ -212,6 +227,8 @@ def validate(config: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"`{key}` must be at least 1; got {value}")
+    if config.lora.enabled and config.lora.r < 1:
+        raise ConfigError(f"`lora.r` must be at least 1; got {config.lora.r}")
     if t.learning_rate <= 0:
         raise ConfigError(f"`training.learning_rate` must be positive; got {t.learning_rate}")
     if t.warmup_steps < 0:

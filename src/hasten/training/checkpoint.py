@@ -128,7 +128,7 @@ def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler
             shutil.rmtree(tmp)
         tmp.mkdir()
         hf_model = getattr(model, "module", model)
-        if distributed:
+        if distributed and not _is_peft(hf_model):
             weights = {k: v for k, v in model_state.items() if k not in ctx.tied_names}
             hf_model.save_pretrained(tmp / "model", state_dict=weights, safe_serialization=True)
         else:
@@ -203,7 +203,19 @@ def _read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
 def _load_model_weights(model, folder: Path) -> None:
+    if _is_peft(model):  # LoRA: the checkpoint holds the adapters (save_pretrained of the PEFT model)
+        import peft
+
+        adapters = safetensors.torch.load_file(folder / "adapter_model.safetensors", device="cpu")
+        result = peft.set_peft_model_state_dict(model, adapters)
+        if getattr(result, "unexpected_keys", None):
+            raise CheckpointError(f"{folder}: adapter weights this model does not have: {result.unexpected_keys[:5]}")
+        return
     weights = _read_model_weights(folder)
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
@@ -227,9 +239,13 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler, ctx=None) -> Trai
                                                              set_optimizer_state_dict)
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-        model_state = _read_model_weights(folder / "model") if ctx.is_main else {}
+        hf_model = getattr(model, "module", model)
+        if _is_peft(hf_model):  # DDP replicas: every rank loads the same adapters
+            _load_model_weights(hf_model, folder / "model")
+        else:
+            model_state = _read_model_weights(folder / "model") if ctx.is_main else {}
+            set_model_state_dict(model, model_state, options=options)
         optimizer_state = torch.load(folder / "optimizer.pt", weights_only=True) if ctx.is_main else {}
-        set_model_state_dict(model, model_state, options=options)
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
         rank = ctx.rank
     else:
@@ -249,8 +265,9 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler, ctx=None) -> Trai
 def save_final_model(model, hf_model, folder: Path, ctx=None) -> None:
     """The trained model as a transformers folder; under torchrun the full weights are gathered to
     rank 0 (every rank must call this)."""
-    if ctx is None or not ctx.enabled:
-        hf_model.save_pretrained(folder, safe_serialization=True)
+    if ctx is None or not ctx.enabled or _is_peft(hf_model):
+        if ctx is None or ctx.is_main:
+            hf_model.save_pretrained(folder, safe_serialization=True)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -116,6 +116,26 @@ def _pad_collate(collator: PackingCollator, pad_token_id: int):
     return collate
 
 
+def _with_lora(model, config: Config, ctx):
+    """LoRA adapters through PEFT on the (already hasten-patched) model; only they train."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ConfigError("lora.enabled needs PEFT: pip install peft") from exc
+    if ctx.strategy == "fsdp2":
+        raise ConfigError("lora.enabled with training.distributed fsdp2 is not supported yet; use ddp")
+    lora = config.lora
+    targets = [name.strip() for name in lora.target_modules.split(",") if name.strip()]
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                         target_modules=targets, task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    if ctx.is_main:
+        logger.info("hasten: LoRA r=%d on %s: %d of %d parameters train (%.2f%%)", lora.r, ",".join(targets),
+                    trainable, total, 100 * trainable / total)
+    return wrapped
+
+
 def _lr_factor(step: int, warmup: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -173,6 +193,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     if ctx.is_main:
         for line in handle.report().splitlines():
             logger.info(line)
+    if config.lora.enabled:
+        model = _with_lora(model, config, ctx)
     hf_model = model
     model = wrap_model(model, ctx, device)
     if ctx.enabled and ctx.is_main:
@@ -186,7 +208,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     collate = collator if t.packed_sequence else _pad_collate(collator, pad_id)
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate, weight_decay=t.weight_decay,
                                   fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, t.warmup_steps, t.max_steps))
     state = TrainerState(step=0, epoch=0, batches_in_epoch=0)
