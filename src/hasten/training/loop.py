@@ -208,7 +208,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     collate = collator if t.packed_sequence else _pad_collate(collator, pad_id)
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate, weight_decay=t.weight_decay,
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay,
                                   fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, t.warmup_steps, t.max_steps))
     state = TrainerState(step=0, epoch=0, batches_in_epoch=0)
@@ -231,7 +232,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
         torch.cuda.reset_peak_memory_stats(device)
     window_start = time.perf_counter()
     bar = tqdm(total=t.max_steps, initial=state.step, desc="hasten train", unit="step",
-               disable=None if progress and ctx.is_main else True, dynamic_ncols=True)  # None: no bar off a terminal
+               disable=None if progress and ctx.is_main else True,  # None: no bar off a terminal
+               dynamic_ncols=True)
     stopping = False  # the whole job stops (ranks agree at a logging step)
     with _StopRequest() as stop:
         while state.step < t.max_steps and not stopping:
@@ -239,9 +241,9 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                 state.epoch, state.batches_in_epoch, batch = next(batches)
                 while batch["num_samples"] == 0:  # every sample of this batch was empty or dropped
                     state.epoch, state.batches_in_epoch, batch = next(batches)
+                # non-padding tokens, counted on the host copy (no device read-back)
+                window_tokens += int(batch["input_ids"].numel() if t.packed_sequence else batch["attention_mask"].sum())
                 batch = move_batch(batch, device)
-                tokens = int(batch["input_ids"].numel() if t.packed_sequence else batch["attention_mask"].sum())
-                window_tokens += tokens
                 loss = model(**batch).loss / t.gradient_accumulation_steps
                 loss.backward()
                 window_loss += loss.detach()
@@ -255,8 +257,9 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
             stopping = stop.signal_name is not None and not ctx.enabled
             if state.step % t.logging_steps == 0 or state.step == t.max_steps or stopping:
                 # one read-back (and, under torchrun, one small all-reduce) per logging step
+                signalled = float(stop.signal_name is not None)
                 tokens_all, loss_all, micro_all, stop_all = all_reduce_sum(
-                    [window_tokens, float(window_loss), window_micro, float(stop.signal_name is not None)], ctx, device)
+                    [window_tokens, float(window_loss), window_micro, signalled], ctx, device)
                 stopping = stopping or stop_all > 0
                 mean_loss = loss_all * t.gradient_accumulation_steps / micro_all
                 elapsed = time.perf_counter() - window_start
