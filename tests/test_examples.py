@@ -32,6 +32,15 @@ def test_example_runs(script):
     assert "hasten active: varlen attention" in result.stdout
 
 
+def test_accelerate_example_runs():
+    pytest.importorskip("accelerate")
+    result = _run("accelerate_packed.py", "--max_steps", "2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all("packing efficiency 1.000" in line for line in steps), result.stdout
+    assert "hasten active: varlen attention" in result.stdout
+
+
 def test_examples_open_with_their_command():
     for path in sorted(EXAMPLES.glob("*.py")):
         lines = path.read_text().splitlines()
