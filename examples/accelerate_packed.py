@@ -3,9 +3,9 @@
 """Hugging Face Accelerate + hasten: the user's own loop, Accelerate's device placement and
 data parallelism, hasten's packed batches and varlen attention.
 
-`hasten.accelerate(model)` patches the transformers model before `Accelerator.prepare` wraps it;
-the batch sampler shards packed batches by process (Accelerate must not re-shard them:
-`split_batches` stays off and the loader is prepared with `device_placement` only).
+`hasten.accelerate(model)` patches the transformers model before `Accelerator.prepare` wraps it.
+The loader is not passed to `prepare`: hasten's batch sampler already shards the packed batches
+by process, and `move_batch` puts each batch on the process's device.
 """
 
 from __future__ import annotations

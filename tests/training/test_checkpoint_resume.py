@@ -101,3 +101,11 @@ def test_cli_sigterm_then_resume_auto(tmp_path):
     assert summary["interrupted_by"] == "SIGTERM" and 2 <= stopped_at < 400
     assert (out / "checkpoints" / f"checkpoint-{stopped_at:06d}" / "manifest.json").is_file()
     assert not (out / "final").exists()
+
+
+def test_fresh_run_refuses_a_folder_with_earlier_checkpoints(tmp_path):
+    config = Config.from_dict({**TINY, "training": {**TINY["training"], "max_steps": 2}})
+    loop.train(config, tmp_path, tmp_path / "logs", progress=False)
+    with pytest.raises(ConfigError, match="already holds checkpoints of an earlier run.*--resume auto"):
+        loop.train(config, tmp_path, tmp_path / "logs", progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-000002"]  # untouched

@@ -1,6 +1,8 @@
 """torchrun on the CPU (gloo): DDP and FSDP2 train, shard the batches, report once, and resume."""
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,8 +25,14 @@ def _torchrun(tmp_path, name, training, *extra):
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out), "--no_progress", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # its own process group, so a hang cannot leave worker processes behind
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, err[-3000:]
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     return out, rows
 

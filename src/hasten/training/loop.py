@@ -154,6 +154,10 @@ def _batches_from(loader: DataLoader, sampler: TokenBudgetBatchSampler, epoch: i
 
 def _resolve_resume(resume: str | None, checkpoints: Path) -> Path | None:
     if resume in (None, "", "none"):
+        earlier = sorted(p.name for p in checkpoints.glob("checkpoint-*")) if checkpoints.is_dir() else []
+        if earlier:  # a fresh run here would mix its checkpoints with another run's
+            raise ConfigError(f"{checkpoints} already holds checkpoints of an earlier run ({earlier[-1]}, ...); "
+                              "continue it with --resume auto, or train into a new --output_dir")
         return None
     if resume == "auto":
         found = latest_valid(checkpoints)
