@@ -23,7 +23,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class CheckpointConfig:
-    # Double-buffered activation offload (issue: activation memory) -- not built yet.
+    # Activation checkpointing per decoder layer: none keeps every activation; full recomputes
+    # each layer in backward; selective keeps matmul and attention outputs, recomputes the rest.
+    activations: Literal["none", "full", "selective"] = "none"
+    # Double-buffered activation offload to pinned host memory -- not built yet.
     double_buffer: bool = True
     # Optimizer steps between training checkpoints (OUTPUT_DIR/checkpoints), written atomically.
     interval_steps: int = 100

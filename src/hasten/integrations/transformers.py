@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hasten.attention.varlen import varlen_attention
 from hasten.config import Config
+from hasten.memory import apply_activation_checkpointing
 from hasten.moe import MoeLoadStats, fused_experts_forward, unsupported_reason
 from hasten.observability import logger, record_fallback
 from hasten.packing.meta import CU_Q, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
@@ -274,6 +275,20 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
                          "fused SwiGLU, deterministic combine)")
 
 
+def _patch_memory(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    policy = config.training.checkpoint.activations
+    if policy == "none":
+        return
+    try:
+        handle._undo_steps.append(apply_activation_checkpointing(model, policy))
+    except ValueError as exc:
+        record_fallback("activation_checkpointing", f"training.checkpoint.activations={policy} cannot be applied "
+                        f"({exc}); activations are kept")
+        handle.inactive.append(f"activation checkpointing ({exc})")
+        return
+    handle.active.append(f"activation checkpointing ({policy}, per decoder layer)")
+
+
 def accelerate(model: PreTrainedModel, config: Config | None = None) -> AccelerationHandle:
     """Patch a loaded transformers model in place; returns a handle whose `undo()` reverts it."""
     config = config or Config()
@@ -283,4 +298,5 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     handle = AccelerationHandle(model, config, inactive=config.inactive_features())
     _patch_attention(model, config, handle)
     _patch_moe(model, config, handle)
+    _patch_memory(model, config, handle)
     return handle

@@ -62,24 +62,26 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping) -
 
 
 class MoeLoadStats:
-    """Tokens per expert, accumulated on the device per layer (no sync) and read once per logging step."""
+    """Tokens per expert per layer, read once per logging step.
+
+    The forward only keeps a reference to each layer's counts tensor (no device op, no sync,
+    nothing for activation checkpointing to replay); recomputation in backward is not counted."""
 
     def __init__(self) -> None:
-        self._per_layer: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, list[torch.Tensor]] = {}
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
-        acc = self._per_layer.get(layer)
-        if acc is None:
-            self._per_layer[layer] = counts.to(torch.int64)
-        else:
-            acc += counts
+        if torch._C._current_graph_task_id() != -1:  # inside backward: a checkpoint recompute
+            return
+        self._pending.setdefault(layer, []).append(counts)
 
     def summary(self, reset: bool = True) -> dict | None:
-        if not self._per_layer:
+        if not self._pending:
             return None
-        table = torch.stack([self._per_layer[k] for k in sorted(self._per_layer)]).float().cpu()  # one sync
+        per_layer = [torch.stack(self._pending[k]).sum(0) for k in sorted(self._pending)]
+        table = torch.stack(per_layer).float().cpu()  # one sync
         if reset:
-            self._per_layer.clear()
+            self._pending.clear()
         mean = table.mean(dim=1).clamp_min(1e-9)
         imbalance = table.max(dim=1).values / mean  # 1.0 = perfectly even
         return {"tokens_per_expert_min": int(table.min()), "tokens_per_expert_max": int(table.max()),

@@ -1,0 +1,54 @@
+"""Activation checkpointing policies, applied per decoder layer through transformers' own switch.
+
+  none       keep every activation
+  full       keep only each decoder layer's input; recompute the layer in backward
+  selective  keep the outputs of matmuls and attention (expensive to recompute), recompute the
+             elementwise ops between them (norms, activations, rotary, residual adds: cheap)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+POLICIES = ("none", "full", "selective")
+
+
+def _expensive_ops() -> set:
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+           aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+           aten._scaled_dot_product_cudnn_attention.default}
+    optional = [("aten", "_grouped_mm"), ("torch_attn", "_varlen_attn"), ("aten", "_flash_attention_forward")]
+    for namespace, name in optional:  # present depending on the torch build
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None:
+            ops.add(packet.default)
+    return ops
+
+
+_SAVE = None
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    global _SAVE
+    if _SAVE is None:
+        _SAVE = _expensive_ops()
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model, policy: str):
+    """Switch the model's decoder layers to `policy`; returns a function that switches it back."""
+    if policy not in POLICIES:
+        raise ValueError(f"activation checkpointing policy must be one of {POLICIES}, got {policy!r}")
+    if policy == "none":
+        return lambda: None
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    if policy == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model.gradient_checkpointing_disable
