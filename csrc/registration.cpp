@@ -3,6 +3,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "offload/host_pool.h"
+
 extern "C" {
 // `import hasten._C` loads this shared object, which runs the static TORCH_LIBRARY
 // initialisers below; the Python module itself has no functions.
@@ -42,4 +44,12 @@ TORCH_LIBRARY(hasten, m) {
   // SwiGLU on [gate | up] rows (R, 2I): silu(gate) * up -> (R, I); and its backward -> (R, 2I).
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor grad_act, Tensor gate_up) -> Tensor");
+
+  // Host memory pool for activation offload (csrc/offload/host_pool.h): blocks reused by size
+  // class, page-locked on CUDA builds. torch.classes.hasten.HostPool(max_cached_bytes).
+  m.class_<hasten::HostPool>("HostPool")
+      .def(torch::init<int64_t>())
+      .def("acquire", &hasten::HostPool::acquire)
+      .def("trim", &hasten::HostPool::trim)
+      .def("stats", &hasten::HostPool::stats);
 }

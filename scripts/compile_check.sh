@@ -33,9 +33,10 @@ mkdir -p "$out/stub/c10/cuda/impl"
 printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
 torch_includes=$(python3 -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))")
 m=0
-for src in csrc/*/*_cuda.cpp; do
+for src in csrc/*/*_cuda.cpp csrc/offload/*.cpp; do
   # shellcheck disable=SC2086
-  ${CXX:-g++} -std=c++17 -w -fsyntax-only -I"$out/stub" $torch_includes -I"$cuda_include" -Icsrc/include -Icsrc "$src"
+  ${CXX:-g++} -std=c++17 -w -fsyntax-only -DHASTEN_WITH_CUDA -I"$out/stub" $torch_includes -I"$cuda_include" \
+    -Icsrc/include -Icsrc "$src"
   m=$((m + 1))
 done
 echo "compile-check: $m CUDA glue file(s) syntax-checked by the host compiler"
