@@ -107,6 +107,10 @@ def test_padded_batch_falls_back_loudly_and_stays_correct():
     got = model(input_ids=ids, attention_mask=mask).logits
     assert torch.allclose(got[0], expected[0], atol=1e-5) and torch.allclose(got[1, :4], expected[1, :4], atol=1e-5)
     assert fallback_counts().get("attention_padded_batch", 0) == 2  # once per layer, warned once
+    # with explicit position_ids too (common in evaluation code) it stays a padded batch
+    positions = torch.arange(6).expand(2, 6)
+    got = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    assert torch.allclose(got[1, :4], expected[1, :4], atol=1e-5)
 
 
 def test_packed_batch_with_padding_mask_is_refused():
@@ -138,3 +142,12 @@ def test_packed_sequence_off_leaves_model_alone():
 def test_rejects_non_transformers_models():
     with pytest.raises(TypeError, match="PreTrainedModel"):
         hasten.accelerate(torch.nn.Linear(2, 2))
+
+
+def test_packed_batch_without_position_ids_is_refused():
+    model = _model("qwen3")
+    hasten.accelerate(model)
+    batch = hasten.PackingCollator(max_tokens=64)(_samples(8, [3, 4]))
+    del batch["position_ids"]
+    with pytest.raises(ValueError, match="no position_ids"):
+        model(**batch)

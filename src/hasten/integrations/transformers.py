@@ -151,12 +151,17 @@ class _PackingPreHook:
             return None
         cu_seqlens = bound.get(CU_Q)
         position_ids = bound.get("position_ids")
-        if cu_seqlens is None and position_ids is not None and self.settings.metadata_cache:
+        mask = bound.get("attention_mask")
+        # position_ids alone describe a packed (or plain) batch; with a padding mask the batch is a
+        # padded one, which the attention function serves through its (reported) fallback.
+        if cu_seqlens is None and position_ids is not None and mask is None and self.settings.metadata_cache:
             kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
             cu_seqlens = kwargs[CU_Q]
         if cu_seqlens is None:
             return None
-        mask = bound.get("attention_mask")
+        if position_ids is None:  # transformers would number the whole row 0..L-1: wrong rotary phases
+            raise ValueError("hasten: this batch has packing metadata (cu_seq_lens) but no position_ids; packed "
+                             "batches need per-sample position_ids (hasten.PackingCollator emits them)")
         if mask is not None:
             if not bool(mask.all()):
                 raise ValueError("hasten: this batch has packing metadata (cu_seq_lens) and an attention_mask with "
