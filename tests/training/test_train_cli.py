@@ -64,3 +64,13 @@ def test_unwritable_output_dir(tmp_path, capsys):
     rc = main(["train", "--output_dir", str(blocker / "sub"), "--no_progress", "--max_steps", "1"])
     assert rc == 2
     assert "cannot create" in capsys.readouterr().err
+
+
+def test_data_with_nothing_trainable_is_an_error_not_a_hang(tmp_path, capsys):
+    data = tmp_path / "empty.jsonl"
+    data.write_text('{"text": ""}\n{"text": ""}\n')
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  default_size: tiny\ndata:\n  path: {data}\n")
+    rc = main(["train", "--config", str(config), "--output_dir", str(tmp_path / "o"), "--no_progress"])
+    assert rc == 2
+    assert "no sample can be trained on" in capsys.readouterr().err

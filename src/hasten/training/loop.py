@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 import hasten
 from hasten.config import Config, ConfigError
-from hasten.data import ByteTokenizer, load_dataset
+from hasten.data import ByteTokenizer, DataError, load_dataset
 from hasten.observability import fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
 from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_valid, load_checkpoint, save_checkpoint,
@@ -208,6 +208,15 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sampler = TokenBudgetBatchSampler([len(s["input_ids"]) for s in samples], t.max_tokens, seed=t.seed,
                                       rank=ctx.rank, world_size=ctx.world_size)
+    # An epoch of nothing but empty or dropped samples would make the batch loop spin forever.
+    fits = (lambda n: n <= t.max_tokens) if t.overlong == "drop" else (lambda n: True)
+    if not any(s["input_ids"] and fits(len(s["input_ids"])) for s in samples):
+        dropped = " or longer than training.max_tokens (overlong: drop)" if t.overlong == "drop" else ""
+        raise DataError(f"{config.data.path or 'the embedded corpus'}: no sample can be trained on (all are "
+                        f"empty{dropped}); check the data file and training.max_tokens")
+    if len(sampler) == 0:
+        raise DataError(f"the data set makes fewer packed batches than there are processes ({ctx.world_size}) at "
+                        f"training.max_tokens={t.max_tokens}; use more data or a smaller max_tokens")
     collator = PackingCollator(t.max_tokens, overlong=t.overlong, pad_token_id=pad_id)
     collate = collator if t.packed_sequence else _pad_collate(collator, pad_id)
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
