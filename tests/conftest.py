@@ -5,11 +5,12 @@ from hasten.observability import reset_fallbacks
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    # Everything under tests/gpu needs CUDA: marked `gpu`, and skipped where there is none.
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu on the GPU machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.path.parent.name == "gpu" and item.path.parent.parent.name == "tests":
+            item.add_marker(pytest.mark.gpu)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
 
 

@@ -1,6 +1,8 @@
 // Argument checks shared by the CPU and CUDA MoE ops (one place for both backends).
 #pragma once
 
+#include <optional>
+
 #include "hasten/checks.h"
 
 namespace hasten {
@@ -29,6 +31,59 @@ inline void check_routing_args(const char* op, const at::Tensor& rows, const at:
               rows.scalar_type());
   check_same_device(rows, index, op, "rows", "permutation/inverse");
   check_same_device(rows, offsets, op, "rows", "offsets");
+}
+
+// x (T, H), slot_scale (S,) or none
+inline void check_permute_args(const at::Tensor& x, const at::Tensor& permutation, const at::Tensor& offsets,
+                               int64_t top_k, const std::optional<at::Tensor>& slot_scale) {
+  check_routing_args("moe_permute", x, permutation, offsets, top_k);
+  check_size(x, 0, permutation.numel() / top_k, "moe_permute", "x", "tokens = slots / top_k");
+  if (slot_scale.has_value()) {
+    check_same_dtype(x, *slot_scale, "moe_permute", "x", "slot_scale");
+    TORCH_CHECK(slot_scale->numel() == permutation.numel(), "hasten::moe_permute: `slot_scale` needs one value per "
+                "slot (", num(permutation.numel()), "), got shape ", shape(slot_scale->sizes()));
+    check_same_device(x, *slot_scale, "moe_permute", "x", "slot_scale");
+  }
+}
+
+// y (S, H), weights (T, top_k) or none
+inline void check_combine_args(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& offsets,
+                               int64_t top_k, const std::optional<at::Tensor>& weights) {
+  check_routing_args("moe_combine", y, inverse, offsets, top_k);
+  check_size(y, 0, inverse.numel(), "moe_combine", "y", "slots = tokens * top_k");
+  if (weights.has_value()) {
+    check_same_dtype(y, *weights, "moe_combine", "y", "weights");
+    TORCH_CHECK(weights->numel() == inverse.numel(), "hasten::moe_combine: `weights` must be (tokens, top_k) = (",
+                num(inverse.numel() / top_k), ", ", num(top_k), "), got ", shape(weights->sizes()));
+    check_same_device(y, *weights, "moe_combine", "y", "weights");
+  }
+}
+
+// grad_out (T, H), y (S, H)
+inline void check_weight_grad_args(const at::Tensor& grad_out, const at::Tensor& y, const at::Tensor& inverse,
+                                   const at::Tensor& offsets, int64_t top_k) {
+  check_routing_args("moe_combine_weight_grad", y, inverse, offsets, top_k);
+  check_same_dtype(y, grad_out, "moe_combine_weight_grad", "y", "grad_out");
+  check_dim(grad_out, 2, "moe_combine_weight_grad", "grad_out", "2-D (tokens, hidden)");
+  check_size(grad_out, 0, inverse.numel() / top_k, "moe_combine_weight_grad", "grad_out", "tokens");
+  check_size(grad_out, 1, y.size(1), "moe_combine_weight_grad", "grad_out", "hidden of y");
+  check_size(y, 0, inverse.numel(), "moe_combine_weight_grad", "y", "slots = tokens * top_k");
+}
+
+// gate_up (R, 2I): [gate | up] per row; grad_act (R, I) for the backward
+inline void check_swiglu_args(const char* op, const at::Tensor& gate_up) {
+  check_dim(gate_up, 2, op, "gate_up", "2-D (rows, 2 * inner)");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "hasten::", op, ": `gate_up` must hold [gate | up] halves, got an odd width ",
+              num(gate_up.size(1)));
+}
+
+inline void check_swiglu_backward_args(const at::Tensor& grad_act, const at::Tensor& gate_up) {
+  check_swiglu_args("swiglu_backward", gate_up);
+  check_same_dtype(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
+  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == gate_up.size(0) && grad_act.size(1) * 2 == gate_up.size(1),
+              "hasten::swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
+              shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
+  check_same_device(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
 }
 
 }  // namespace hasten

@@ -57,29 +57,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group_cuda(const 
   return {counts, offsets, permutation, inverse};
 }
 
+// The kernels read raw pointers: every tensor they touch is held contiguous for the launch.
 at::Tensor moe_permute_cuda(const at::Tensor& x, const at::Tensor& permutation, const at::Tensor& offsets,
                             int64_t top_k, const std::optional<at::Tensor>& slot_scale) {
   check_device(x, "moe_permute", "x", c10::DeviceType::CUDA);
-  check_routing_args("moe_permute", x, permutation, offsets, top_k);
-  const int64_t slots = permutation.numel();
-  check_size(x, 0, slots / top_k, "moe_permute", "x", "tokens = slots / top_k");
+  check_permute_args(x, permutation, offsets, top_k, slot_scale);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto xc = x.contiguous();
-  std::optional<at::Tensor> scale;
-  if (slot_scale.has_value()) {
-    check_same_dtype(x, *slot_scale, "moe_permute", "x", "slot_scale");
-    scale = slot_scale->contiguous();
-  }
-  auto out = at::empty({slots, x.size(1)}, x.options());
+  const auto xc = x.contiguous(), perm = permutation.contiguous(), offs = offsets.contiguous();
+  const auto scale = slot_scale ? std::optional<at::Tensor>(slot_scale->contiguous()) : std::nullopt;
+  auto out = at::empty({perm.numel(), x.size(1)}, x.options());
   kernels::MoePermuteParams p;
   p.x = xc.data_ptr();
-  p.permutation = permutation.contiguous().data_ptr<int32_t>();
-  p.offsets = offsets.data_ptr<int32_t>();
+  p.permutation = perm.data_ptr<int32_t>();
+  p.offsets = offs.data_ptr<int32_t>();
   p.slot_scale = scale ? scale->data_ptr() : nullptr;
   p.out = out.data_ptr();
-  p.num_slots = slots;
+  p.num_slots = perm.numel();
   p.hidden = x.size(1);
-  p.num_experts = static_cast<int>(offsets.numel() - 1);
+  p.num_experts = static_cast<int>(offs.numel() - 1);
   p.top_k = static_cast<int>(top_k);
   p.type = element_type(x, "moe_permute");
   check_launch(kernels::launch_moe_permute(p, c10::cuda::getCurrentCUDAStream()), "moe_permute");
@@ -89,28 +84,20 @@ at::Tensor moe_permute_cuda(const at::Tensor& x, const at::Tensor& permutation, 
 at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& offsets, int64_t top_k,
                             const std::optional<at::Tensor>& weights) {
   check_device(y, "moe_combine", "y", c10::DeviceType::CUDA);
-  check_routing_args("moe_combine", y, inverse, offsets, top_k);
-  const int64_t slots = inverse.numel(), tokens = slots / top_k;
-  check_size(y, 0, slots, "moe_combine", "y", "slots = tokens * top_k");
+  check_combine_args(y, inverse, offsets, top_k, weights);
   const c10::cuda::CUDAGuard guard(y.device());
-  const auto yc = y.contiguous();
-  std::optional<at::Tensor> w;
-  if (weights.has_value()) {
-    check_same_dtype(y, *weights, "moe_combine", "y", "weights");
-    TORCH_CHECK(weights->numel() == slots, "hasten::moe_combine: `weights` must be (tokens, top_k), got ",
-                shape(weights->sizes()));
-    w = weights->contiguous();
-  }
-  auto out = at::empty({tokens, y.size(1)}, y.options());
+  const auto yc = y.contiguous(), inv = inverse.contiguous(), offs = offsets.contiguous();
+  const auto w = weights ? std::optional<at::Tensor>(weights->contiguous()) : std::nullopt;
+  auto out = at::empty({inv.numel() / top_k, y.size(1)}, y.options());
   kernels::MoeCombineParams p;
   p.y = yc.data_ptr();
-  p.inverse = inverse.contiguous().data_ptr<int32_t>();
-  p.offsets = offsets.data_ptr<int32_t>();
+  p.inverse = inv.data_ptr<int32_t>();
+  p.offsets = offs.data_ptr<int32_t>();
   p.weights = w ? w->data_ptr() : nullptr;
   p.out = out.data_ptr();
-  p.num_tokens = tokens;
+  p.num_tokens = inv.numel() / top_k;
   p.hidden = y.size(1);
-  p.num_experts = static_cast<int>(offsets.numel() - 1);
+  p.num_experts = static_cast<int>(offs.numel() - 1);
   p.top_k = static_cast<int>(top_k);
   p.type = element_type(y, "moe_combine");
   check_launch(kernels::launch_moe_combine(p, c10::cuda::getCurrentCUDAStream()), "moe_combine");
@@ -120,23 +107,19 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, cons
 at::Tensor moe_combine_weight_grad_cuda(const at::Tensor& grad_out, const at::Tensor& y, const at::Tensor& inverse,
                                         const at::Tensor& offsets, int64_t top_k) {
   check_device(y, "moe_combine_weight_grad", "y", c10::DeviceType::CUDA);
-  check_routing_args("moe_combine_weight_grad", y, inverse, offsets, top_k);
-  check_same_dtype(y, grad_out, "moe_combine_weight_grad", "y", "grad_out");
-  const int64_t slots = inverse.numel(), tokens = slots / top_k;
-  check_size(grad_out, 0, tokens, "moe_combine_weight_grad", "grad_out", "tokens");
+  check_weight_grad_args(grad_out, y, inverse, offsets, top_k);
   const c10::cuda::CUDAGuard guard(y.device());
-  const auto g = grad_out.contiguous();
-  const auto yc = y.contiguous();
-  auto out = at::empty({tokens, top_k}, y.options());
+  const auto g = grad_out.contiguous(), yc = y.contiguous(), inv = inverse.contiguous(), offs = offsets.contiguous();
+  auto out = at::empty({inv.numel() / top_k, top_k}, y.options());
   kernels::MoeCombineWeightGradParams p;
   p.grad_out = g.data_ptr();
   p.y = yc.data_ptr();
-  p.inverse = inverse.contiguous().data_ptr<int32_t>();
-  p.offsets = offsets.data_ptr<int32_t>();
+  p.inverse = inv.data_ptr<int32_t>();
+  p.offsets = offs.data_ptr<int32_t>();
   p.grad_weights = out.data_ptr();
-  p.num_tokens = tokens;
+  p.num_tokens = inv.numel() / top_k;
   p.hidden = y.size(1);
-  p.num_experts = static_cast<int>(offsets.numel() - 1);
+  p.num_experts = static_cast<int>(offs.numel() - 1);
   p.top_k = static_cast<int>(top_k);
   p.type = element_type(y, "moe_combine_weight_grad");
   check_launch(kernels::launch_moe_combine_weight_grad(p, c10::cuda::getCurrentCUDAStream()),
@@ -146,9 +129,7 @@ at::Tensor moe_combine_weight_grad_cuda(const at::Tensor& grad_out, const at::Te
 
 at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
   check_device(gate_up, "swiglu", "gate_up", c10::DeviceType::CUDA);
-  check_dim(gate_up, 2, "swiglu", "gate_up", "2-D (rows, 2 * inner)");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "hasten::swiglu: `gate_up` must hold [gate | up] halves, got an odd width ",
-              num(gate_up.size(1)));
+  check_swiglu_args("swiglu", gate_up);
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const auto x = gate_up.contiguous();
   auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
@@ -159,11 +140,7 @@ at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
 
 at::Tensor swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& gate_up) {
   check_device(gate_up, "swiglu_backward", "gate_up", c10::DeviceType::CUDA);
-  check_dim(gate_up, 2, "swiglu_backward", "gate_up", "2-D (rows, 2 * inner)");
-  check_same_dtype(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
-  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == gate_up.size(0) && grad_act.size(1) * 2 == gate_up.size(1),
-              "hasten::swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
-              shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
+  check_swiglu_backward_args(grad_act, gate_up);
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const auto x = gate_up.contiguous();
   const auto d = grad_act.contiguous();

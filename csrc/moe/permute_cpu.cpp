@@ -15,19 +15,15 @@ using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 at::Tensor moe_permute_cpu(const at::Tensor& x, const at::Tensor& permutation, const at::Tensor& offsets,
                            int64_t top_k, const std::optional<at::Tensor>& slot_scale) {
-  check_routing_args("moe_permute", x, permutation, offsets, top_k);
   check_device(x, "moe_permute", "x", c10::DeviceType::CPU);
+  check_permute_args(x, permutation, offsets, top_k, slot_scale);
   const int64_t slots = permutation.numel(), hidden = x.size(1), experts = offsets.numel() - 1;
-  check_size(x, 0, slots / top_k, "moe_permute", "x", "tokens = slots / top_k");
   const auto xc = x.contiguous();
   const auto perm = permutation.contiguous();
   const int32_t valid = offsets[experts].item<int32_t>();
   auto out = at::zeros({slots, hidden}, x.options());
   std::optional<at::Tensor> scale;
-  if (slot_scale.has_value()) {
-    check_same_dtype(x, *slot_scale, "moe_permute", "x", "slot_scale");
-    scale = slot_scale->contiguous();
-  }
+  if (slot_scale.has_value()) scale = slot_scale->contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_permute_cpu", [&] {
     const scalar_t* src = xc.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
@@ -44,20 +40,14 @@ at::Tensor moe_permute_cpu(const at::Tensor& x, const at::Tensor& permutation, c
 
 at::Tensor moe_combine_cpu(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& offsets, int64_t top_k,
                            const std::optional<at::Tensor>& weights) {
-  check_routing_args("moe_combine", y, inverse, offsets, top_k);
   check_device(y, "moe_combine", "y", c10::DeviceType::CPU);
+  check_combine_args(y, inverse, offsets, top_k, weights);
   const int64_t slots = inverse.numel(), tokens = slots / top_k, hidden = y.size(1), experts = offsets.numel() - 1;
-  check_size(y, 0, slots, "moe_combine", "y", "slots = tokens * top_k");
   const auto yc = y.contiguous();
   const auto inv = inverse.contiguous();
   const int32_t valid = offsets[experts].item<int32_t>();
   std::optional<at::Tensor> w;
-  if (weights.has_value()) {
-    check_same_dtype(y, *weights, "moe_combine", "y", "weights");
-    TORCH_CHECK(weights->numel() == slots, "hasten::moe_combine: `weights` must be (tokens, top_k) = (",
-                num(tokens), ", ", num(top_k), "), got ", shape(weights->sizes()));
-    w = weights->contiguous();
-  }
+  if (weights.has_value()) w = weights->contiguous();
   auto out = at::empty({tokens, hidden}, y.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "moe_combine_cpu", [&] {
     const scalar_t* rows = yc.data_ptr<scalar_t>();
@@ -81,11 +71,9 @@ at::Tensor moe_combine_cpu(const at::Tensor& y, const at::Tensor& inverse, const
 
 at::Tensor moe_combine_weight_grad_cpu(const at::Tensor& grad_out, const at::Tensor& y, const at::Tensor& inverse,
                                        const at::Tensor& offsets, int64_t top_k) {
-  check_routing_args("moe_combine_weight_grad", y, inverse, offsets, top_k);
   check_device(y, "moe_combine_weight_grad", "y", c10::DeviceType::CPU);
-  check_same_dtype(y, grad_out, "moe_combine_weight_grad", "y", "grad_out");
+  check_weight_grad_args(grad_out, y, inverse, offsets, top_k);
   const int64_t slots = inverse.numel(), tokens = slots / top_k, hidden = y.size(1), experts = offsets.numel() - 1;
-  check_size(grad_out, 0, tokens, "moe_combine_weight_grad", "grad_out", "tokens");
   const auto g = grad_out.contiguous();
   const auto yc = y.contiguous();
   const auto inv = inverse.contiguous();

@@ -4,22 +4,16 @@
 
 #include <cmath>
 
-#include "hasten/checks.h"
+#include "moe_checks.h"
 
 namespace hasten {
 namespace {
-
-void check_gate_up(const at::Tensor& gate_up, const char* op) {
-  check_dim(gate_up, 2, op, "gate_up", "2-D (rows, 2 * inner)");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "hasten::", op, ": `gate_up` must hold [gate | up] halves, got an odd width ",
-              num(gate_up.size(1)));
-}
 
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 at::Tensor swiglu_cpu(const at::Tensor& gate_up) {
-  check_gate_up(gate_up, "swiglu");
+  check_swiglu_args("swiglu", gate_up);
   const auto x = gate_up.contiguous();
   const int64_t rows = x.size(0), inner = x.size(1) / 2;
   auto out = at::empty({rows, inner}, x.options());
@@ -37,13 +31,10 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_up) {
 }
 
 at::Tensor swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gate_up) {
-  check_gate_up(gate_up, "swiglu_backward");
-  check_same_dtype(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
+  check_swiglu_backward_args(grad_act, gate_up);
   const auto x = gate_up.contiguous();
   const auto d = grad_act.contiguous();
   const int64_t rows = x.size(0), inner = x.size(1) / 2;
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == rows && d.size(1) == inner, "hasten::swiglu_backward: `grad_act` must be (",
-              num(rows), ", ", num(inner), "), got ", shape(d.sizes()));
   auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "swiglu_backward_cpu", [&] {
     using A = acc_t<scalar_t>;

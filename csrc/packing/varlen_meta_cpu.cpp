@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "hasten/checks.h"
+#include "packing_checks.h"
 
 namespace hasten {
 namespace {
@@ -33,13 +33,10 @@ void varlen_meta_cpu_impl(const index_t* pos, int64_t total, int64_t row_len, in
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_meta_cpu(const at::Tensor& position_ids) {
   check_device(position_ids, "varlen_meta", "position_ids", c10::DeviceType::CPU);
-  check_dtype(position_ids, "varlen_meta", "position_ids", {at::kLong, at::kInt});
-  TORCH_CHECK(position_ids.dim() >= 1, "hasten::varlen_meta: `position_ids` must have at least one "
-              "dimension (rows, tokens), got a scalar");
+  check_varlen_meta_args(position_ids);
   const auto pos = position_ids.contiguous();
   const int64_t total = pos.numel();
   const int64_t row_len = pos.size(-1);
-  check_fits_int32(total, "varlen_meta", "the number of tokens");
 
   auto opts = pos.options().dtype(at::kInt);
   auto cu = at::empty({total + 1}, opts);

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "hasten/checks.h"
+#include "packing_checks.h"
 #include "../kernels/varlen_meta.cuh"
 
 namespace hasten {
@@ -15,13 +15,10 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_meta_cuda(const at::Tensor& position_ids) {
   check_device(position_ids, "varlen_meta", "position_ids", c10::DeviceType::CUDA);
-  check_dtype(position_ids, "varlen_meta", "position_ids", {at::kLong, at::kInt});
-  TORCH_CHECK(position_ids.dim() >= 1, "hasten::varlen_meta: `position_ids` must have at least one "
-              "dimension (rows, tokens), got a scalar");
+  check_varlen_meta_args(position_ids);
   const c10::cuda::CUDAGuard guard(position_ids.device());
   const auto pos = position_ids.contiguous();
   const int64_t total = pos.numel();
-  check_fits_int32(total, "varlen_meta", "the number of tokens");
 
   auto opts = pos.options().dtype(at::kInt);
   auto cu = at::empty({total + 1}, opts);

@@ -3,13 +3,15 @@
 import pytest
 import torch
 
-from hasten.ops import has_cuda_kernel
+from hasten.ops import has_cuda_kernel, op_names
 from hasten.ops.packing import varlen_meta_raw
 from tests.reference import random_packed_position_ids
 
 
 def test_every_op_has_a_cuda_kernel():
-    assert has_cuda_kernel("varlen_meta")
+    names = op_names()
+    assert {"varlen_meta", "moe_group", "moe_permute", "moe_combine", "swiglu"} <= set(names)
+    assert [op for op in names if not has_cuda_kernel(op)] == []
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])

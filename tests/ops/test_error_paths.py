@@ -16,6 +16,9 @@ CASES = {
     "swiglu odd width": ("torch.ops.hasten.swiglu(torch.randn(2, 3, device=D))", "odd width 3"),
     "moe_permute slots": ("torch.ops.hasten.moe_permute(torch.randn(2, 4, device=D), torch.zeros(4, dtype=torch.int32,"
                           " device=D), torch.zeros(3, dtype=torch.int32, device=D), 3, None)", "slots (4) must be"),
+    "moe_permute slot_scale": ("torch.ops.hasten.moe_permute(torch.randn(2, 4, device=D), torch.zeros(4, "
+                               "dtype=torch.int32, device=D), torch.tensor([0, 4], dtype=torch.int32, device=D), 2, "
+                               "torch.ones(3, device=D))", "`slot_scale` needs one value per slot (4)"),
     "moe_combine weights": ("torch.ops.hasten.moe_combine(torch.randn(4, 8, device=D), torch.zeros(4, dtype=torch.int32,"
                             " device=D), torch.zeros(3, dtype=torch.int32, device=D), 2, torch.randn(3, device=D))",
                             "`weights` must be (tokens, top_k)"),

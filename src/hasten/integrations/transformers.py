@@ -59,7 +59,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 @dataclass
 class _AttentionSettings:
-    packed_sequence: bool
     metadata_cache: bool
     backend: str
     gqa: str
@@ -69,7 +68,7 @@ class _AttentionSettings:
 # Settings per patched model, found from an attention module through `module.config`
 # (transformers' configs are unhashable, hence the id).
 _SETTINGS: dict[int, _AttentionSettings] = {}
-_DEFAULT_SETTINGS = _AttentionSettings(True, True, "auto", "auto", False)
+_DEFAULT_SETTINGS = _AttentionSettings(True, "auto", "auto", False)
 
 
 def _settings_for(module: torch.nn.Module) -> _AttentionSettings:
@@ -95,7 +94,7 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         if q_len != key.shape[2]:  # decoding against a KV cache: not a training path
             return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
                                           sliding_window=sliding_window, **kwargs)
-        if settings.packed_sequence and position_ids is not None:
+        if position_ids is not None:
             # metadata_cache off (or a caller that bypassed the model hook): derive in this layer.
             meta = PackedMeta.from_position_ids(position_ids)
             cu_seqlens, max_seqlen = meta.cu_seqlens, meta.max_seqlen
@@ -226,7 +225,7 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
             return
         logger.warning("hasten: model type '%s' is not in hasten's tested table (%s); patching it through "
                        "transformers' standard attention interface", model_type, ", ".join(sorted(ARCHITECTURES)))
-    settings = _AttentionSettings(True, training.metadata_cache, config.attention.backend, config.attention.gqa,
+    settings = _AttentionSettings(training.metadata_cache, config.attention.backend, config.attention.gqa,
                                   config.attention.verify)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)

@@ -29,6 +29,7 @@ import torch
 
 from hasten.config import Config, ConfigError
 from hasten.training.loop import train
+from hasten.training.telemetry import version_record
 
 VARIANTS = ("baseline", "hasten")
 # hasten_active entry that says packed batches reach hasten's varlen attention
@@ -219,17 +220,15 @@ def _ratio(new: float, old: float) -> float | None:
 
 
 def environment(device: str) -> dict[str, Any]:
-    import transformers
-
+    """The run's version combination (the same record `hasten train` writes) plus the device."""
     import hasten
 
+    record = version_record()
+    packages = record["packages"]
     env: dict[str, Any] = {"hasten": hasten.__version__, "torch": torch.__version__,
-                           "transformers": transformers.__version__, "python": platform.python_version(),
-                           "platform": platform.platform(), "device": device}
+                           "transformers": packages.get("transformers"), **record, "device": device}
     if device.startswith("cuda") and torch.cuda.is_available():
-        index = torch.device(device).index or 0
-        env["device_name"] = torch.cuda.get_device_name(index)
-        env["cuda"] = torch.version.cuda
+        env["device_name"] = torch.cuda.get_device_name(torch.device(device).index or 0)
     else:
         env["device_name"] = platform.processor() or platform.machine()
         env["cpu_threads"] = torch.get_num_threads()
