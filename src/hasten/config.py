@@ -80,8 +80,9 @@ class TrainingConfig:
 class ModelConfig:
     # A local transformers model folder; empty means the embedded default model.
     path: str | None = None
-    # Size of the embedded default model when `path` is empty.
-    default_size: Literal["tiny", "small"] = "small"
+    # Size of the embedded default model when `path` is empty (qwen3-0.6b: that model's shape,
+    # random weights, for benchmarks).
+    default_size: Literal["tiny", "small", "qwen3-0.6b"] = "small"
 
 
 @dataclass

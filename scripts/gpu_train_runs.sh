@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# On the GPU machine, after the extension is built: the production-training runs of the closing
+# notes. Results go to $OUT (or ./gpu-out).
+#   bench    hasten bench (hasten off vs on) on the Qwen3-0.6B-shaped job, one GPU
+#   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two, same config, tokens/s and losses
+#   resume   (2+ GPUs) FSDP2 killed (SIGKILL, whole job) after a checkpoint, then --resume auto;
+#            and an elastic restart: one worker killed under torchrun --max-restarts 1
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+CONFIG=${CONFIG:-configs/qwen3_0.6b_shape.yaml}
+STEPS=${STEPS:-30}
+RUNS=${RUNS:-/tmp/hasten-runs}
+mkdir -p "$OUT" "$RUNS"
+export PYTHONUNBUFFERED=1
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $GPUS"
+
+if [[ " ${PARTS:-bench scaling resume} " == *" bench "* ]]; then
+  python3 -m hasten bench --config "$CONFIG" --steps "$STEPS" --output_dir "$RUNS/bench" --no_progress \
+    > "$OUT/bench.log" 2>&1; echo "bench exit $?" | tee -a "$OUT/bench.log"
+  tail -25 "$OUT/bench.log"
+  cp "$RUNS"/bench/bench.json "$RUNS"/bench/bench.png "$OUT/" 2>/dev/null
+fi
+
+if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume} " == *" scaling "* ]]; then
+  CUDA_VISIBLE_DEVICES=0 python3 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
+    --output_dir "$RUNS/one" --no_progress > "$OUT/one_gpu.log" 2>&1; echo "one gpu exit $?"
+  torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
+    --output_dir "$RUNS/two" --no_progress > "$OUT/two_gpu.log" 2>&1; echo "two gpu exit $?"
+  python3 scripts/compare_runs.py one_gpu="$RUNS/one/logs" fsdp2_two_gpu="$RUNS/two/logs" \
+    --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
+fi
+
+wait_for() {  # wait_for PATH SECONDS: until PATH exists
+  for _ in $(seq "$2"); do [ -e "$1" ] && return 0; sleep 1; done; return 1
+}
+
+if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume} " == *" resume "* ]]; then
+  # 1) the whole job dies (SIGKILL: nothing saved on the way out), then a new launch with --resume auto
+  setsid torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
+    --output_dir "$RUNS/killed" --no_progress > "$OUT/killed.log" 2>&1 &
+  LAUNCHER=$!
+  wait_for "$RUNS/killed/checkpoints/checkpoint-000020/manifest.json" 600 && sleep 2
+  kill -KILL -- -"$LAUNCHER"; wait "$LAUNCHER" 2>/dev/null
+  echo "killed after: $(ls "$RUNS/killed/checkpoints")" | tee -a "$OUT/resume.txt"
+  torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
+    --output_dir "$RUNS/killed" --resume auto --no_progress > "$OUT/resumed.log" 2>&1; echo "resumed exit $?" | tee -a "$OUT/resume.txt"
+  grep -iE "resum" "$OUT/resumed.log" | head -3 | tee -a "$OUT/resume.txt"
+  python3 scripts/compare_runs.py uninterrupted="$RUNS/two/logs" killed_resumed="$RUNS/killed/logs" \
+    --json "$OUT/resume.json" | tee -a "$OUT/resume.txt"
+
+  # 2) elastic: torchrun restarts the workers after one dies; they resume from the latest checkpoint
+  torchrun --nproc_per_node 2 --max-restarts 1 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
+    --output_dir "$RUNS/elastic" --resume auto --no_progress > "$OUT/elastic.log" 2>&1 &
+  LAUNCHER=$!
+  wait_for "$RUNS/elastic/checkpoints/checkpoint-000010/manifest.json" 600 && sleep 2
+  VICTIM=$(pgrep -P "$LAUNCHER" | tail -1)  # torchrun's workers are its children
+  echo "elastic: killing worker $VICTIM" | tee -a "$OUT/resume.txt"
+  kill -KILL "$VICTIM"
+  timeout 600 tail --pid "$LAUNCHER" -f /dev/null; wait "$LAUNCHER"; echo "elastic exit $?" | tee -a "$OUT/resume.txt"
+  python3 scripts/compare_runs.py uninterrupted="$RUNS/two/logs" elastic="$RUNS/elastic/logs" \
+    --json "$OUT/elastic.json" | tee -a "$OUT/resume.txt"
+fi
