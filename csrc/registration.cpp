@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "offload/host_pool.h"
+#include "offload/offload_engine.h"
 
 extern "C" {
 // `import hasten._C` loads this shared object, which runs the static TORCH_LIBRARY
@@ -52,4 +53,19 @@ TORCH_LIBRARY(hasten, m) {
       .def("acquire", &hasten::HostPool::acquire)
       .def("trim", &hasten::HostPool::trim)
       .def("stats", &hasten::HostPool::stats);
+
+  // Activation offload engine (csrc/offload/offload_engine.h): copies on their own streams,
+  // events for every hand-off. torch.classes.hasten.OffloadEngine(max_cached_host_bytes).
+  m.class_<hasten::OffloadEngine>("OffloadEngine")
+      .def(torch::init<int64_t>())
+      .def("offload", &hasten::OffloadEngine::offload)
+      .def("prefetch", &hasten::OffloadEngine::prefetch)
+      .def("fetch", &hasten::OffloadEngine::fetch)
+      .def("release", &hasten::OffloadEngine::release)
+      .def("poll", &hasten::OffloadEngine::poll)
+      .def("synchronize", &hasten::OffloadEngine::synchronize)
+      .def("stats", &hasten::OffloadEngine::stats)
+      .def("reset_counters", &hasten::OffloadEngine::reset_counters);
+  // Asynchronous copy engines of CUDA device `device` (-1 where unknown, e.g. CPU builds).
+  m.def("copy_engine_count(int device) -> int", &hasten::copy_engine_count);
 }

@@ -26,12 +26,31 @@ class CheckpointConfig:
     # Activation checkpointing per decoder layer: none keeps every activation; full recomputes
     # each layer in backward; selective keeps matmul and attention outputs, recomputes the rest.
     activations: Literal["none", "full", "selective"] = "none"
-    # Double-buffered activation offload to pinned host memory -- not built yet.
-    double_buffer: bool = True
+    # Activation offload to pinned host memory, per decoder layer, copies on their own streams:
+    # none; all (every layer but the last); auto (measure the first step, then keep, offload or
+    # recompute each layer so that the copies stay hidden, within max_memory_gib if given).
+    offload: Literal["none", "all", "auto"] = "none"
+    # The deployment guide's switch: true turns offload on (auto, unless offload names a mode) and
+    # brings layer i-1's activations back while layer i runs its backward (two device buffers);
+    # false keeps one buffer; empty: two buffers whenever offload is on. Falls back to one
+    # buffer, with a warning, if two run out of device memory.
+    double_buffer: bool | None = None
+    # With offload auto: the peak device memory to plan for, in GiB; empty plans the lowest
+    # memory that costs no step time.
+    max_memory_gib: float | None = None
     # Optimizer steps between training checkpoints (OUTPUT_DIR/checkpoints), written atomically.
     interval_steps: int = 100
     # Checkpoints kept; older ones are deleted once a newer one is complete.
     keep_last: int = 3
+
+    def offload_mode(self) -> str:
+        """The offload that runs: `offload`, or auto when only the guide's double_buffer asks for it."""
+        if self.offload == "none" and self.double_buffer:
+            return "auto"
+        return self.offload
+
+    def offload_double_buffer(self) -> bool:
+        return self.double_buffer is not False
 
 
 @dataclass
@@ -165,8 +184,9 @@ class Config:
     def inactive_features(self) -> list[str]:
         """Keys that are set but whose feature this version does not provide yet."""
         inactive = []
-        if self.training.checkpoint.double_buffer:
-            inactive.append("training.checkpoint.double_buffer (activation offload is not built yet)")
+        checkpoint = self.training.checkpoint
+        if checkpoint.offload_mode() == "none" and checkpoint.max_memory_gib is not None:
+            inactive.append("training.checkpoint.max_memory_gib (applies with training.checkpoint.offload: auto)")
         return inactive
 
 
@@ -235,5 +255,14 @@ def validate(config: Config) -> None:
         raise ConfigError(f"`lora.r` must be at least 1; got {config.lora.r}")
     if t.learning_rate <= 0:
         raise ConfigError(f"`training.learning_rate` must be positive; got {t.learning_rate}")
+    checkpoint = t.checkpoint
+    if checkpoint.offload_mode() != "none" and checkpoint.activations != "none":
+        which = f"offload: {checkpoint.offload}" if checkpoint.offload != "none" else "double_buffer: true"
+        raise ConfigError(f"`training.checkpoint.{which}` turns on activation offload, which plans per layer what "
+                          "is kept, offloaded or recomputed; it cannot combine with `training.checkpoint.activations: "
+                          f"{checkpoint.activations}`. Set activations: none (offload auto recomputes layers itself "
+                          "when that is cheaper), or turn offload off (offload: none, double_buffer: false).")
+    if checkpoint.max_memory_gib is not None and checkpoint.max_memory_gib <= 0:
+        raise ConfigError(f"`training.checkpoint.max_memory_gib` must be positive GiB; got {checkpoint.max_memory_gib}")
     if t.warmup_steps < 0:
         raise ConfigError(f"`training.warmup_steps` must be zero or more; got {t.warmup_steps}")

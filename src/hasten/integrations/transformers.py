@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hasten.attention.varlen import varlen_attention
 from hasten.config import Config
 from hasten.memory import apply_activation_checkpointing
+from hasten.memory.offload import OffloadError, OffloadManager
 from hasten.moe import MoeLoadStats, fused_experts_forward, unsupported_reason
 from hasten.observability import logger, record_fallback
 from hasten.packing.meta import CU_Q, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
@@ -194,6 +195,7 @@ class AccelerationHandle:
     active: list[str] = field(default_factory=list)
     inactive: list[str] = field(default_factory=list)
     moe_stats: MoeLoadStats | None = None
+    offload: OffloadManager | None = None
     _undo_steps: list = field(default_factory=list)
 
     def undo(self) -> None:
@@ -280,7 +282,10 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
 
 
 def _patch_memory(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
-    policy = config.training.checkpoint.activations
+    checkpoint = config.training.checkpoint
+    if checkpoint.offload_mode() != "none":
+        _patch_offload(model, config, handle)
+    policy = checkpoint.activations
     if policy == "none":
         return
     try:
@@ -291,6 +296,30 @@ def _patch_memory(model: PreTrainedModel, config: Config, handle: AccelerationHa
         handle.inactive.append(f"activation checkpointing ({exc})")
         return
     handle.active.append(f"activation checkpointing ({policy}, per decoder layer)")
+
+
+def _patch_offload(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    checkpoint = config.training.checkpoint
+    mode, double_buffer = checkpoint.offload_mode(), checkpoint.offload_double_buffer()
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        reason = (f"training.checkpoint offload ({mode}) runs on a GPU; this model is on {device.type}, where "
+                  "activations already live in host memory")
+        record_fallback("activation_offload", reason)
+        handle.inactive.append(f"activation offload ({reason})")
+        return
+    try:
+        manager = OffloadManager(model, mode, double_buffer=double_buffer, max_memory_gib=checkpoint.max_memory_gib)
+    except OffloadError as exc:
+        record_fallback("activation_offload", f"training.checkpoint offload ({mode}) cannot be applied ({exc}); "
+                        "activations stay on the device")
+        handle.inactive.append(f"activation offload ({exc})")
+        return
+    handle.offload = manager
+    handle._undo_steps.append(manager.detach)
+    buffers = "double-buffered" if double_buffer else "one buffer"
+    what = "planned per layer after the first step" if mode == "auto" else "every decoder layer but the last"
+    handle.active.append(f"activation offload ({mode}: {what}; {buffers}, copy streams)")
 
 
 def accelerate(model: PreTrainedModel, config: Config | None = None) -> AccelerationHandle:

@@ -19,12 +19,13 @@ import hasten
 from hasten.config import Config, ConfigError
 from hasten.data import ByteTokenizer, DataError, load_dataset
 from hasten.observability import fallback_counts, fallback_reasons, logger, reset_fallbacks
-from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
+from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler
 from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_valid, load_checkpoint, save_checkpoint,
                                        save_final_model, verify)
 from hasten.training.defaults import embedded_model_config
 from hasten.training.distributed import all_reduce_sum, from_environment, shutdown, wrap_model
 from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib
+from hasten.training.prefetch import NextBatchPrefetcher
 from hasten.training.telemetry import GpuMonitor, TensorBoardSink, redact, version_record
 
 
@@ -148,7 +149,8 @@ def _batches_from(loader: DataLoader, sampler: TokenBudgetBatchSampler, epoch: i
     while True:
         sampler.set_epoch(epoch, skip=skip)
         for consumed, batch in enumerate(loader, start=skip + 1):
-            yield epoch, consumed, batch
+            if batch["num_samples"]:  # else every sample of the batch was empty or dropped
+                yield epoch, consumed, batch
         epoch, skip = epoch + 1, 0
 
 
@@ -237,7 +239,9 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     if ctx.is_main:
         (log_dir / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2))
         (log_dir / "versions.json").write_text(json.dumps(redact(version_record()), indent=2))
-    batches = _batches_from(loader, sampler, state.epoch, state.batches_in_epoch)
+    # the next batch's copy to the GPU runs on a side stream while the current step computes
+    batches = NextBatchPrefetcher(_batches_from(loader, sampler, state.epoch, state.batches_in_epoch), device,
+                                  batch_of=lambda item: item[2])
     losses: list[float] = []
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
     last_checkpoint: Path | None = resume_from
@@ -251,12 +255,10 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     with _StopRequest() as stop:
         while state.step < t.max_steps and not stopping:
             for _ in range(t.gradient_accumulation_steps):
-                state.epoch, state.batches_in_epoch, batch = next(batches)
-                while batch["num_samples"] == 0:  # every sample of this batch was empty or dropped
-                    state.epoch, state.batches_in_epoch, batch = next(batches)
+                (state.epoch, state.batches_in_epoch, host_batch), batch = next(batches)
                 # non-padding tokens, counted on the host copy (no device read-back)
-                window_tokens += int(batch["input_ids"].numel() if t.packed_sequence else batch["attention_mask"].sum())
-                batch = move_batch(batch, device)
+                window_tokens += int(host_batch["input_ids"].numel() if t.packed_sequence
+                                     else host_batch["attention_mask"].sum())
                 loss = model(**batch).loss / t.gradient_accumulation_steps
                 loss.backward()
                 window_loss += loss.detach()
@@ -284,6 +286,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                        "fallbacks": fallback_counts()}
                 if handle.moe_stats is not None:
                     row["moe"] = handle.moe_stats.summary()
+                if handle.offload is not None:
+                    row["offload"] = handle.offload.summary()
                 if gpu_monitor is not None and (gpu := gpu_monitor.read()) is not None:
                     row["gpu"] = gpu
                 if ctx.is_main:

@@ -1,0 +1,481 @@
+"""Activation offload per decoder layer, on the C++ engine (csrc/offload/offload_engine.h).
+
+What a decoder layer saves for backward goes, through `saved_tensors_hooks` scoped to that
+layer, to pinned host memory on a device-to-host copy stream while the next layers compute.
+In backward, when layer i starts (the gradient of its output arrives), layer i's activations
+are already on their way back and layer i-1's start coming into the second buffer (double
+buffer); with one buffer only layer i is fetched then. A layer's restored activations are freed
+as soon as autograd frees the saved tensors that use them.
+
+Per layer the plan says:
+  keep       nothing changes
+  offload    saved activations go to the host and come back ahead of use
+  recompute  the layer is checkpointed (transformers' own switch): only its input is kept
+
+Not offloaded, whatever the plan: parameters and other leaf tensors (views of them too), tensor
+subclasses (DTensor), tensors under `min_bytes`, and anything saved outside decoder layers.
+Views and aliases of one storage are copied once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from hasten.observability import record_fallback
+from hasten.ops._lib import require_extension
+
+logger = logging.getLogger("hasten")
+
+PLAN_CHOICES = ("keep", "offload", "recompute")
+DEFAULT_MIN_BYTES = 1 << 20
+
+
+class OffloadError(RuntimeError):
+    """Offload cannot run as configured (the message says why and what to change)."""
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    bytes_offloaded: int
+    bytes_fetched: int
+    bytes_prefetched: int
+    d2h_bytes_in_flight: int
+    device_bytes_held: int
+    host_bytes_held: int
+    fetches: int
+    exposed_fetches: int
+    exposed_wait_ms: float
+    tickets: int
+
+
+class OffloadEngine:
+    """Python face of torch.classes.hasten.OffloadEngine: copies tensors' storages to pooled host
+    memory and back on copy streams (synchronously for CPU tensors)."""
+
+    def __init__(self, max_cached_host_bytes: int = 64 << 30) -> None:
+        require_extension()
+        self._engine = torch.classes.hasten.OffloadEngine(int(max_cached_host_bytes))
+
+    def offload(self, tensor: torch.Tensor) -> int:
+        return self._engine.offload(tensor)
+
+    def prefetch(self, ticket: int) -> None:
+        self._engine.prefetch(ticket)
+
+    def fetch(self, ticket: int) -> torch.Tensor:
+        """The restored storage as uint8 [nbytes], ready for use on the current stream."""
+        return self._engine.fetch(ticket)
+
+    def release(self, ticket: int) -> None:
+        self._engine.release(ticket)
+
+    def poll(self) -> int:
+        return self._engine.poll()
+
+    def synchronize(self) -> None:
+        self._engine.synchronize()
+
+    def stats(self) -> OffloadStats:
+        values = self._engine.stats()
+        return OffloadStats(*values[:8], exposed_wait_ms=values[8] / 1000.0, tickets=values[9])
+
+    def reset_counters(self) -> None:
+        self._engine.reset_counters()
+
+
+class _Ticket:
+    """One offloaded storage. Autograd holds it through the _Packed objects of the saved tensors
+    that use it; when it frees the last of them, the engine releases the copies."""
+
+    __slots__ = ("engine", "id", "layer", "nbytes", "__weakref__")
+
+    def __init__(self, engine: OffloadEngine, ticket: int, layer: int, nbytes: int) -> None:
+        self.engine, self.id, self.layer, self.nbytes = engine, ticket, layer, nbytes
+
+    def __del__(self) -> None:
+        try:
+            self.engine.release(self.id)
+        except Exception:  # interpreter shutdown: the engine may already be gone
+            pass
+
+
+class _Packed:
+    """A saved tensor in host memory: its storage's ticket and how to view it."""
+
+    __slots__ = ("ticket", "dtype", "size", "stride", "offset")
+
+    def __init__(self, ticket: _Ticket, tensor: torch.Tensor) -> None:
+        self.ticket = ticket
+        self.dtype, self.size, self.stride = tensor.dtype, tensor.size(), tensor.stride()
+        self.offset = tensor.storage_offset()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a transformers model, in order (transformers marks them by class)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _first_grad_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class LayerOffload:
+    """Offloads, per the plan, what each decoder layer saves for backward.
+
+    `plan` has one of PLAN_CHOICES per layer. `attach()` installs the module hooks and returns
+    nothing; `detach()` removes them. `double_buffer` prefetches layer i-1 while layer i runs its
+    backward; if that runs out of device memory, it falls back to one buffer and says so once.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], plan: Sequence[str], *, double_buffer: bool = True,
+                 min_bytes: int = DEFAULT_MIN_BYTES, engine: OffloadEngine | None = None) -> None:
+        if len(plan) != len(layers):
+            raise ValueError(f"the offload plan has {len(plan)} entries for {len(layers)} decoder layers")
+        for choice in plan:
+            if choice not in PLAN_CHOICES:
+                raise ValueError(f"offload plan entries must be one of {PLAN_CHOICES}, got {choice!r}")
+        self.layers = list(layers)
+        self.plan = list(plan)
+        self.double_buffer = double_buffer
+        self.min_bytes = min_bytes
+        self.engine = engine or OffloadEngine()
+        self.fell_back_to_single_buffer: str | None = None
+        self.bytes_per_layer = [0] * len(self.layers)  # of the latest forward
+        # tickets of each layer of the graph being built or run: weak, autograd owns them
+        self._layer_tickets: list[list[weakref.ref]] = [[] for _ in self.layers]
+        # storage -> its ticket, to copy aliases once; the storage weak reference tells a live storage
+        # from a new one that the allocator placed at a freed one's address
+        self._by_storage: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ref]] = {}
+        self._contexts: dict[int, torch.autograd.graph.saved_tensors_hooks] = {}
+        self._current_layer: int | None = None
+        self._handles: list = []
+        self.layer_observers: list[Callable[[int, str], None]] = []  # (layer, "forward_start" | ...)
+        self.host_guard: Callable[[int], None] | None = None  # raises before host memory runs short
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def attach(self) -> None:
+        if self._handles:
+            return
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._pre_forward(index)))
+            self._handles.append(layer.register_forward_hook(self._post_forward(index), always_call=True))
+        self.apply_recompute()
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for index in list(self._contexts):
+            self._contexts.pop(index).__exit__(None, None, None)
+        for layer in self.layers:
+            if layer.__dict__.pop("_hasten_recompute", False):
+                layer.gradient_checkpointing = False
+            if layer.__dict__.pop("_hasten_checkpoint_func", False):
+                del layer._gradient_checkpointing_func
+
+    def apply_recompute(self) -> None:
+        """Turn transformers' per-layer checkpointing on exactly for the layers planned 'recompute'."""
+        for layer, choice in zip(self.layers, self.plan, strict=True):
+            wanted = choice == "recompute"
+            if wanted and getattr(layer, "_gradient_checkpointing_func", None) is None:
+                # what model.gradient_checkpointing_enable() would set, for this layer alone
+                layer._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                       use_reentrant=False)
+                layer._hasten_checkpoint_func = True
+            if wanted or getattr(layer, "_hasten_recompute", False):
+                layer.gradient_checkpointing = wanted
+                layer._hasten_recompute = wanted
+
+    def set_plan(self, plan: Sequence[str]) -> None:
+        if len(plan) != len(self.layers) or any(choice not in PLAN_CHOICES for choice in plan):
+            raise ValueError(f"a plan needs one of {PLAN_CHOICES} for each of the {len(self.layers)} layers")
+        self.plan = list(plan)
+        self.apply_recompute()
+
+    def _pre_forward(self, index: int):
+        def hook(module, args):
+            if not torch.is_grad_enabled():
+                return
+            if index == 0:
+                self._start_graph()
+            for observer in self.layer_observers:
+                observer(index, "forward_start")
+            self.bytes_per_layer[index] = 0
+            if self.plan[index] == "offload":
+                self._current_layer = index
+                context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                context.__enter__()
+                self._contexts[index] = context
+        return hook
+
+    def _post_forward(self, index: int):
+        def hook(module, args, output):
+            context = self._contexts.pop(index, None)
+            if context is not None:
+                context.__exit__(None, None, None)
+                self._current_layer = None
+            if not torch.is_grad_enabled():
+                return
+            for observer in self.layer_observers:
+                observer(index, "forward_end")
+            grad_output = _first_grad_tensor(output)
+            if grad_output is not None:
+                grad_output.register_hook(self._backward_start(index))
+        return hook
+
+    def _start_graph(self) -> None:
+        self._by_storage.clear()
+        for tickets in self._layer_tickets:
+            tickets[:] = [ref for ref in tickets if ref() is not None]  # an earlier graph may still be alive
+        self.engine.poll()
+
+    def _backward_start(self, index: int):
+        def hook(grad):
+            for observer in self.layer_observers:
+                observer(index, "backward_start")
+            self._prefetch_layer(index)
+            if self.double_buffer and index > 0:
+                self._prefetch_layer(index - 1)
+        return hook
+
+    def _prefetch_layer(self, index: int) -> None:
+        for ref in self._layer_tickets[index]:
+            ticket = ref()
+            if ticket is None:
+                continue
+            try:
+                self.engine.prefetch(ticket.id)
+            except torch.OutOfMemoryError as exc:
+                if not self.double_buffer:
+                    raise
+                self._fall_back_to_single_buffer(exc)
+                return
+
+    def _fall_back_to_single_buffer(self, exc: BaseException) -> None:
+        self.double_buffer = False
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self.fell_back_to_single_buffer = first_line
+        logger.warning("hasten: double-buffered activation prefetch ran out of device memory (%s); continuing "
+                       "with one buffer: each layer's activations now come back when its backward starts, so "
+                       "copies are no longer hidden. Lower training.max_tokens or set "
+                       "training.checkpoint.double_buffer: false to silence this.", first_line)
+        record_fallback("offload_double_buffer", f"double buffer out of device memory: {first_line}")
+
+    def _keep_on_device(self, tensor: torch.Tensor) -> bool:
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, nn.Parameter):
+            return True  # subclasses (DTensor, FSDP's) own their storage handling
+        base = tensor._base if tensor._base is not None else tensor
+        if base.is_leaf:  # parameters (trainable or frozen), inputs: not activations
+            return True
+        if tensor.device.type not in ("cuda", "cpu"):
+            return True
+        return tensor.numel() * tensor.element_size() < self.min_bytes
+
+    def _pack(self, tensor: torch.Tensor):
+        index = self._current_layer
+        if index is None or self._keep_on_device(tensor):
+            return tensor
+        storage = tensor.untyped_storage()
+        if storage.nbytes() > 2 * tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # a small view of a large buffer: copy only the view
+            storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), tensor.device.index if tensor.device.index is not None else -1)
+        known = self._by_storage.get(key)
+        ticket = known[1]() if known is not None and not known[0].expired() else None
+        if ticket is None:
+            if self.host_guard is not None:
+                self.host_guard(storage.nbytes())
+            ticket = _Ticket(self.engine, self.engine.offload(tensor), index, storage.nbytes())
+            self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(ticket))
+            self._layer_tickets[index].append(weakref.ref(ticket))
+            self.bytes_per_layer[index] += ticket.nbytes
+        return _Packed(ticket, tensor)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        restored = self.engine.fetch(packed.ticket.id)
+        view = torch.empty(0, dtype=packed.dtype, device=restored.device)
+        return view.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+
+def measure_link_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> dict[str, float]:
+    """Pinned host<->device copy bandwidth in GB/s, each way, timed with CUDA events."""
+    if device.type != "cuda":
+        raise OffloadError("the host<->device link is measured on a CUDA device")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    result = {}
+    for name, dst, src in (("d2h_gbps", host, dev), ("h2d_gbps", dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        result[name] = nbytes * repeats / (start.elapsed_time(end) / 1000.0) / 1e9
+    return result
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class OffloadManager:
+    """training.checkpoint.offload on one model.
+
+      all   every decoder layer but the last `keep_last` offloads what it saves
+      auto  the first forward runs as 'all' and is measured (per-layer bytes and forward time,
+            the link's bandwidth, the step's peak); from the second forward on, the planner's
+            choice of keep / offload / recompute per layer (hasten.memory.planner)
+
+    `summary()` gives the per-logging-step metrics (counters since the previous call).
+    """
+
+    def __init__(self, model: nn.Module, mode: str, *, double_buffer: bool = True,
+                 max_memory_gib: float | None = None, keep_last: int = 1,
+                 min_bytes: int = DEFAULT_MIN_BYTES, host_fraction: float = 0.8) -> None:
+        if mode not in ("all", "auto"):
+            raise ValueError(f"offload mode must be 'all' or 'auto', got {mode!r}")
+        layers = decoder_layers(model)
+        if not layers:
+            raise OffloadError(f"{type(model).__name__} has no transformers decoder layers "
+                               "(GradientCheckpointingLayer) to offload")
+        self.mode = mode
+        self.budget_bytes = int(max_memory_gib * 2**30) if max_memory_gib else None
+        keep = min(max(keep_last, 0), len(layers))
+        calibration = ["offload"] * (len(layers) - keep) + ["keep"] * keep
+        self.offload = LayerOffload(layers, calibration, double_buffer=double_buffer, min_bytes=min_bytes)
+        self.calibration_choices = list(calibration)
+        self.plan = None  # hasten.memory.planner.Plan once 'auto' has planned
+        self.bandwidth: dict[str, float] | None = None
+        available = _available_host_bytes()
+        self.host_limit_bytes = int(available * host_fraction) if available else None
+        self._forwards = 0
+        self._timing: dict[int, list] = {}
+        self._calibration_peak: int | None = None
+        self._device: torch.device | None = None
+        self.offload.layer_observers.append(self._observe)
+        self.offload.host_guard = self._check_host_memory
+        self.offload.attach()
+
+    def detach(self) -> None:
+        self.offload.detach()
+
+    # ---- observation and planning -----------------------------------------------------------
+    def _observe(self, index: int, event: str) -> None:
+        if index == 0 and event == "forward_start":
+            self._forwards += 1
+            if self.mode == "auto" and self._forwards == 2 and self.plan is None:
+                self._make_plan()
+        if self.mode != "auto" or self._forwards != 1:
+            return
+        layer_device = self._layer_device(index)
+        if event in ("forward_start", "forward_end"):
+            if layer_device.type == "cuda":
+                marker = torch.cuda.Event(enable_timing=True)
+                marker.record()
+            else:
+                import time
+
+                marker = time.perf_counter()
+            self._timing.setdefault(index, [None, None])[0 if event == "forward_start" else 1] = marker
+        elif event == "backward_start" and index == 0 and layer_device.type == "cuda":
+            self._calibration_peak = torch.cuda.max_memory_allocated(layer_device)
+
+    def _layer_device(self, index: int) -> torch.device:
+        if self._device is None:
+            param = next(self.offload.layers[index].parameters(), None)
+            self._device = param.device if param is not None else torch.device("cpu")
+        return self._device
+
+    def _forward_seconds(self) -> list[float]:
+        seconds = []
+        for index in range(len(self.offload.layers)):
+            start, end = self._timing.get(index, (None, None))
+            if start is None or end is None:
+                seconds.append(0.0)
+            elif isinstance(start, float):
+                seconds.append(end - start)
+            else:
+                end.synchronize()  # once, when planning
+                seconds.append(start.elapsed_time(end) / 1000.0)
+        return seconds
+
+    def _make_plan(self) -> None:
+        from hasten.memory.planner import LayerMeasure, plan_layers
+
+        device = self._device or torch.device("cpu")
+        if device.type == "cuda":
+            self.bandwidth = measure_link_bandwidth(device)
+            bandwidth_bps = min(self.bandwidth.values()) * 1e9
+        else:
+            bandwidth_bps = 10e9  # the CPU path copies synchronously; a nominal figure keeps the plan defined
+        measures = [LayerMeasure(b, f) for b, f in zip(self.offload.bytes_per_layer, self._forward_seconds(),
+                                                       strict=True)]
+        self.plan = plan_layers(measures, bandwidth_bps, double_buffer=self.offload.double_buffer,
+                                calibration_choices=self.calibration_choices,
+                                calibration_peak_bytes=self._calibration_peak, budget_bytes=self.budget_bytes)
+        self.offload.set_plan(self.plan.choices)
+        logger.warning("hasten: activation offload plan: %s (link %s; predicted extra step time %.1f ms%s)",
+                       self.plan.summary(),
+                       ", ".join(f"{k} {v:.1f} GB/s" for k, v in (self.bandwidth or {}).items()) or "CPU",
+                       self.plan.predicted_extra_s * 1000,
+                       "" if self.plan.predicted_peak_bytes is None
+                       else f"; predicted peak {self.plan.predicted_peak_bytes / 2**30:.1f} GiB")
+        for note in self.plan.notes:
+            logger.warning("hasten: %s", note)
+            record_fallback("offload_budget", note)
+
+    def _check_host_memory(self, nbytes: int) -> None:
+        if self.host_limit_bytes is None:
+            return
+        held = self.offload.engine.stats().host_bytes_held
+        if held + nbytes > self.host_limit_bytes:
+            raise OffloadError(
+                f"activation offload needs more host memory than this machine can spare: {(held + nbytes) / 2**30:.1f}"
+                f" GiB would be held, the limit is {self.host_limit_bytes / 2**30:.1f} GiB (80% of what was "
+                "available at start). Lower training.max_tokens, give training.checkpoint.max_memory_gib with "
+                "offload: auto (the planner then recomputes instead), or set training.checkpoint.offload: none.")
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        stats = self.offload.engine.stats()
+        self.offload.engine.reset_counters()
+        row = {"gib_offloaded": stats.bytes_offloaded / 2**30, "gib_fetched": stats.bytes_fetched / 2**30,
+               "fetches": stats.fetches, "exposed_fetches": stats.exposed_fetches,
+               "exposed_wait_ms": stats.exposed_wait_ms, "double_buffer": self.offload.double_buffer,
+               "plan": self.plan.summary() if self.plan else
+               ("calibrating" if self.mode == "auto" else self._static_plan_summary())}
+        if self.offload.fell_back_to_single_buffer:
+            row["single_buffer_reason"] = self.offload.fell_back_to_single_buffer
+        return row
+
+    def _static_plan_summary(self) -> str:
+        return f"{self.offload.plan.count('offload')} offload of {len(self.offload.plan)} layers"
