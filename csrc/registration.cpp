@@ -65,7 +65,9 @@ TORCH_LIBRARY(hasten, m) {
       .def("poll", &hasten::OffloadEngine::poll)
       .def("synchronize", &hasten::OffloadEngine::synchronize)
       .def("stats", &hasten::OffloadEngine::stats)
-      .def("reset_counters", &hasten::OffloadEngine::reset_counters);
-  // Asynchronous copy engines of CUDA device `device` (-1 where unknown, e.g. CPU builds).
-  m.def("copy_engine_count(int device) -> int", &hasten::copy_engine_count);
+      .def("reset_counters", &hasten::OffloadEngine::reset_counters)
+      // asynchronous copy engines of CUDA device `device` (-1 where unknown, e.g. CPU builds)
+      .def("copy_engine_count", [](const c10::intrusive_ptr<hasten::OffloadEngine>&, int64_t device) {
+        return hasten::copy_engine_count(device);
+      });
 }

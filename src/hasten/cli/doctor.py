@@ -73,6 +73,7 @@ def collect_findings(data: list[str], output_dirs: list[str], log_dirs: list[str
         *compat.check_versions(cuda_available=gpu_count > 0),
         *gpu_rows,
         *op_library_findings(gpu_present=gpu_count > 0),
+        *offload_findings(gpu_count),
         *(readable_path_finding(path) for path in data),
         *(writable_dir_finding("output_dir", path) for path in output_dirs),
         *(writable_dir_finding("log_dir", path) for path in log_dirs),
@@ -183,6 +184,43 @@ def driver_finding(driver: str | None) -> Finding:
     if driver is None:
         return Finding("driver", "info", "unknown (nvidia-smi not found or failed)")
     return Finding("driver", "ok", driver)
+
+
+def offload_findings(gpu_count: int) -> list[Finding]:
+    """What double-buffered activation offload and stream overlap need: copy engines (one per
+    direction), pinned host memory, and the pinned link's bandwidth, measured."""
+    if gpu_count == 0 or not is_loaded():
+        return []
+    from hasten.memory.offload import OffloadEngine, _available_host_bytes, measure_link_bandwidth
+
+    findings = []
+    engines = OffloadEngine(0).copy_engine_count(torch.cuda.current_device())
+    if engines >= 2:
+        findings.append(Finding("copy engines", "ok", f"{engines}: host<->device copies each way overlap each "
+                                "other and compute (double-buffered offload, next-batch copies)"))
+    elif engines == 1:
+        findings.append(Finding("copy engines", "warn", "1: offload and prefetch copies take turns",
+                                "double buffering hides less here; prefer offload: auto, which plans for it"))
+    else:
+        findings.append(Finding("copy engines", "info", "unknown in this build"))
+    available = _available_host_bytes()
+    findings.append(Finding("pinned host memory", "info", "up to " + (_format_bytes(available * 0.8) if available
+                                                                       else "unknown") + " for offload (80% of "
+                            "available now)"))
+    try:
+        link = measure_link_bandwidth(torch.device("cuda", torch.cuda.current_device()), nbytes=128 << 20)
+    except RuntimeError as exc:  # pinning failed (container memlock limits) or CUDA error
+        return findings + [Finding("host link", "warn", f"could not measure pinned copies: {exc}",
+                                   "activation offload needs page-locked host memory; check the container's "
+                                   "memlock limit (ulimit -l)")]
+    slowest = min(link.values())
+    detail = f"pinned copies d2h {link['d2h_gbps']:.1f} GB/s, h2d {link['h2d_gbps']:.1f} GB/s"
+    if slowest < 10:
+        findings.append(Finding("host link", "warn", detail, "slower than a PCIe 4 x16 link: offload hides little; "
+                                "check the slot, NUMA placement (numactl) and that memory is pinned"))
+    else:
+        findings.append(Finding("host link", "ok", detail))
+    return findings
 
 
 def op_library_findings(gpu_present: bool) -> list[Finding]:

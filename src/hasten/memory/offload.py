@@ -91,6 +91,10 @@ class OffloadEngine:
     def reset_counters(self) -> None:
         self._engine.reset_counters()
 
+    def copy_engine_count(self, device_index: int) -> int:
+        """Asynchronous copy engines of a CUDA device; -1 where unknown (CPU build)."""
+        return self._engine.copy_engine_count(int(device_index))
+
 
 class _Ticket:
     """One offloaded storage. Autograd holds it through the _Packed objects of the saved tensors

@@ -1,0 +1,216 @@
+"""Activation offload on the GPU: copies on their own streams equal the values they copied while
+compute keeps writing; gradients with offload (double and single buffer) equal those without over
+several packed steps; device memory returns to its baseline after each step; the planner runs."""
+
+import gc
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hasten
+from hasten.config import Config
+from hasten.memory.offload import LayerOffload, OffloadEngine, decoder_layers, measure_link_bandwidth
+from hasten.packing import move_batch
+from hasten.training.prefetch import NextBatchPrefetcher
+
+SHAPE = dict(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**SHAPE)).to("cuda", torch.bfloat16).train()
+
+
+def _batches(n, seed=0, max_tokens=4096):
+    gen = torch.Generator().manual_seed(seed)
+    collator = hasten.PackingCollator(max_tokens=max_tokens)
+    out = []
+    for _ in range(n):
+        lengths = [1, 2] + torch.randint(3, 700, (12,), generator=gen).tolist()
+        samples = [{"input_ids": torch.randint(0, 1000, (k,), generator=gen).tolist()} for k in lengths]
+        out.append(move_batch(collator(samples), "cuda"))
+    return out
+
+
+def _train(model, batches, lr=1e-3):
+    """Losses and the final gradients of a few AdamW steps."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, grads = [], None
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+    return losses, grads
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def test_engine_never_lets_memory_be_reused_before_its_copy_is_done():
+    """Random sizes; the source is dropped right after offload and compute immediately fills fresh
+    allocations (which the caching allocator serves from just-freed blocks) with junk. A buffer
+    released before its copy finished would restore junk."""
+    engine = OffloadEngine()
+    rng = random.Random(0)
+    busy = torch.randn(4096, 4096, device="cuda")
+    tickets, junk = [], []
+    for _ in range(60):  # random sizes, not multiples of anything
+        n = rng.randint(1, 3_000_000)
+        x = torch.randn(n, device="cuda")
+        want = x.cpu()
+        busy = busy @ busy * 1e-4  # the compute stream stays busy while copies are queued
+        tickets.append((engine.offload(x), want))
+        del x
+        junk.append(torch.full((rng.randint(1, 3_000_000),), 7.0, device="cuda"))
+        if len(junk) > 4:
+            junk.pop(0)
+        if rng.random() < 0.3:  # prefetch some early, while offloads are still in flight
+            engine.prefetch(tickets[rng.randrange(len(tickets))][0])
+    for ticket, want in tickets:
+        got = engine.fetch(ticket).view(torch.float32)
+        junk.append(torch.full_like(got, 9.0))  # compute writes right after the wait
+        assert torch.equal(got.cpu(), want)
+        engine.release(ticket)
+    engine.synchronize()
+    stats = engine.stats()
+    assert stats.tickets == 0 and stats.device_bytes_held == 0 and stats.d2h_bytes_in_flight == 0
+
+
+def test_engine_exact_round_trip_of_views_and_dtypes():
+    engine = OffloadEngine()
+    for dtype in (torch.bfloat16, torch.float32, torch.int64, torch.bool):
+        base = (torch.randn(37, 129, device="cuda") * 100).to(dtype)
+        view = base.t()[3:]
+        ticket = engine.offload(view)
+        del base  # the engine keeps the storage alive until its copy is done
+        restored = engine.fetch(ticket)
+        got = torch.empty(0, dtype=dtype, device="cuda").set_(restored.untyped_storage(), view.storage_offset(),
+                                                            view.size(), view.stride())
+        assert torch.equal(got, view)
+        engine.release(ticket)
+
+
+@pytest.mark.parametrize("double_buffer", [True, False], ids=["double", "single"])
+def test_offload_gradients_equal_keeping_everything_over_packed_steps(double_buffer):
+    batches = _batches(3)
+    want_losses, want_grads = _train(_model(), batches)
+    model = _model()
+    hasten.accelerate(model, Config())
+    layers = decoder_layers(model)
+    offload = LayerOffload(layers, ["offload"] * (len(layers) - 1) + ["keep"], double_buffer=double_buffer)
+    offload.attach()
+    losses, grads = _train(model, batches)
+    for got, want in zip(losses, want_losses):
+        assert abs(got - want) <= 2e-2 * abs(want)  # bf16 noise (varlen vs sdpa differ slightly)
+    worst = max(_rel(grads[n], want_grads[n]) for n in want_grads)
+    assert worst <= 5e-2, worst
+    stats = offload.engine.stats()
+    assert stats.bytes_offloaded > 50 << 20 and stats.fetches > 0
+    if not double_buffer:
+        assert stats.exposed_fetches > 0  # one buffer: every layer waits for its copy
+
+
+def test_offload_is_bitwise_neutral_on_the_same_model():
+    """Same model, same kernels: offload changes where bytes live, not what is computed."""
+    batch = _batches(1, seed=5)[0]
+    model = _model()
+    hasten.accelerate(model, Config())
+    torch.use_deterministic_algorithms(False)
+    model.zero_grad(set_to_none=True)
+    ref = model(**batch).loss
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    offload = LayerOffload(decoder_layers(model), ["offload"] * 4, double_buffer=True)
+    offload.attach()
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.equal(loss, ref)
+    worst = max(_rel(p.grad.float(), want[n].float()) for n, p in model.named_parameters())
+    assert worst <= 1e-2, worst  # attention backward may use atomics; everything else is exact
+
+
+def test_device_memory_returns_to_its_baseline_after_each_step():
+    batches = _batches(4, seed=2)
+    model = _model()
+    hasten.accelerate(model, Config())
+    offload = LayerOffload(decoder_layers(model), ["offload"] * 4)
+    offload.attach()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    baseline = None
+    for batch in batches:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        offload.engine.synchronize()
+        gc.collect()
+        stats = offload.engine.stats()
+        assert stats.tickets == 0 and stats.device_bytes_held == 0 and stats.d2h_bytes_in_flight == 0
+        allocated = torch.cuda.memory_allocated()
+        baseline = allocated if baseline is None else baseline
+        assert allocated == baseline
+
+
+def test_offload_lowers_the_peak():
+    batch = _batches(1, seed=3, max_tokens=8192)[0]
+    peaks = {}
+    for plan in ("keep", "offload"):
+        model = _model()
+        hasten.accelerate(model, Config())
+        offload = LayerOffload(decoder_layers(model), [plan] * 3 + ["keep"])
+        offload.attach()
+        model(**batch).loss.backward()  # warm-up: pools, kernels
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        model(**batch).loss.backward()
+        torch.cuda.synchronize()
+        peaks[plan] = torch.cuda.max_memory_allocated() - start
+        offload.detach()
+        del model, offload
+        gc.collect()
+    assert peaks["offload"] < 0.8 * peaks["keep"], peaks
+
+
+def test_accelerate_with_the_guides_double_buffer_plans_and_trains():
+    batches = _batches(3, seed=4)
+    want_losses, _ = _train(_model(), batches)
+    model = _model()
+    handle = hasten.accelerate(model, Config.from_dict({"training": {"checkpoint": {"double_buffer": True}}}))
+    assert handle.offload is not None and handle.offload.mode == "auto"
+    losses, _ = _train(model, batches)
+    assert handle.offload.plan is not None and len(handle.offload.plan.choices) == 4
+    assert handle.offload.bandwidth["h2d_gbps"] > 1.0
+    for got, want in zip(losses, want_losses):
+        assert abs(got - want) <= 2e-2 * abs(want)
+    row = handle.offload.summary()
+    assert row["plan"].endswith("of 4 layers")
+
+
+def test_link_bandwidth_is_measured():
+    bandwidth = measure_link_bandwidth(torch.device("cuda"), nbytes=64 << 20)
+    assert bandwidth["d2h_gbps"] > 1.0 and bandwidth["h2d_gbps"] > 1.0
+
+
+def test_next_batch_prefetcher_hands_out_the_host_batches():
+    collator = hasten.PackingCollator(max_tokens=512)
+    gen = torch.Generator().manual_seed(0)
+    hosts = []
+    for _ in range(5):
+        batch = collator([{"input_ids": torch.randint(0, 1000, (k,), generator=gen).tolist()} for k in (5, 1, 300)])
+        hosts.append({k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()})
+    prefetcher = NextBatchPrefetcher(iter(hosts), torch.device("cuda"))
+    for host, (item, device_batch) in zip(hosts, prefetcher):
+        assert item is host
+        for key, value in host.items():
+            if isinstance(value, torch.Tensor):
+                assert device_batch[key].is_cuda and torch.equal(device_batch[key].cpu(), value)
+    assert prefetcher.copies == 5
