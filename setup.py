@@ -40,7 +40,8 @@ def _want_cuda() -> tuple[bool, str]:
 
 def _extension():
     # every build: schemas, CPU ops, and the host-side offload code (pinned memory on CUDA builds)
-    cpu_sources = ["csrc/registration.cpp"] + _sources("csrc/*/*_cpu.cpp") + _sources("csrc/offload/*.cpp")
+    cpu_sources = (["csrc/registration.cpp"] + _sources("csrc/*/*_cpu.cpp") + _sources("csrc/*/*_composite.cpp")
+                   + _sources("csrc/offload/*.cpp"))
     include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
     cxx_flags = ["-O3", "-std=c++17"]
     with_cuda, why_not = _want_cuda()

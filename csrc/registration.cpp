@@ -46,6 +46,23 @@ TORCH_LIBRARY(hasten, m) {
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor grad_act, Tensor gate_up) -> Tensor");
 
+  // Cross-entropy over rows of LM-head logits (rows, vocab), float accumulation. Returns the
+  // per-row loss (rows,) float32: lse - (1 - eps) * z_t - eps / vocab * sum_j z_j with
+  // z = softcap * tanh(logit / softcap) when softcap > 0. With grad_scale (one float32: 1 / the
+  // loss denominator) the logits are overwritten with d(sum of row losses)/d logits * grad_scale.
+  // ignore_index rows: loss 0, zero gradient. Out-of-range targets: an error on the CPU, loss NaN
+  // on the GPU (no host sync to raise from).
+  m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor targets, Tensor? grad_scale, int ignore_index, "
+        "float label_smoothing, float softcap) -> Tensor");
+  // LM head + cross-entropy in chunks of tokens (csrc/loss/linear_cross_entropy_composite.cpp):
+  // hidden (T, H), weight (V, H), bias (V,)?, targets (T,) int64 (already shifted),
+  // denominator: one value, the loss is sum / denominator. chunk_tokens 0 = about 1 GiB of logits
+  // per chunk. With compute_grad the gradients of the loss come back too (else undefined):
+  // (loss float32 scalar, grad_hidden (T, H), grad_weight (V, H), grad_bias (V,)?).
+  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor denominator, "
+        "int ignore_index, float label_smoothing, float softcap, int chunk_tokens, bool compute_grad) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+
   // Host memory pool for activation offload (csrc/offload/host_pool.h): blocks reused by size
   // class, page-locked on CUDA builds. torch.classes.hasten.HostPool(max_cached_bytes).
   m.class_<hasten::HostPool>("HostPool")
