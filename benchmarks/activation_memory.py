@@ -10,6 +10,9 @@ Variants in one run (rows to benchmarks/results/W2.jsonl):
   hasten_offload_all     every layer but the last offloaded, double-buffered
   hasten_offload_auto    planner, no budget: what hides for free
   hasten_offload_budget  planner with the peak of hf_grad_ckpt in this run as budget
+  hasten_fused_ce        hasten's chunked linear cross-entropy alone (no full logits)
+  hasten_fused_ce_auto   fused loss + planner, no budget
+  hasten                 fused loss + planner with the peak of hf_grad_ckpt as budget
 
     python benchmarks/activation_memory.py [--tokens 16384] [--variants a,b] [--out DIR]
 """
@@ -28,12 +31,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from hasten.loss import install_fused_cross_entropy  # noqa: E402
 from hasten.memory import apply_activation_checkpointing  # noqa: E402
 from hasten.memory.offload import LayerOffload, OffloadManager, decoder_layers, measure_link_bandwidth  # noqa: E402
 from hasten.observability import fallback_counts, reset_fallbacks  # noqa: E402
 
 VARIANTS = ("hf_no_ckpt", "hf_grad_ckpt", "torch_save_on_cpu", "hasten_selective", "hasten_offload_all",
-            "hasten_offload_auto", "hasten_offload_budget")
+            "hasten_offload_auto", "hasten_offload_budget", "hasten_fused_ce", "hasten_fused_ce_auto", "hasten")
+BUDGETED = ("hasten_offload_budget", "hasten")
 COMPARED = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight",
             "model.layers.15.self_attn.q_proj.weight")
 
@@ -71,6 +76,17 @@ def setup(name: str, model, budget_gib: float | None):
                 return offload.engine.reset_counters()
             return _describe(offload.engine.stats(), f"{len(layers) - 1} offload, 1 keep")
         return none, offload.detach, describe
+    if name == "hasten_fused_ce":
+        return none, install_fused_cross_entropy(model), nothing
+    if name in ("hasten_fused_ce_auto", "hasten"):
+        undo_loss = install_fused_cross_entropy(model)
+        inner_context, undo_offload, describe = setup("hasten_offload_budget" if name == "hasten"
+                                                      else "hasten_offload_auto", model, budget_gib)
+
+        def undo():
+            undo_offload()
+            undo_loss()
+        return inner_context, undo, describe
     if name in ("hasten_offload_auto", "hasten_offload_budget"):
         manager = OffloadManager(model, "auto", max_memory_gib=budget_gib if name.endswith("budget") else None)
 
@@ -111,9 +127,9 @@ def main() -> int:
     rows, reference, ckpt_peak = [], None, None
     for name in args.variants.split(","):
         reset_fallbacks()
-        budget = ckpt_peak if name == "hasten_offload_budget" else None
-        if name == "hasten_offload_budget" and budget is None:
-            print("hasten_offload_budget needs hf_grad_ckpt earlier in --variants; skipped")
+        budget = ckpt_peak if name in BUDGETED else None
+        if name in BUDGETED and budget is None:
+            print(f"{name} needs hf_grad_ckpt earlier in --variants; skipped")
             continue
         step_context, undo, describe = setup(name, model, budget)
         first: dict = {}
@@ -125,12 +141,14 @@ def main() -> int:
                 loss.backward()
             if not first:
                 first["loss"] = loss.detach().float()
-                first["grads"] = {n: p.grad.float().clone() for n, p in model.named_parameters() if n in COMPARED}
+                # on the host: copies kept on the device would raise every later variant's peak
+                first["grads"] = {n: p.grad.float().cpu() for n, p in model.named_parameters() if n in COMPARED}
             optimizer.step()
 
         try:
             iters = 2 if name == "torch_save_on_cpu" else args.iters
-            times = common.time_steps(step, warmup=0, iters=2)  # warm-up; auto calibrates and plans here
+            torch.cuda.reset_peak_memory_stats()  # the planner's calibration reads this step's peak
+            times = common.time_steps(step, warmup=0, iters=3)  # warm-up; auto calibrates and plans here
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             describe(reset=True)  # count the timed steps only

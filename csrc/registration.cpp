@@ -57,7 +57,7 @@ TORCH_LIBRARY(hasten, m) {
   // LM head + cross-entropy in chunks of tokens (csrc/loss/linear_cross_entropy_composite.cpp):
   // hidden (T, H), weight (V, H), bias (V,)?, targets (T,) int64 (already shifted),
   // denominator: one value, the loss is sum / denominator. chunk_tokens 0 = about 1 GiB of logits
-  // per chunk. With compute_grad the gradients of the loss come back too (else undefined):
+  // per chunk. With compute_grad the gradients of the loss come back too (else empty (0,) tensors):
   // (loss float32 scalar, grad_hidden (T, H), grad_weight (V, H), grad_bias (V,)?).
   m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor denominator, "
         "int ignore_index, float label_smoothing, float softcap, int chunk_tokens, bool compute_grad) "

@@ -75,9 +75,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
     if (bias) grad_bias_acc.add_(logits.sum(0, /*keepdim=*/false, at::kFloat));
   }
   const auto loss = loss_rows.sum() / denominator.to(at::kFloat).reshape({});
-  if (!compute_grad) return {loss, at::Tensor(), at::Tensor(), at::Tensor()};
+  const auto none = [&] { return at::empty({0}, hidden.options()); };  // a fixed output arity for tracing
+  if (!compute_grad) return {loss, none(), none(), none()};
   return {loss, grad_hidden, grad_weight_acc.to(weight.scalar_type()),
-          bias ? grad_bias_acc.to(bias->scalar_type()) : at::Tensor()};
+          bias ? grad_bias_acc.to(bias->scalar_type()) : none()};
 }
 
 }  // namespace

@@ -124,6 +124,13 @@ class AttentionConfig:
 
 
 @dataclass
+class KernelsConfig:
+    # LM head and cross-entropy in chunks of tokens (C++/CUDA): the (tokens, vocab) logits are
+    # never materialised. Training forwards with labels return logits=None.
+    fused_cross_entropy: bool = True
+
+
+@dataclass
 class LoraConfig:
     # Train LoRA adapters through PEFT instead of every weight (single process or ddp).
     enabled: bool = False
@@ -149,6 +156,7 @@ class LoggingConfig:
 class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

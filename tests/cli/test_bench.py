@@ -227,7 +227,8 @@ def test_missing_varlen_entry_exits_3(tmp_path: Path, monkeypatch: pytest.Monkey
     assert rc == 3
     report = json.loads((out_dir / "bench.json").read_text())
     assert report["problems"] == ["varlen attention is not in hasten_active (active: metadata cache (once per "
-                                  "batch); varlen attention (model type 'x' not supported))"]
+                                  "batch), fused cross-entropy (LM head + loss in chunks, no full logits; training "
+                                  "forwards return logits=None); varlen attention (model type 'x' not supported))"]
     assert err.splitlines()[-1] == f"  - {report['problems'][0]}"
 
 

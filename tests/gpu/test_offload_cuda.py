@@ -35,9 +35,10 @@ def _batches(n, seed=0, max_tokens=4096):
     return out
 
 
-def _train(model, batches, lr=1e-3):
-    """Losses and the final gradients of a few AdamW steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+def _train(model, batches, lr=1e-2):
+    """Losses and the final gradients of a few SGD steps (SGD keeps bf16 noise small; Adam's
+    normalisation would blow up the differences of near-zero gradients)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], None
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
@@ -100,7 +101,9 @@ def test_engine_exact_round_trip_of_views_and_dtypes():
 @pytest.mark.parametrize("double_buffer", [True, False], ids=["double", "single"])
 def test_offload_gradients_equal_keeping_everything_over_packed_steps(double_buffer):
     batches = _batches(3)
-    want_losses, want_grads = _train(_model(), batches)
+    reference = _model()
+    hasten.accelerate(reference, Config())
+    want_losses, want_grads = _train(reference, batches)
     model = _model()
     hasten.accelerate(model, Config())
     layers = decoder_layers(model)
@@ -108,16 +111,17 @@ def test_offload_gradients_equal_keeping_everything_over_packed_steps(double_buf
     offload.attach()
     losses, grads = _train(model, batches)
     for got, want in zip(losses, want_losses):
-        assert abs(got - want) <= 2e-2 * abs(want)  # bf16 noise (varlen vs sdpa differ slightly)
+        assert abs(got - want) <= 1e-2 * abs(want)
     worst = max(_rel(grads[n], want_grads[n]) for n in want_grads)
-    assert worst <= 5e-2, worst
+    assert worst <= 2e-2, worst  # attention backward is not bitwise deterministic
     stats = offload.engine.stats()
     assert stats.bytes_offloaded > 50 << 20 and stats.fetches > 0
     if not double_buffer:
         assert stats.exposed_fetches > 0  # one buffer: every layer waits for its copy
 
 
-def test_offload_is_bitwise_neutral_on_the_same_model():
+@pytest.mark.parametrize("double_buffer", [True, False], ids=["double", "single"])
+def test_offload_is_bitwise_neutral_on_the_same_model(double_buffer):
     """Same model, same kernels: offload changes where bytes live, not what is computed."""
     batch = _batches(1, seed=5)[0]
     model = _model()
@@ -127,7 +131,7 @@ def test_offload_is_bitwise_neutral_on_the_same_model():
     ref = model(**batch).loss
     ref.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    offload = LayerOffload(decoder_layers(model), ["offload"] * 4, double_buffer=True)
+    offload = LayerOffload(decoder_layers(model), ["offload"] * 4, double_buffer=double_buffer)
     offload.attach()
     model.zero_grad(set_to_none=True)
     loss = model(**batch).loss

@@ -183,7 +183,7 @@ def test_auto_plans_after_the_first_forward_and_keeps_the_gradients():
     model = _model()
     manager = OffloadManager(model, "auto", min_bytes=0)
     assert manager.summary()["plan"] == "calibrating"
-    for _ in range(2):
+    for _ in range(3):  # measured on the second forward, planned at the third
         loss, grads = _loss_and_grads(model, batch)
         assert torch.equal(loss, want_loss)
         for name in want:

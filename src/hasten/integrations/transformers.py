@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hasten.attention.varlen import varlen_attention
 from hasten.config import Config
 from hasten.memory import apply_activation_checkpointing
+from hasten.loss import FusedLossUnsupported, install_fused_cross_entropy
 from hasten.memory.offload import OffloadError, OffloadManager
 from hasten.moe import MoeLoadStats, fused_experts_forward, unsupported_reason
 from hasten.observability import logger, record_fallback
@@ -322,6 +323,26 @@ def _patch_offload(model: PreTrainedModel, config: Config, handle: AccelerationH
     handle.active.append(f"activation offload ({mode}: {what}; {buffers}, copy streams)")
 
 
+def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    if not config.kernels.fused_cross_entropy:
+        handle.inactive.append("fused cross-entropy (kernels.fused_cross_entropy is false)")
+        return
+    model_type = getattr(model.config, "model_type", "?")
+    if model_type not in ARCHITECTURES:
+        record_fallback("fused_cross_entropy", f"model type '{model_type}' is not in hasten's architecture table; "
+                        "transformers' own loss path runs (logits materialised)")
+        handle.inactive.append(f"fused cross-entropy (model type '{model_type}' not supported)")
+        return
+    try:
+        handle._undo_steps.append(install_fused_cross_entropy(model))
+    except FusedLossUnsupported as exc:
+        record_fallback("fused_cross_entropy", f"{exc}; transformers' own loss path runs (logits materialised)")
+        handle.inactive.append(f"fused cross-entropy ({exc})")
+        return
+    handle.active.append("fused cross-entropy (LM head + loss in chunks, no full logits; training forwards return "
+                         "logits=None)")
+
+
 def accelerate(model: PreTrainedModel, config: Config | None = None) -> AccelerationHandle:
     """Patch a loaded transformers model in place; returns a handle whose `undo()` reverts it."""
     config = config or Config()
@@ -332,4 +353,5 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     _patch_attention(model, config, handle)
     _patch_moe(model, config, handle)
     _patch_memory(model, config, handle)
+    _patch_loss(model, config, handle)
     return handle

@@ -170,6 +170,7 @@ class LayerOffload:
         self._by_storage: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ref]] = {}
         self._contexts: dict[int, torch.autograd.graph.saved_tensors_hooks] = {}
         self._current_layer: int | None = None
+        self._prefetched = [False] * len(self.layers)
         self._handles: list = []
         self.layer_observers: list[Callable[[int, str], None]] = []  # (layer, "forward_start" | ...)
         self.host_guard: Callable[[int], None] | None = None  # raises before host memory runs short
@@ -247,6 +248,7 @@ class LayerOffload:
 
     def _start_graph(self) -> None:
         self._by_storage.clear()
+        self._prefetched = [False] * len(self.layers)
         for tickets in self._layer_tickets:
             tickets[:] = [ref for ref in tickets if ref() is not None]  # an earlier graph may still be alive
         self.engine.poll()
@@ -256,11 +258,30 @@ class LayerOffload:
             for observer in self.layer_observers:
                 observer(index, "backward_start")
             self._prefetch_layer(index)
-            if self.double_buffer and index > 0:
-                self._prefetch_layer(index - 1)
+            if self.double_buffer:
+                self._prefetch_ahead(index)
         return hook
 
-    def _prefetch_layer(self, index: int) -> None:
+    def _prefetch_ahead(self, index: int) -> None:
+        """Prefetch the next offloaded layers below `index` while the restored bytes not yet used
+        stay within two layers' worth (the double buffer). Kept layers take no buffer, so across
+        them the prefetch reaches further ahead."""
+        offloaded = [self.bytes_per_layer[k] for k, choice in enumerate(self.plan) if choice == "offload"]
+        budget = 2 * max(offloaded, default=0)
+        held = self.engine.stats().device_bytes_held
+        for k in range(index - 1, -1, -1):
+            if self.plan[k] != "offload" or self._prefetched[k]:
+                continue
+            if held + self.bytes_per_layer[k] > budget:
+                break
+            if not self._prefetch_layer(k):
+                break
+            held += self.bytes_per_layer[k]
+
+    def _prefetch_layer(self, index: int) -> bool:
+        """Starts the copy back of a layer's activations; False when the device is out of memory
+        for it (then double buffering is switched off, once, loudly)."""
+        self._prefetched[index] = True
         for ref in self._layer_tickets[index]:
             ticket = ref()
             if ticket is None:
@@ -271,7 +292,8 @@ class LayerOffload:
                 if not self.double_buffer:
                     raise
                 self._fall_back_to_single_buffer(exc)
-                return
+                return False
+        return True
 
     def _fall_back_to_single_buffer(self, exc: BaseException) -> None:
         self.double_buffer = False
@@ -340,6 +362,28 @@ def measure_link_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeat
     return result
 
 
+def _marker(device: torch.device):
+    """A point in time on the device's stream (a CUDA event), or on the host clock on the CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    import time
+
+    return time.perf_counter()
+
+
+def _elapsed(start, end) -> float:
+    """Seconds between two _marker()s; 0 when either is missing. Synchronizes on CUDA (once, when
+    planning)."""
+    if start is None or end is None:
+        return 0.0
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0
+
+
 def _available_host_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
@@ -384,6 +428,7 @@ class OffloadManager:
         self._forwards = 0
         self._timing: dict[int, list] = {}
         self._calibration_peak: int | None = None
+        self._head_end = None
         self._device: torch.device | None = None
         self.offload.layer_observers.append(self._observe)
         self.offload.host_guard = self._check_host_memory
@@ -393,25 +438,26 @@ class OffloadManager:
         self.offload.detach()
 
     # ---- observation and planning -----------------------------------------------------------
+    # forward 1 runs the calibration plan and fills the host pool (first-touch page-locking is
+    # slow and would distort timings); forward 2 is timed; forward 3 runs the plan.
+    _TIMED_FORWARD = 2
+    _PLAN_AT_FORWARD = 3
+
     def _observe(self, index: int, event: str) -> None:
+        last = len(self.offload.layers) - 1
         if index == 0 and event == "forward_start":
             self._forwards += 1
-            if self.mode == "auto" and self._forwards == 2 and self.plan is None:
+            if self.mode == "auto" and self._forwards == self._PLAN_AT_FORWARD and self.plan is None:
                 self._make_plan()
-        if self.mode != "auto" or self._forwards != 1:
+        if self.mode != "auto" or self._forwards != self._TIMED_FORWARD:
             return
-        layer_device = self._layer_device(index)
+        device = self._layer_device(index)
         if event in ("forward_start", "forward_end"):
-            if layer_device.type == "cuda":
-                marker = torch.cuda.Event(enable_timing=True)
-                marker.record()
-            else:
-                import time
-
-                marker = time.perf_counter()
-            self._timing.setdefault(index, [None, None])[0 if event == "forward_start" else 1] = marker
-        elif event == "backward_start" and index == 0 and layer_device.type == "cuda":
-            self._calibration_peak = torch.cuda.max_memory_allocated(layer_device)
+            self._timing.setdefault(index, [None, None])[0 if event == "forward_start" else 1] = _marker(device)
+        if event == "backward_start" and index == last:
+            self._head_end = _marker(device)
+        if event == "backward_start" and index == 0 and device.type == "cuda":
+            self._calibration_peak = torch.cuda.max_memory_allocated(device)
 
     def _layer_device(self, index: int) -> torch.device:
         if self._device is None:
@@ -419,21 +465,13 @@ class OffloadManager:
             self._device = param.device if param is not None else torch.device("cpu")
         return self._device
 
-    def _forward_seconds(self) -> list[float]:
-        seconds = []
-        for index in range(len(self.offload.layers)):
-            start, end = self._timing.get(index, (None, None))
-            if start is None or end is None:
-                seconds.append(0.0)
-            elif isinstance(start, float):
-                seconds.append(end - start)
-            else:
-                end.synchronize()  # once, when planning
-                seconds.append(start.elapsed_time(end) / 1000.0)
-        return seconds
+    def _forward_seconds(self) -> tuple[list[float], float]:
+        seconds = [_elapsed(*self._timing.get(i, (None, None))) for i in range(len(self.offload.layers))]
+        last_end = self._timing.get(len(self.offload.layers) - 1, (None, None))[1]
+        return seconds, _elapsed(last_end, self._head_end)
 
     def _make_plan(self) -> None:
-        from hasten.memory.planner import LayerMeasure, plan_layers
+        from hasten.memory.planner import LayerMeasure, plan_layers, simulate
 
         device = self._device or torch.device("cpu")
         if device.type == "cuda":
@@ -441,11 +479,15 @@ class OffloadManager:
             bandwidth_bps = min(self.bandwidth.values()) * 1e9
         else:
             bandwidth_bps = 10e9  # the CPU path copies synchronously; a nominal figure keeps the plan defined
-        measures = [LayerMeasure(b, f) for b, f in zip(self.offload.bytes_per_layer, self._forward_seconds(),
-                                                       strict=True)]
-        self.plan = plan_layers(measures, bandwidth_bps, double_buffer=self.offload.double_buffer,
-                                calibration_choices=self.calibration_choices,
-                                calibration_peak_bytes=self._calibration_peak, budget_bytes=self.budget_bytes)
+        forward_s, head_s = self._forward_seconds()
+        measures = [LayerMeasure(b, f) for b, f in zip(self.offload.bytes_per_layer, forward_s, strict=True)]
+        keep_all_peak = None
+        if self._calibration_peak is not None:
+            calibration = simulate(measures, self.calibration_choices, bandwidth_bps, head_s,
+                                   self.offload.double_buffer)
+            keep_all_peak = self._calibration_peak + calibration.saved_at_peak
+        self.plan = plan_layers(measures, bandwidth_bps, head_s=head_s, double_buffer=self.offload.double_buffer,
+                                keep_all_peak_bytes=keep_all_peak, budget_bytes=self.budget_bytes)
         self.offload.set_plan(self.plan.choices)
         logger.warning("hasten: activation offload plan: %s (link %s; predicted extra step time %.1f ms%s)",
                        self.plan.summary(),

@@ -1,20 +1,26 @@
-"""Chooses keep / offload / recompute per decoder layer from what one step measured.
+"""Chooses keep / offload / recompute per decoder layer by simulating a step's copy timeline.
 
-Inputs, per layer i (from a calibration step in which every layer but the last was offloaded):
-  bytes_i    what layer i saves for backward
-  forward_i  its forward time (its backward is taken as twice that)
-and the link's bandwidth each way. The cost model:
+Measured once (hasten.memory.offload.OffloadManager, from a calibration step):
+  bytes_i     what layer i saves for backward
+  forward_i   layer i's forward time; its backward is taken as twice that
+  head_s      from the end of the last layer's forward to the start of its backward (LM head,
+              loss, and their backward): the step's memory peak sits at its start
+  bandwidth   of the pinned link, each way (the H200 has separate copy engines per direction)
 
-  offload i   the copy back of bytes_i starts when layer i+1's backward starts (double buffer)
-              or when layer i's own starts (one buffer); what does not fit in that window is
-              exposed: max(0, bytes_i / bandwidth - window_i), window_i = 2 * forward_{i+1} with
-              a double buffer, 0 with one (and 0 for the last layer, whose backward comes first)
-  recompute i costs forward_i, keeps about nothing of the layer
-  keep i      costs nothing, keeps bytes_i
+The simulation (`simulate`) follows what the engine does:
+  forward   layer i's offload copy starts when its forward ends, after the copies queued before
+            it (one device-to-host stream). A layer frees device memory only once its copy is
+            done: a copy still running at the peak saves nothing there.
+  backward  when layer i's backward starts, layer i is fetched if it is not already, and the next
+            offloaded layers below it are prefetched while the bytes restored but not yet used
+            stay within two layers' worth (the double buffer); one host-to-device stream. A
+            layer whose copy is not back when its backward should start stalls the step.
+  recompute adds forward_i to layer i's backward and saves its bytes without any copy.
 
-Without a memory budget the plan takes every choice that costs nothing (offloads whose copies
-hide). With a budget it then takes, cheapest time per byte first, offloads or recomputes until
-the predicted peak fits; if even recomputing everything left does not fit it says so.
+Without a memory budget the plan offloads, lowest layers first (their copies have the most time),
+every layer that lowers the peak while the simulated stall stays under STALL_TOLERANCE of the
+step. With a budget it then buys the remaining bytes cheapest time per byte first (offload or
+recompute) until the predicted peak fits, and says so when it cannot.
 """
 
 from __future__ import annotations
@@ -22,15 +28,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# An offload whose copy fills its window to this fraction counts as hidden: copies share the link
-# with the other direction and with the allocator's own traffic.
-HIDE_MARGIN = 0.85
+STALL_TOLERANCE = 0.02  # of the simulated step time: what "hidden" allows
 
 
 @dataclass
 class LayerMeasure:
     bytes: int
     forward_s: float
+
+
+@dataclass
+class Timeline:
+    step_s: float
+    stall_s: float
+    recompute_s: float
+    saved_at_peak: int  # bytes that offload or recompute removed from the device at the peak
+    late_copies: list[int] = field(default_factory=list)  # offloaded layers still copying at the peak
+
+    @property
+    def extra_s(self) -> float:
+        return self.stall_s + self.recompute_s
 
 
 @dataclass
@@ -46,61 +63,117 @@ class Plan:
         return ", ".join(f"{n} {c}" for c, n in counts.items() if n) + f" of {len(self.choices)} layers"
 
 
-def exposed_copy_s(layers: Sequence[LayerMeasure], index: int, bandwidth_bps: float, double_buffer: bool) -> float:
-    copy_s = layers[index].bytes / bandwidth_bps
-    if not double_buffer or index + 1 >= len(layers):
-        return copy_s
-    window_s = 2.0 * layers[index + 1].forward_s * HIDE_MARGIN
-    return max(0.0, copy_s - window_s)
+def simulate(layers: Sequence[LayerMeasure], choices: Sequence[str], bandwidth_bps: float, head_s: float,
+             double_buffer: bool = True) -> Timeline:
+    n = len(layers)
+    end_forward, t = [], 0.0
+    for m in layers:
+        t += m.forward_s
+        end_forward.append(t)
+    peak_at = t  # the peak: all layers' activations alive, the loss about to run
+
+    stored_at: dict[int, float] = {}
+    d2h_free = 0.0
+    for i in range(n):
+        if choices[i] == "offload":
+            start = max(d2h_free, end_forward[i])
+            d2h_free = stored_at[i] = start + layers[i].bytes / bandwidth_bps
+    late = [i for i, done in stored_at.items() if done > peak_at]
+    saved = sum(layers[i].bytes for i in stored_at if i not in late)
+    saved += sum(layers[i].bytes for i in range(n) if choices[i] == "recompute")
+
+    offloaded_below = sorted(stored_at, reverse=True)
+    buffer_bytes = 2 * max((layers[i].bytes for i in stored_at), default=0) if double_buffer else 0
+    restored_at: dict[int, float] = {}
+    held: dict[int, int] = {}  # restored, not yet used up
+    h2d_free = 0.0
+    tau = peak_at + head_s
+    stall = recompute = 0.0
+
+    def issue(k: int, now: float) -> None:
+        nonlocal h2d_free
+        start = max(h2d_free, now, stored_at[k])
+        h2d_free = restored_at[k] = start + layers[k].bytes / bandwidth_bps
+        held[k] = layers[k].bytes
+
+    for i in range(n - 1, -1, -1):
+        if choices[i] == "offload" and i not in restored_at:
+            issue(i, tau)
+        if double_buffer:
+            for k in offloaded_below:
+                if k >= i or k in restored_at:
+                    continue
+                if sum(held.values()) + layers[k].bytes > buffer_bytes:
+                    break
+                issue(k, tau)
+        if i in restored_at and restored_at[i] > tau:
+            stall += restored_at[i] - tau
+            tau = restored_at[i]
+        work = 2.0 * layers[i].forward_s
+        if choices[i] == "recompute":
+            work += layers[i].forward_s
+            recompute += layers[i].forward_s
+        tau += work
+        held.pop(i, None)
+    return Timeline(step_s=tau, stall_s=stall, recompute_s=recompute, saved_at_peak=saved, late_copies=late)
 
 
-def plan_layers(layers: Sequence[LayerMeasure], bandwidth_bps: float, *, double_buffer: bool,
-                calibration_choices: Sequence[str], calibration_peak_bytes: int | None = None,
-                budget_bytes: int | None = None) -> Plan:
-    """`calibration_choices` is what the measured step ran (offload or keep per layer), so the peak
-    of any other plan can be predicted from `calibration_peak_bytes`."""
+def plan_layers(layers: Sequence[LayerMeasure], bandwidth_bps: float, *, head_s: float, double_buffer: bool,
+                keep_all_peak_bytes: int | None = None, budget_bytes: int | None = None) -> Plan:
+    """`keep_all_peak_bytes`: the peak with every layer kept (estimated by the caller from its
+    calibration step); without it no peak is predicted and a budget cannot be planned for."""
     n = len(layers)
     if bandwidth_bps <= 0:
         raise ValueError("the link bandwidth must be positive")
-    measured = [m.bytes for m, c in zip(layers, calibration_choices, strict=True) if c == "offload"]
-    typical = sum(measured) // len(measured) if measured else 0
-    sizes = [m.bytes if c == "offload" else typical for m, c in zip(layers, calibration_choices, strict=True)]
-
     choices = ["keep"] * n
-    extra_s = 0.0
+    base = simulate(layers, choices, bandwidth_bps, head_s, double_buffer)
+
+    def acceptable(timeline: Timeline) -> bool:
+        return timeline.stall_s <= STALL_TOLERANCE * base.step_s and not timeline.late_copies
+
+    current = base
     for i in range(n):
-        if sizes[i] and exposed_copy_s(layers, i, bandwidth_bps, double_buffer) == 0.0:
-            choices[i] = "offload"
+        if layers[i].bytes == 0:
+            continue
+        choices[i] = "offload"
+        trial = simulate(layers, choices, bandwidth_bps, head_s, double_buffer)
+        if acceptable(trial):
+            current = trial
+        else:
+            choices[i] = "keep"
 
-    def predicted_peak() -> int | None:
-        if calibration_peak_bytes is None:
-            return None
-        peak = calibration_peak_bytes
-        for i in range(n):  # relative to the calibration step, where "offload" layers held ~nothing
-            held_now = sizes[i] if choices[i] == "keep" else 0
-            held_then = sizes[i] if calibration_choices[i] == "keep" else 0
-            peak += held_now - held_then
-        return peak
+    def peak(timeline: Timeline) -> int | None:
+        return None if keep_all_peak_bytes is None else keep_all_peak_bytes - timeline.saved_at_peak
 
-    plan = Plan(choices, predicted_peak(), extra_s)
-    if budget_bytes is None or plan.predicted_peak_bytes is None:
-        return plan
-
-    def cheapest(i: int) -> tuple[float, str]:
-        offload_s = exposed_copy_s(layers, i, bandwidth_bps, double_buffer)
-        return (offload_s, "offload") if offload_s <= layers[i].forward_s else (layers[i].forward_s, "recompute")
-
-    candidates = sorted((cheapest(i)[0] / max(sizes[i], 1), i) for i in range(n) if choices[i] == "keep")
-    for _, i in candidates:
-        if predicted_peak() <= budget_bytes:
-            break
-        cost, choice = cheapest(i)
-        choices[i] = choice
-        extra_s += cost
-    plan = Plan(choices, predicted_peak(), extra_s)
-    if plan.predicted_peak_bytes > budget_bytes:
-        plan.budget_met = False
-        plan.notes.append(f"the budget of {budget_bytes / 2**30:.1f} GiB cannot be met by activations alone: the "
-                          f"lowest reachable peak is about {plan.predicted_peak_bytes / 2**30:.1f} GiB (weights, "
-                          "optimizer state and the loss take the rest)")
+    notes = []
+    if budget_bytes is not None and keep_all_peak_bytes is not None:
+        while peak(current) > budget_bytes:
+            best = None  # (extra seconds per byte saved, layer, choice, timeline)
+            for i in range(n):
+                if choices[i] != "keep" or layers[i].bytes == 0:
+                    continue
+                for choice in ("offload", "recompute"):
+                    trial_choices = list(choices)
+                    trial_choices[i] = choice
+                    trial = simulate(layers, trial_choices, bandwidth_bps, head_s, double_buffer)
+                    gained = trial.saved_at_peak - current.saved_at_peak
+                    if gained <= 0:
+                        continue
+                    cost = (trial.extra_s - current.extra_s) / gained
+                    if best is None or cost < best[0]:
+                        best = (cost, i, choice, trial)
+            if best is None:
+                break
+            _, i, choice, current = best
+            choices[i] = choice
+    plan = Plan(choices, peak(current), current.extra_s, notes=notes)
+    if budget_bytes is not None:
+        if keep_all_peak_bytes is None:
+            plan.budget_met = False
+            notes.append("no peak was measured (CPU), so the memory budget could not be planned for")
+        elif plan.predicted_peak_bytes > budget_bytes:
+            plan.budget_met = False
+            notes.append(f"the budget of {budget_bytes / 2**30:.1f} GiB cannot be met by activations alone: the "
+                         f"lowest reachable peak is about {plan.predicted_peak_bytes / 2**30:.1f} GiB (weights, "
+                         "optimizer state and the loss take the rest)")
     return plan

@@ -3,9 +3,9 @@
 `run_ab(config, steps, output_dir)` trains twice through `hasten.training.loop.train`,
 same data and seed:
 
-  baseline  hasten off: training.packed_sequence, training.metadata_cache and
-            training.moe.fused_grouping false, so batches are padded micro-batches
-            through transformers' own attention (and experts)
+  baseline  hasten off: training.packed_sequence, training.metadata_cache,
+            training.moe.fused_grouping and kernels.fused_cross_entropy false, so batches are
+            padded micro-batches through transformers' own attention, experts and loss
   hasten    the config as given, with training.packed_sequence forced true
 
 each for `steps` steps with a metrics row per step, in `output_dir/baseline` and
@@ -118,6 +118,7 @@ def variant_configs(config: Config, steps: int) -> dict[str, Config]:
     off = json.loads(json.dumps(base))
     off["training"].update(packed_sequence=False, metadata_cache=False)
     off["training"]["moe"]["fused_grouping"] = False
+    off["kernels"]["fused_cross_entropy"] = False
     on = json.loads(json.dumps(base))
     on["training"]["packed_sequence"] = True
     return {"baseline": Config.from_dict(off, source="hasten bench (baseline)"),

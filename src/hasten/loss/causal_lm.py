@@ -1,0 +1,82 @@
+"""Causal-LM training forward with the chunked linear cross-entropy (hasten.ops.loss).
+
+transformers' *ForCausalLM.forward computes `logits = lm_head(hidden)` for every token, upcasts
+them to float32 and then takes the loss: for Qwen3-0.6B at 16k tokens that is 16,384 x 151,936
+logits, about 10 GB with their gradient. The replacement forward runs the decoder (`self.model`)
+as transformers does and, when it trains with labels, hands the hidden states to the fused op;
+`logits` is then None in the output. Inference, evaluation without labels, and anything the
+fused path does not cover (router auxiliary loss, a wrapped LM head) run transformers' own
+forward, the last with a one-time notice.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hasten.observability import record_fallback
+from hasten.ops.loss import IGNORE_INDEX, linear_cross_entropy
+
+
+class FusedLossUnsupported(ValueError):
+    """The model's layout does not fit the fused loss (the message says why)."""
+
+
+def _shifted_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None) -> torch.Tensor:
+    # transformers' ForCausalLMLoss: the label of position i is the token at i + 1
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
+    """Replace `model.forward` for training with labels; returns a function that undoes it."""
+    for attribute in ("model", "lm_head"):
+        if not isinstance(getattr(model, attribute, None), nn.Module):
+            raise FusedLossUnsupported(f"{type(model).__name__} has no `{attribute}` module (not a transformers "
+                                       "*ForCausalLM layout)")
+    if not isinstance(model.lm_head, nn.Linear):
+        raise FusedLossUnsupported(f"the LM head is a {type(model.lm_head).__name__}, not a plain nn.Linear "
+                                   "(wrapped by PEFT or quantized); the fused loss reads its weight directly")
+    original = model.forward
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    output_class = None
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        nonlocal output_class
+        if labels is None or not self.training or not torch.is_grad_enabled():
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        if getattr(self.config, "output_router_logits", False) or kwargs.get("output_router_logits"):
+            record_fallback("fused_cross_entropy", "the router's auxiliary loss is on (output_router_logits); "
+                            "transformers' own loss path runs")
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             **kwargs)
+        hidden = outputs.last_hidden_state
+        targets = _shifted_targets(labels, kwargs.get("shift_labels"))
+        loss = linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device), bias=self.lm_head.bias,
+                                    num_items_in_batch=kwargs.get("num_items_in_batch"),
+                                    ignore_index=IGNORE_INDEX, softcap=softcap, chunk_tokens=chunk_tokens)
+        if output_class is None:
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            output_class = CausalLMOutputWithPast
+        return output_class(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                            hidden_states=getattr(outputs, "hidden_states", None),
+                            attentions=getattr(outputs, "attentions", None))
+
+    model.forward = types.MethodType(forward, model)
+
+    def undo() -> None:
+        model.__dict__.pop("forward", None)
+
+    return undo

@@ -1,0 +1,84 @@
+"""The fused-loss training forward gives transformers' loss and gradients, returns no logits,
+and leaves inference and unsupported cases to transformers' own forward."""
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+import hasten
+from hasten.config import Config
+from hasten.observability import fallback_counts
+
+SMALL = dict(vocab_size=211, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=64, **SMALL)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, head_dim=8, **SMALL)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16,
+                                                            num_experts=4, num_experts_per_tok=2, head_dim=8,
+                                                            **SMALL)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4,
+                                                        num_experts_per_tok=2, **SMALL)),
+}
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, 211, (n,), generator=gen).tolist()} for n in (7, 1, 19, 12)]
+    return hasten.PackingCollator(max_tokens=64)(samples)
+
+
+def _run(name, fused, **batch_extra):
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    handle = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_cross_entropy": fused}}))
+    out = model(**_batch(), **batch_extra)
+    out.loss.backward()
+    return model, handle, out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fused_forward_matches_transformers_loss_and_gradients(name):
+    _, _, want, want_grads = _run(name, fused=False)
+    _, handle, got, grads = _run(name, fused=True)
+    assert any(item.startswith("fused cross-entropy") for item in handle.active)
+    assert got.logits is None and want.logits is not None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == want_grads.keys()
+    for key in want_grads:
+        torch.testing.assert_close(grads[key], want_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_num_items_in_batch_is_honoured():
+    _, _, want, _ = _run("qwen3", fused=False, num_items_in_batch=torch.tensor(100))
+    _, _, got, _ = _run("qwen3", fused=True, num_items_in_batch=torch.tensor(100))
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_and_no_labels_keep_transformers_forward():
+    model, handle, _, _ = _run("qwen3", fused=True)
+    batch = _batch()
+    with torch.no_grad():
+        assert model(**batch).logits is not None  # no grad: transformers' forward, logits as usual
+    model.eval()
+    assert model(input_ids=batch["input_ids"]).logits is not None
+    handle.undo()
+    assert "forward" not in model.__dict__
+
+
+def test_router_aux_loss_falls_back_loudly():
+    torch.manual_seed(0)
+    model = MODELS["qwen3_moe"]().train()
+    hasten.accelerate(model, Config())
+    out = model(**_batch(), output_router_logits=True)
+    assert out.logits is not None and out.aux_loss is not None
+    assert fallback_counts().get("fused_cross_entropy") == 1
+
+
+def test_wrapped_lm_head_is_refused_with_the_reason():
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    handle = hasten.accelerate(model, Config())
+    assert any("not a plain nn.Linear" in item for item in handle.inactive)
+    assert fallback_counts().get("fused_cross_entropy") == 1
