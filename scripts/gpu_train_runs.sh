@@ -4,7 +4,8 @@
 #   bench    hasten bench (hasten off vs on) on the Qwen3-0.6B-shaped job, one GPU
 #   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two, same config, tokens/s and losses
 #   resume   (2+ GPUs) FSDP2 killed (SIGKILL, whole job) after a checkpoint, then --resume auto;
-#            and an elastic restart: one worker killed under torchrun --max-restarts 1
+#   elastic  (2+ GPUs) one worker killed under torchrun --max-restarts 1; the restarted workers
+#            resume from the latest checkpoint
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -16,14 +17,14 @@ export PYTHONUNBUFFERED=1
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "GPUs: $GPUS"
 
-if [[ " ${PARTS:-bench scaling resume} " == *" bench "* ]]; then
+if [[ " ${PARTS:-bench scaling resume elastic} " == *" bench "* ]]; then
   python3 -m hasten bench --config "$CONFIG" --steps "$STEPS" --output_dir "$RUNS/bench" --no_progress \
     > "$OUT/bench.log" 2>&1; echo "bench exit $?" | tee -a "$OUT/bench.log"
   tail -25 "$OUT/bench.log"
   cp "$RUNS"/bench/bench.json "$RUNS"/bench/bench.png "$OUT/" 2>/dev/null
 fi
 
-if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume} " == *" scaling "* ]]; then
+if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scaling "* ]]; then
   CUDA_VISIBLE_DEVICES=0 python3 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
     --output_dir "$RUNS/one" --no_progress > "$OUT/one_gpu.log" 2>&1; echo "one gpu exit $?"
   torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
@@ -36,7 +37,7 @@ wait_for() {  # wait_for PATH SECONDS: until PATH exists
   for _ in $(seq "$2"); do [ -e "$1" ] && return 0; sleep 1; done; return 1
 }
 
-if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume} " == *" resume "* ]]; then
+if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" resume "* ]]; then
   # 1) the whole job dies (SIGKILL: nothing saved on the way out), then a new launch with --resume auto
   setsid torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
     --output_dir "$RUNS/killed" --no_progress > "$OUT/killed.log" 2>&1 &
@@ -51,7 +52,10 @@ if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume} " == *" resume "* ]]; 
   python3 scripts/compare_runs.py uninterrupted="$RUNS/two/logs" killed_resumed="$RUNS/killed/logs" \
     --json "$OUT/resume.json" | tee -a "$OUT/resume.txt"
 
-  # 2) elastic: torchrun restarts the workers after one dies; they resume from the latest checkpoint
+fi
+
+if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" elastic "* ]]; then
+  # elastic: torchrun restarts the workers after one dies; they resume from the latest checkpoint
   torchrun --nproc_per_node 2 --max-restarts 1 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
     --output_dir "$RUNS/elastic" --resume auto --no_progress > "$OUT/elastic.log" 2>&1 &
   LAUNCHER=$!
