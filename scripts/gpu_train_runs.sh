@@ -42,7 +42,8 @@ if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" resume
   setsid torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
     --output_dir "$RUNS/killed" --no_progress > "$OUT/killed.log" 2>&1 &
   LAUNCHER=$!
-  wait_for "$RUNS/killed/checkpoints/checkpoint-000020/manifest.json" 600 && sleep 2
+  # killed after the first checkpoint (interval 10 in the shipped config), well before STEPS
+  wait_for "$RUNS/killed/checkpoints/checkpoint-000010/manifest.json" 600 && sleep 5
   # torchrun starts its workers in their own sessions: kill the launcher and every worker
   pkill -KILL -f -- "--output_dir $RUNS/killed"; wait "$LAUNCHER" 2>/dev/null; sleep 1
   echo "killed after: $(ls "$RUNS/killed/checkpoints")" | tee -a "$OUT/resume.txt"

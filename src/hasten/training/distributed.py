@@ -82,9 +82,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device) -
                               "model.layers; use ddp")
         for layer in layers:
             fully_shard(layer, mesh=mesh)
-        # The root unit (embeddings, LM head, final norm) is needed again as soon as backward
-        # starts: keeping it gathered saves one all-gather of the largest unit per step.
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh)
         return model
     raise ConfigError(f"unknown training.distributed strategy {ctx.strategy!r}")
 
