@@ -4,7 +4,8 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
   hf_padded          transformers, micro-batches of 8 samples padded, sdpa, gradient accumulation
   hf_packed_sdpa     transformers, one packed row with position_ids, sdpa, use_cache=False (dense mask)
   hasten             hasten.accelerate + PackingCollator metadata (no read-back), fused kernels on
-  hasten_unfused     hasten with kernels.fused_cross_entropy false (full logits, transformers' loss)
+  hasten_unfused     hasten with every kernels.* switch off (transformers' loss, norms, MLPs, rotary)
+  hasten_fused_ce_only  hasten with only the fused cross-entropy of the kernels.* switches
   hasten_posids      hasten with position_ids only (metadata derived on the device once per forward)
   hasten_gqa_repeat  hasten with K/V heads repeated instead of read natively
   hasten_no_cache    hasten with training.metadata_cache false (metadata derived in every layer)
@@ -109,13 +110,15 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
     reset_fallbacks()
     model = build_model()
     handle = None
-    hasten_cfg = {"hasten": {}, "hasten_unfused": {"kernels": {"fused_cross_entropy": False}},
+    unfused = {"fused_cross_entropy": False, "rms_norm": False, "swiglu": False, "rope": False}
+    hasten_cfg = {"hasten": {}, "hasten_unfused": {"kernels": unfused},
+                  "hasten_fused_ce_only": {"kernels": dict(unfused, fused_cross_entropy=True)},
                   "hasten_posids": {}, "hasten_gqa_repeat": {"attention": {"gqa": "repeat"}},
                   "hasten_no_cache": {"training": {"metadata_cache": False}}}
     if name in hasten_cfg:
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), "cuda")
-    if name in ("hasten", "hasten_unfused", "hasten_gqa_repeat"):
+    if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_gqa_repeat"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):
         inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")}]
@@ -159,7 +162,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--variants", default="hf_padded,hf_packed_sdpa,hasten,hasten_unfused,hasten_posids,"
+    parser.add_argument("--variants", default="hf_padded,hf_packed_sdpa,hasten,hasten_unfused,hasten_fused_ce_only,"
+                                              "hasten_posids,"
                                               "hasten_gqa_repeat,hasten_no_cache")
     args = parser.parse_args()
     if not torch.cuda.is_available():

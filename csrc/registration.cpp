@@ -45,6 +45,19 @@ TORCH_LIBRARY(hasten, m) {
   // SwiGLU on [gate | up] rows (R, 2I): silu(gate) * up -> (R, I); and its backward -> (R, 2I).
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor grad_act, Tensor gate_up) -> Tensor");
+  // The same on two tensors of one shape (..., I): gate and up of a dense MLP (two projections).
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("silu_mul_backward(Tensor grad_act, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
+
+  // RMSNorm over the last dimension of x (..., H) (kernels/rms_norm.cuh): y in x's dtype and
+  // rstd (...,) float32; y = (weight + offset) * (x * rstd cast to x's dtype).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> (Tensor y, Tensor rstd)");
+  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd, float offset) "
+        "-> (Tensor grad_x, Tensor grad_weight)");
+
+  // Rotary embedding (rotate_half convention) of x (batch, heads, length, head_dim) with cos, sin
+  // (batch or 1, length, head_dim); backward=true applies the transpose (the gradient map).
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward) -> Tensor");
 
   // Cross-entropy over rows of LM-head logits (rows, vocab), float accumulation. Returns the
   // per-row loss (rows,) float32: lse - (1 - eps) * z_t - eps / vocab * sum_j z_j with

@@ -1,4 +1,4 @@
-// Torch-free, host-includable interface of the MoE kernels: grouping, permute, combine, SwiGLU.
+// Torch-free, host-includable interface of the MoE kernels: grouping, permute, combine.
 // Layout conventions (S = T * top_k token-expert slots, slot s = token s / top_k, choice s % top_k):
 //   expert_ids   (S,) int32/int64, valid ids in [0, E); others are "dropped" slots
 //   offsets      (E + 1,) int32, exclusive starts; offsets[E] = number of valid slots
@@ -72,18 +72,6 @@ struct MoeCombineWeightGradParams {
 };
 // grad_weights[t, j] = dot(grad_out[t], y[inverse[t * top_k + j]]) (0 for dropped slots)
 cudaError_t launch_moe_combine_weight_grad(const MoeCombineWeightGradParams& params, cudaStream_t stream);
-
-struct SwigluParams {
-  const void* gate_up;   // (R, 2I): [gate | up] per row
-  const void* grad_act;  // (R, I) for the backward, else nullptr
-  void* out;             // forward: act (R, I); backward: grad_gate_up (R, 2I)
-  int64_t rows, inner;   // R, I
-  ElementType type;
-};
-// act = silu(gate) * up
-cudaError_t launch_swiglu_forward(const SwigluParams& params, cudaStream_t stream);
-// d_gate = d_act * up * silu'(gate), d_up = d_act * silu(gate)
-cudaError_t launch_swiglu_backward(const SwigluParams& params, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace hasten

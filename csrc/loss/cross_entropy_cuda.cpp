@@ -6,6 +6,7 @@
 #include <torch/types.h>
 
 #include "../kernels/cross_entropy.cuh"
+#include "hasten/cuda_glue.h"
 #include "loss_checks.h"
 
 namespace hasten {
@@ -31,13 +32,8 @@ at::Tensor cross_entropy_rows_cuda(at::Tensor& logits, const at::Tensor& targets
   p.ignore_index = ignore_index;
   p.label_smoothing = static_cast<float>(label_smoothing);
   p.softcap = static_cast<float>(softcap);
-  switch (logits.scalar_type()) {
-    case at::kFloat: p.type = kernels::ElementType::kFloat32; break;
-    case at::kHalf: p.type = kernels::ElementType::kFloat16; break;
-    default: p.type = kernels::ElementType::kBFloat16; break;
-  }
-  const cudaError_t err = kernels::launch_cross_entropy_rows(p, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "hasten::cross_entropy_rows_: CUDA kernel launch failed: ", cudaGetErrorString(err));
+  p.type = element_type(logits, "cross_entropy_rows_");
+  check_launch(kernels::launch_cross_entropy_rows(p, c10::cuda::getCurrentCUDAStream()), "cross_entropy_rows_");
   return loss;
 }
 

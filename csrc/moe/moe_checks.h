@@ -71,19 +71,4 @@ inline void check_weight_grad_args(const at::Tensor& grad_out, const at::Tensor&
 }
 
 // gate_up (R, 2I): [gate | up] per row; grad_act (R, I) for the backward
-inline void check_swiglu_args(const char* op, const at::Tensor& gate_up) {
-  check_dim(gate_up, 2, op, "gate_up", "2-D (rows, 2 * inner)");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "hasten::", op, ": `gate_up` must hold [gate | up] halves, got an odd width ",
-              num(gate_up.size(1)));
-}
-
-inline void check_swiglu_backward_args(const at::Tensor& grad_act, const at::Tensor& gate_up) {
-  check_swiglu_args("swiglu_backward", gate_up);
-  check_same_dtype(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
-  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == gate_up.size(0) && grad_act.size(1) * 2 == gate_up.size(1),
-              "hasten::swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
-              shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
-  check_same_device(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
-}
-
 }  // namespace hasten

@@ -9,23 +9,11 @@
 #include <tuple>
 
 #include "../kernels/moe.cuh"
+#include "hasten/cuda_glue.h"
 #include "moe_checks.h"
 
 namespace hasten {
 namespace {
-
-kernels::ElementType element_type(const at::Tensor& t, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return kernels::ElementType::kFloat32;
-    case at::kHalf: return kernels::ElementType::kFloat16;
-    case at::kBFloat16: return kernels::ElementType::kBFloat16;
-    default: TORCH_CHECK(false, "hasten::", op, ": CUDA kernels take float32, float16 or bfloat16, got ", t.scalar_type());
-  }
-}
-
-void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "hasten::", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group_cuda(const at::Tensor& expert_ids,
                                                                           int64_t num_experts) {
@@ -127,30 +115,6 @@ at::Tensor moe_combine_weight_grad_cuda(const at::Tensor& grad_out, const at::Te
   return out;
 }
 
-at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
-  check_device(gate_up, "swiglu", "gate_up", c10::DeviceType::CUDA);
-  check_swiglu_args("swiglu", gate_up);
-  const c10::cuda::CUDAGuard guard(gate_up.device());
-  const auto x = gate_up.contiguous();
-  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  kernels::SwigluParams p{x.data_ptr(), nullptr, out.data_ptr(), x.size(0), x.size(1) / 2, element_type(x, "swiglu")};
-  check_launch(kernels::launch_swiglu_forward(p, c10::cuda::getCurrentCUDAStream()), "swiglu");
-  return out;
-}
-
-at::Tensor swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& gate_up) {
-  check_device(gate_up, "swiglu_backward", "gate_up", c10::DeviceType::CUDA);
-  check_swiglu_backward_args(grad_act, gate_up);
-  const c10::cuda::CUDAGuard guard(gate_up.device());
-  const auto x = gate_up.contiguous();
-  const auto d = grad_act.contiguous();
-  auto out = at::empty_like(x);
-  kernels::SwigluParams p{x.data_ptr(), d.data_ptr(), out.data_ptr(), x.size(0), x.size(1) / 2,
-                          element_type(x, "swiglu_backward")};
-  check_launch(kernels::launch_swiglu_backward(p, c10::cuda::getCurrentCUDAStream()), "swiglu_backward");
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
@@ -158,8 +122,6 @@ TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
   m.impl("moe_permute", &moe_permute_cuda);
   m.impl("moe_combine", &moe_combine_cuda);
   m.impl("moe_combine_weight_grad", &moe_combine_weight_grad_cuda);
-  m.impl("swiglu", &swiglu_cuda);
-  m.impl("swiglu_backward", &swiglu_backward_cuda);
 }
 
 }  // namespace hasten

@@ -128,6 +128,12 @@ class KernelsConfig:
     # LM head and cross-entropy in chunks of tokens (C++/CUDA): the (tokens, vocab) logits are
     # never materialised. Training forwards with labels return logits=None.
     fused_cross_entropy: bool = True
+    # RMSNorm in one C++/CUDA kernel each way (Llama/Qwen semantics).
+    rms_norm: bool = True
+    # silu(gate) * up of the dense MLPs in one kernel; backward keeps only gate and up.
+    swiglu: bool = True
+    # Rotary embedding of q and k in one kernel each (transformers' rotate_half convention).
+    rope: bool = True
 
 
 @dataclass

@@ -30,13 +30,25 @@ inline std::string dtype_list(std::initializer_list<at::ScalarType> allowed) {
   return names;
 }
 
+// The torch spelling of a dtype, for "convert it with .to(...)" hints.
+inline const char* torch_dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    default: return "a supported dtype";
+  }
+}
+
 inline void check_dtype(const at::Tensor& t, const char* op, const char* arg,
                         std::initializer_list<at::ScalarType> allowed) {
   for (auto a : allowed) {
     if (t.scalar_type() == a) return;
   }
   TORCH_CHECK(false, "hasten::", op, ": `", arg, "` must be ", dtype_list(allowed), ", got ",
-              t.scalar_type(), ". Convert it with .to(torch.int64) before the call.");
+              t.scalar_type(), ". Convert it with .to(", torch_dtype_name(*allowed.begin()), ") before the call.");
 }
 
 inline void check_contiguous(const at::Tensor& t, const char* op, const char* arg) {

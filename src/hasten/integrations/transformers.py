@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hasten.attention.varlen import varlen_attention
 from hasten.config import Config
 from hasten.memory import apply_activation_checkpointing
+from hasten.dense import install_fused_mlp, install_fused_rms_norm, install_fused_rope
 from hasten.loss import FusedLossUnsupported, install_fused_cross_entropy
 from hasten.memory.offload import OffloadError, OffloadManager
 from hasten.moe import MoeLoadStats, fused_experts_forward, unsupported_reason
@@ -343,6 +344,41 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
                          "logits=None)")
 
 
+def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    kernels = config.kernels
+    wanted = {"rms_norm": kernels.rms_norm, "swiglu": kernels.swiglu, "rope": kernels.rope}
+    if not any(wanted.values()):
+        return
+    model_type = getattr(model.config, "model_type", "?")
+    if model_type not in ARCHITECTURES:
+        reason = f"model type '{model_type}' is not in hasten's architecture table"
+        record_fallback("fused_dense_kernels", f"{reason}; transformers' RMSNorm, MLP and rotary code run")
+        handle.inactive.append(f"fused RMSNorm / SwiGLU / RoPE ({reason})")
+        return
+    done = []
+    if kernels.rms_norm:
+        undo, count = install_fused_rms_norm(model)
+        handle._undo_steps.append(undo)
+        done.append(f"RMSNorm x{count}")
+    if kernels.swiglu:
+        undo, count = install_fused_mlp(model)
+        handle._undo_steps.append(undo)
+        if count:
+            done.append(f"SwiGLU MLP x{count}")
+        else:
+            handle.inactive.append("fused SwiGLU (no SiLU-gated MLP modules in this model)")
+    if kernels.rope:
+        undo, found = install_fused_rope(model)
+        handle._undo_steps.append(undo)
+        if found:
+            done.append("RoPE")
+        else:
+            record_fallback("fused_rope", f"{type(model).__module__} has no apply_rotary_pos_emb to replace")
+            handle.inactive.append("fused RoPE (the modeling module has no apply_rotary_pos_emb)")
+    if done:
+        handle.active.append("fused kernels (" + ", ".join(done) + ")")
+
+
 def accelerate(model: PreTrainedModel, config: Config | None = None) -> AccelerationHandle:
     """Patch a loaded transformers model in place; returns a handle whose `undo()` reverts it."""
     config = config or Config()
@@ -354,4 +390,5 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     _patch_moe(model, config, handle)
     _patch_memory(model, config, handle)
     _patch_loss(model, config, handle)
+    _patch_dense_kernels(model, config, handle)
     return handle

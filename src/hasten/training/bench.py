@@ -4,8 +4,8 @@
 same data and seed:
 
   baseline  hasten off: training.packed_sequence, training.metadata_cache,
-            training.moe.fused_grouping and kernels.fused_cross_entropy false, so batches are
-            padded micro-batches through transformers' own attention, experts and loss
+            training.moe.fused_grouping and every kernels.* switch false, so batches are padded
+            micro-batches through transformers' own attention, experts, norms, MLPs and loss
   hasten    the config as given, with training.packed_sequence forced true
 
 each for `steps` steps with a metrics row per step, in `output_dir/baseline` and
@@ -118,7 +118,7 @@ def variant_configs(config: Config, steps: int) -> dict[str, Config]:
     off = json.loads(json.dumps(base))
     off["training"].update(packed_sequence=False, metadata_cache=False)
     off["training"]["moe"]["fused_grouping"] = False
-    off["kernels"]["fused_cross_entropy"] = False
+    off["kernels"].update(fused_cross_entropy=False, rms_norm=False, swiglu=False, rope=False)
     on = json.loads(json.dumps(base))
     on["training"]["packed_sequence"] = True
     return {"baseline": Config.from_dict(off, source="hasten bench (baseline)"),

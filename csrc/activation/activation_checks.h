@@ -1,0 +1,43 @@
+// Argument checks of the SwiGLU ops, shared by their CPU and CUDA implementations:
+//   swiglu / swiglu_backward        one (rows, 2 * inner) tensor [gate | up] (MoE experts)
+//   silu_mul / silu_mul_backward    gate and up as two (rows, inner) tensors (dense MLPs)
+#pragma once
+
+#include <torch/types.h>
+
+#include "hasten/checks.h"
+
+namespace hasten {
+
+inline void check_swiglu_args(const char* op, const at::Tensor& gate_up) {
+  check_dim(gate_up, 2, op, "gate_up", "2-D (rows, 2 * inner)");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "hasten::", op, ": `gate_up` must hold [gate | up] halves, got an odd width ",
+              num(gate_up.size(1)));
+}
+
+inline void check_swiglu_backward_args(const at::Tensor& grad_act, const at::Tensor& gate_up) {
+  check_swiglu_args("swiglu_backward", gate_up);
+  check_same_dtype(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
+  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == gate_up.size(0) && grad_act.size(1) * 2 == gate_up.size(1),
+              "hasten::swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
+              shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
+  check_same_device(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
+}
+
+inline void check_silu_mul_args(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes(), "hasten::", op, ": `gate` and `up` must have one shape, got ",
+              shape(gate.sizes()), " and ", shape(up.sizes()));
+  TORCH_CHECK(gate.dim() >= 1, "hasten::", op, ": `gate` must have at least one dimension");
+  check_same_dtype(gate, up, op, "gate", "up");
+  check_same_device(gate, up, op, "gate", "up");
+}
+
+inline void check_silu_mul_backward_args(const at::Tensor& grad_act, const at::Tensor& gate, const at::Tensor& up) {
+  check_silu_mul_args("silu_mul_backward", gate, up);
+  TORCH_CHECK(grad_act.sizes() == gate.sizes(), "hasten::silu_mul_backward: `grad_act` must have the shape of `gate` ",
+              shape(gate.sizes()), ", got ", shape(grad_act.sizes()));
+  check_same_dtype(gate, grad_act, "silu_mul_backward", "gate", "grad_act");
+  check_same_device(gate, grad_act, "silu_mul_backward", "gate", "grad_act");
+}
+
+}  // namespace hasten

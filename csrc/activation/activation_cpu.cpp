@@ -1,0 +1,100 @@
+// CPU reference of the SwiGLU ops: one strided routine for both layouts (see activation_checks.h).
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "activation_checks.h"
+
+namespace hasten {
+namespace {
+
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Rows of gate and up at a common stride `in_stride`; act (rows, inner) contiguous.
+template <typename T>
+void swiglu_rows(const T* gate, const T* up, int64_t in_stride, T* act, int64_t rows, int64_t inner) {
+  using A = acc_t<T>;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < inner; ++c) {
+      const A g = static_cast<A>(gate[r * in_stride + c]), u = static_cast<A>(up[r * in_stride + c]);
+      act[r * inner + c] = static_cast<T>(g / (A(1) + std::exp(-g)) * u);
+    }
+}
+
+template <typename T>
+void swiglu_rows_backward(const T* gate, const T* up, int64_t in_stride, const T* grad_act, T* grad_gate, T* grad_up,
+                          int64_t out_stride, int64_t rows, int64_t inner) {
+  using A = acc_t<T>;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < inner; ++c) {
+      const A g = static_cast<A>(gate[r * in_stride + c]), u = static_cast<A>(up[r * in_stride + c]);
+      const A d = static_cast<A>(grad_act[r * inner + c]);
+      const A sg = A(1) / (A(1) + std::exp(-g));
+      grad_gate[r * out_stride + c] = static_cast<T>(d * u * sg * (A(1) + g * (A(1) - sg)));
+      grad_up[r * out_stride + c] = static_cast<T>(d * g * sg);
+    }
+}
+
+at::Tensor swiglu_cpu(const at::Tensor& gate_up) {
+  check_swiglu_args("swiglu", gate_up);
+  const auto x = gate_up.contiguous();
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  auto out = at::empty({rows, inner}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "swiglu_cpu", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    swiglu_rows(in, in + inner, 2 * inner, out.data_ptr<scalar_t>(), rows, inner);
+  });
+  return out;
+}
+
+at::Tensor swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gate_up) {
+  check_swiglu_backward_args(grad_act, gate_up);
+  const auto x = gate_up.contiguous();
+  const auto d = grad_act.contiguous();
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "swiglu_backward_cpu", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    swiglu_rows_backward(in, in + inner, 2 * inner, d.data_ptr<scalar_t>(), o, o + inner, 2 * inner, rows, inner);
+  });
+  return out;
+}
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  check_silu_mul_args("silu_mul", gate, up);
+  const auto g = gate.contiguous(), u = up.contiguous();
+  const int64_t inner = g.size(-1), rows = inner ? g.numel() / inner : 0;
+  auto out = at::empty_like(g);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "silu_mul_cpu", [&] {
+    swiglu_rows(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), inner, out.data_ptr<scalar_t>(), rows, inner);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gate,
+                                                          const at::Tensor& up) {
+  check_silu_mul_backward_args(grad_act, gate, up);
+  const auto g = gate.contiguous(), u = up.contiguous(), d = grad_act.contiguous();
+  const int64_t inner = g.size(-1), rows = inner ? g.numel() / inner : 0;
+  auto grad_gate = at::empty_like(g), grad_up = at::empty_like(u);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "silu_mul_backward_cpu", [&] {
+    swiglu_rows_backward(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), inner, d.data_ptr<scalar_t>(),
+                         grad_gate.data_ptr<scalar_t>(), grad_up.data_ptr<scalar_t>(), inner, rows, inner);
+  });
+  return {grad_gate, grad_up};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hasten, CPU, m) {
+  m.impl("swiglu", &swiglu_cpu);
+  m.impl("swiglu_backward", &swiglu_backward_cpu);
+  m.impl("silu_mul", &silu_mul_cpu);
+  m.impl("silu_mul_backward", &silu_mul_backward_cpu);
+}
+
+}  // namespace hasten

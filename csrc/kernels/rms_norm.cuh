@@ -1,0 +1,37 @@
+// Torch-free, host-includable interface of the RMSNorm kernels. Rows (R, H) contiguous:
+//   forward   rstd = 1 / sqrt(mean(x^2) + eps)   (float32, kept for backward)
+//             y = (weight + offset) * round_to_T(x * rstd)   (transformers' Llama/Qwen order:
+//             the normalised value is cast to the input dtype before the weight multiplies it)
+//   backward  n = x * rstd, wg = (weight + offset) * grad_y
+//             grad_x = rstd * (wg - n * mean(wg * n))
+//             grad_weight_partial[b, :] += grad_y * round_to_T(n) over the rows block b handles
+//             (the caller sums the partials over blocks: float accumulation, no atomics)
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "element_type.h"
+
+namespace hasten {
+namespace kernels {
+
+struct RmsNormParams {
+  const void* x;
+  const void* weight;  // (H,), the element type of x
+  const void* grad_y;  // backward only
+  void* y;             // forward: y; backward: grad_x
+  float* rstd;         // (R,)
+  float* grad_weight_partial;  // backward: (blocks, H), zero-initialised
+  int64_t rows, hidden;
+  float eps, offset;
+  ElementType type;
+};
+
+// Blocks the backward launch uses (rows per block vary); size of grad_weight_partial's first dim.
+int rms_norm_backward_blocks(int64_t rows, int device);
+cudaError_t launch_rms_norm_forward(const RmsNormParams& params, cudaStream_t stream);
+cudaError_t launch_rms_norm_backward(const RmsNormParams& params, int device, cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace hasten

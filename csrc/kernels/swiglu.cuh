@@ -1,0 +1,32 @@
+// Torch-free, host-includable interface of the SwiGLU kernels: act = silu(gate) * up over rows
+// whose gate and up halves sit at a common row stride. Two layouts use it:
+//   MoE experts  one (R, 2I) tensor [gate | up]: gate = base, up = base + I, stride 2I
+//   dense MLPs   two (R, I) tensors from gate_proj and up_proj: stride I
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "element_type.h"
+
+namespace hasten {
+namespace kernels {
+
+struct SwigluParams {
+  const void* gate;      // row r, column c at gate[r * in_stride + c]
+  const void* up;        // row r, column c at up[r * in_stride + c]
+  int64_t in_stride;
+  const void* grad_act;  // (R, I) contiguous, backward only (else nullptr)
+  void* out;             // forward: act (R, I) contiguous; backward: grad_gate at out_stride
+  void* out_up;          // backward: grad_up at out_stride (forward: unused)
+  int64_t out_stride;
+  int64_t rows, inner;   // R, I
+  ElementType type;
+};
+// act = silu(gate) * up
+cudaError_t launch_swiglu_forward(const SwigluParams& params, cudaStream_t stream);
+// d_gate = d_act * up * silu'(gate), d_up = d_act * silu(gate)
+cudaError_t launch_swiglu_backward(const SwigluParams& params, cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace hasten

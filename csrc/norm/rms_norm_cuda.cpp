@@ -1,0 +1,73 @@
+// CUDA glue of hasten::rms_norm and rms_norm_backward: checks, device guard, one launch each
+// (plus one ATen sum of the backward's per-block weight-gradient partials).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <tuple>
+
+#include "../kernels/rms_norm.cuh"
+#include "hasten/cuda_glue.h"
+#include "norm_checks.h"
+
+namespace hasten {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const at::Tensor& weight, double eps,
+                                                 double offset) {
+  check_device(x_in, "rms_norm", "x", c10::DeviceType::CUDA);
+  check_rms_norm_args("rms_norm", x_in, weight);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = x_in.contiguous(), w = weight.contiguous();
+  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  auto y = at::empty_like(x);
+  auto rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  kernels::RmsNormParams p{};
+  p.x = x.data_ptr();
+  p.weight = w.data_ptr();
+  p.y = y.data_ptr();
+  p.rstd = rstd.data_ptr<float>();
+  p.rows = rows;
+  p.hidden = hidden;
+  p.eps = static_cast<float>(eps);
+  p.offset = static_cast<float>(offset);
+  p.type = element_type(x, "rms_norm");
+  check_launch(kernels::launch_rms_norm_forward(p, c10::cuda::getCurrentCUDAStream()), "rms_norm");
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+                                                          const at::Tensor& weight, const at::Tensor& rstd_in,
+                                                          double offset) {
+  check_device(x_in, "rms_norm_backward", "x", c10::DeviceType::CUDA);
+  check_rms_norm_backward_args(grad_y_in, x_in, weight, rstd_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = x_in.contiguous(), g = grad_y_in.contiguous(), w = weight.contiguous(), rstd = rstd_in.contiguous();
+  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  const int device = x.get_device();
+  auto grad_x = at::empty_like(x);
+  auto partial = at::zeros({kernels::rms_norm_backward_blocks(rows, device), hidden}, x.options().dtype(at::kFloat));
+  kernels::RmsNormParams p{};
+  p.x = x.data_ptr();
+  p.weight = w.data_ptr();
+  p.grad_y = g.data_ptr();
+  p.y = grad_x.data_ptr();
+  p.rstd = rstd.data_ptr<float>();
+  p.grad_weight_partial = partial.data_ptr<float>();
+  p.rows = rows;
+  p.hidden = hidden;
+  p.offset = static_cast<float>(offset);
+  p.type = element_type(x, "rms_norm_backward");
+  check_launch(kernels::launch_rms_norm_backward(p, device, c10::cuda::getCurrentCUDAStream()), "rms_norm_backward");
+  return {grad_x, partial.sum(0).to(weight.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+}
+
+}  // namespace hasten

@@ -1,0 +1,86 @@
+"""Fused RMSNorm, SwiGLU and RoPE inside transformers models: same loss and gradients as the
+unfused model, switchable per kernel, undone cleanly."""
+
+import sys
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+import hasten
+from hasten.config import Config
+
+SMALL = dict(vocab_size=211, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=64, **SMALL)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, head_dim=8, **SMALL)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16,
+                                                            num_experts=4, num_experts_per_tok=2, head_dim=8,
+                                                            **SMALL)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4,
+                                                        num_experts_per_tok=2, **SMALL)),
+}
+ALL_OFF = {"rms_norm": False, "swiglu": False, "rope": False}
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, 211, (n,), generator=gen).tolist()} for n in (7, 1, 19, 12)]
+    return hasten.PackingCollator(max_tokens=64)(samples)
+
+
+def _run(name, kernels):
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    handle = hasten.accelerate(model, Config.from_dict({"kernels": kernels}))
+    loss = model(**_batch()).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return model, handle, loss.detach(), grads
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fused_kernels_match_the_unfused_model(name):
+    _, _, want_loss, want = _run(name, ALL_OFF)
+    model, handle, loss, grads = _run(name, {})
+    fused = [item for item in handle.active if item.startswith("fused kernels")]
+    assert fused and "RMSNorm" in fused[0] and "RoPE" in fused[0]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for key in want:
+        torch.testing.assert_close(grads[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+    handle.undo()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_each_kernel_switches_alone():
+    for key in ALL_OFF:
+        only = dict(ALL_OFF, **{key: True})
+        _, handle, _, _ = _run("qwen3", only)
+        (fused,) = [item for item in handle.active if item.startswith("fused kernels")]
+        expected = {"rms_norm": "RMSNorm", "swiglu": "SwiGLU", "rope": "RoPE"}[key]
+        assert expected in fused and all(other not in fused for other in {"RMSNorm", "SwiGLU", "RoPE"} - {expected})
+        handle.undo()
+
+
+def test_rope_patch_is_shared_and_restored_with_the_last_model():
+    modeling = sys.modules[Qwen3ForCausalLM.__module__]
+    original = modeling.apply_rotary_pos_emb
+    _, first, _, _ = _run("qwen3", {})
+    _, second, _, _ = _run("qwen3", {})
+    assert modeling.apply_rotary_pos_emb is not original
+    first.undo()
+    assert modeling.apply_rotary_pos_emb is not original  # the second model still uses it
+    second.undo()
+    assert modeling.apply_rotary_pos_emb is original
+
+
+def test_mixed_dtypes_fall_back_to_transformers_norm():
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    hasten.accelerate(model, Config())
+    norm = model.model.norm
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    out = norm(x)
+    assert out.dtype == torch.float64
+    assert hasten.observability.fallback_counts().get("fused_rms_norm") == 1

@@ -1,0 +1,112 @@
+"""RMSNorm, SwiGLU and RoPE CUDA kernels equal the CPU ops, and a model trains the same with them."""
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import hasten
+from hasten.config import Config
+from hasten.ops.dense import rms_norm, rope, silu_mul
+from hasten.packing import move_batch
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def _both(fn, *inputs):
+    """Output and input gradients on the CPU and on the GPU, same inputs and upstream gradient."""
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.detach().to(device).requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        upstream = torch.ones_like(out) * 0.5 + torch.arange(out.numel(), device=device).reshape(out.shape) % 3
+        out.backward(upstream.to(out.dtype))
+        results.append((out.detach().cpu().float(), [t.grad.cpu().float() for t in leaves]))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (300, 1000), (5, 4096), (0, 64)])
+def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    (cpu_out, cpu_grads), (gpu_out, gpu_grads) = _both(lambda a, b: rms_norm(a, b, 1e-6), x, w)
+    torch.testing.assert_close(gpu_out, cpu_out, **TOL[dtype])
+    torch.testing.assert_close(gpu_grads[0], cpu_grads[0], **TOL[dtype])
+    # the weight gradient sums over rows: compare relative to its size
+    scale = cpu_grads[1].abs().max().clamp_min(1.0)
+    torch.testing.assert_close(gpu_grads[1] / scale, cpu_grads[1] / scale, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7, 129), (4096, 3072)])
+def test_silu_mul_cuda_equals_cpu(dtype, shape):
+    gen = torch.Generator().manual_seed(len(shape))
+    gate, up = (torch.randn(shape, generator=gen) * 3).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    (cpu_out, cpu_grads), (gpu_out, gpu_grads) = _both(silu_mul, gate, up)
+    torch.testing.assert_close(gpu_out, cpu_out, **TOL[dtype])
+    for g, c in zip(gpu_grads, cpu_grads):
+        torch.testing.assert_close(g, c, **TOL[dtype])
+
+
+def test_moe_swiglu_layout_still_matches_after_the_shared_kernel():
+    gate_up = torch.randn(77, 2 * 96, device="cuda", dtype=torch.bfloat16)
+    got = torch.ops.hasten.swiglu(gate_up)
+    want = torch.ops.hasten.swiglu(gate_up.cpu())
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[torch.bfloat16])
+    grad = torch.randn(77, 96, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.ops.hasten.swiglu_backward(grad, gate_up).cpu().float(),
+                               torch.ops.hasten.swiglu_backward(grad.cpu(), gate_up.cpu()).float(),
+                               **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,heads,length,dim", [(1, 1, 1, 2), (2, 16, 333, 128), (1, 8, 16384, 64)])
+def test_rope_cuda_equals_cpu(dtype, batch, heads, length, dim):
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(batch, length, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    angles = torch.randn(1, length, dim // 2, generator=gen)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaf = x.detach().to(device).requires_grad_()
+        out = rope(leaf, cos.to(device), sin.to(device))
+        out.backward(torch.ones_like(out))
+        results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
+    torch.testing.assert_close(results[1][0], results[0][0], **TOL[dtype])
+    torch.testing.assert_close(results[1][1], results[0][1], **TOL[dtype])
+
+
+def test_twenty_steps_with_fused_kernels_follow_the_unfused_curve():
+    gen = torch.Generator().manual_seed(1)
+    collator = hasten.PackingCollator(max_tokens=8192)
+    batches = []
+    for _ in range(20):
+        starts = torch.randint(0, 32000, (20,), generator=gen).tolist()
+        lengths = [1] + torch.randint(2, 700, (19,), generator=gen).tolist()
+        batches.append(move_batch(collator([{"input_ids": [(s + i) % 32000 for i in range(k)]}
+                                            for s, k in zip(starts, lengths)]), "cuda"))
+    curves = {}
+    for name, kernels in (("unfused", {"fused_cross_entropy": False, "rms_norm": False, "swiglu": False,
+                                       "rope": False}), ("fused", {})):
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+        model = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).train()
+        handle = hasten.accelerate(model, Config.from_dict({"kernels": kernels}))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for batch in batches:
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        curves[name] = losses
+        handle.undo()
+    print("unfused", [round(x, 4) for x in curves["unfused"]])
+    print("fused  ", [round(x, 4) for x in curves["fused"]])
+    assert curves["fused"][-1] < curves["fused"][0] - 1.0
+    assert max(abs(a - b) for a, b in zip(curves["fused"], curves["unfused"])) <= 0.05

@@ -1,0 +1,112 @@
+"""hasten::rms_norm, silu_mul and rope (with their backward ops) against plain PyTorch, CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hasten.ops.dense import rms_norm, rope, silu_mul
+
+
+def _reference_rms_norm(x, weight, eps):
+    # transformers' LlamaRMSNorm / Qwen3RMSNorm
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _reference_rope(x, cos, sin):
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+def _grads(fn, *inputs):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    gen = torch.Generator().manual_seed(99)
+    upstream = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    out.backward(upstream)
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (2, 5, 64), (0, 8), (7, 1000)])
+def test_rms_norm_matches_transformers(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=gen) * 3
+    w = torch.randn(shape[-1], generator=gen)
+    got, got_grads = _grads(lambda a, b: rms_norm(a, b, 1e-6), x, w)
+    want, want_grads = _grads(lambda a, b: _reference_rms_norm(a, b, 1e-6), x, w)
+    torch.testing.assert_close(got, want)
+    for g, r in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_bfloat16_in_bf16_noise_and_offset():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 300, generator=gen).to(torch.bfloat16)
+    w = torch.randn(300, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5).float(), _reference_rms_norm(x, w, 1e-5).float(),
+                               rtol=1e-2, atol=1e-2)
+    shifted = rms_norm(x.float(), w.float(), 1e-5, offset=1.0)
+    torch.testing.assert_close(shifted, _reference_rms_norm(x.float(), w.float() + 1.0, 1e-5))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (4, 3), (2, 7, 129), (0, 5)])
+def test_silu_mul_matches_pytorch(shape):
+    gen = torch.Generator().manual_seed(len(shape))
+    gate, up = torch.randn(shape, generator=gen) * 4, torch.randn(shape, generator=gen)
+    got, got_grads = _grads(silu_mul, gate, up)
+    want, want_grads = _grads(lambda g, u: F.silu(g) * u, gate, up)
+    torch.testing.assert_close(got, want)
+    for g, r in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch,heads,length,dim,cs_batch", [(1, 1, 1, 2, 1), (2, 3, 5, 8, 2), (2, 4, 33, 64, 1),
+                                                             (1, 2, 0, 4, 1)])
+def test_rope_matches_transformers_and_its_gradient(batch, heads, length, dim, cs_batch):
+    gen = torch.Generator().manual_seed(dim + length)
+    # q as transformers makes it: (B, L, heads, D) viewed as (B, heads, L, D)
+    x = torch.randn(batch, length, heads, dim, generator=gen).transpose(1, 2)
+    angles = torch.randn(cs_batch, length, dim // 2, generator=gen)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    got, (got_grad,) = _grads(lambda a: rope(a, cos, sin), x)
+    want, (want_grad,) = _grads(lambda a: _reference_rope(a, cos, sin), x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert got.stride() == x.stride() or length == 0  # the layout of q is kept
+
+
+def test_rope_backward_is_exact_for_any_cos_sin():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 4, 6, generator=gen)
+    cos, sin = torch.randn(1, 4, 6, generator=gen), torch.randn(1, 4, 6, generator=gen)  # halves differ
+    _, (got,) = _grads(lambda a: rope(a, cos, sin), x)
+    _, (want,) = _grads(lambda a: _reference_rope(a, cos, sin), x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(RuntimeError, match=r"`weight` must be \(8,\)"):
+        rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match=r"Convert it with .to\(torch.float32\)"):
+        rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), 1e-6)
+    with pytest.raises(RuntimeError, match="`gate` and `up` must have one shape"):
+        silu_mul(torch.randn(2, 3), torch.randn(3, 2))
+    with pytest.raises(RuntimeError, match="partial rotary"):
+        rope(torch.randn(1, 1, 3, 8), torch.randn(1, 3, 4), torch.randn(1, 3, 4))
+
+
+def test_opcheck():
+    x, w = torch.randn(3, 16), torch.randn(16)
+    torch.library.opcheck(torch.ops.hasten.rms_norm.default, (x, w, 1e-6, 0.0))
+    _, rstd = torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0)
+    torch.library.opcheck(torch.ops.hasten.rms_norm_backward.default, (torch.randn(3, 16), x, w, rstd, 0.0))
+    g, u = torch.randn(4, 6), torch.randn(4, 6)
+    torch.library.opcheck(torch.ops.hasten.silu_mul.default, (g, u))
+    torch.library.opcheck(torch.ops.hasten.silu_mul_backward.default, (torch.randn(4, 6), g, u))
+    torch.library.opcheck(torch.ops.hasten.rope.default, (torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4),
+                                                          torch.randn(1, 3, 4), False))
