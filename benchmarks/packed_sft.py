@@ -6,6 +6,7 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
   hasten             hasten.accelerate + PackingCollator metadata (no read-back), fused kernels on
   hasten_unfused     hasten with every kernels.* switch off (transformers' loss, norms, MLPs, rotary)
   hasten_fused_ce_only  hasten with only the fused cross-entropy of the kernels.* switches
+  hasten_all_kernels hasten with RMSNorm, SwiGLU and RoPE kernels switched on too
   hasten_posids      hasten with position_ids only (metadata derived on the device once per forward)
   hasten_gqa_repeat  hasten with K/V heads repeated instead of read natively
   hasten_no_cache    hasten with training.metadata_cache false (metadata derived in every layer)
@@ -112,13 +113,14 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
     handle = None
     unfused = {"fused_cross_entropy": False, "rms_norm": False, "swiglu": False, "rope": False}
     hasten_cfg = {"hasten": {}, "hasten_unfused": {"kernels": unfused},
+                  "hasten_all_kernels": {"kernels": {"rms_norm": True, "swiglu": True, "rope": True}},
                   "hasten_fused_ce_only": {"kernels": dict(unfused, fused_cross_entropy=True)},
                   "hasten_posids": {}, "hasten_gqa_repeat": {"attention": {"gqa": "repeat"}},
                   "hasten_no_cache": {"training": {"metadata_cache": False}}}
     if name in hasten_cfg:
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), "cuda")
-    if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_gqa_repeat"):
+    if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):
         inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")}]
@@ -162,7 +164,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--variants", default="hf_padded,hf_packed_sdpa,hasten,hasten_unfused,hasten_fused_ce_only,"
+    parser.add_argument("--variants", default="hf_padded,hf_packed_sdpa,hasten,hasten_unfused,hasten_fused_ce_only,hasten_all_kernels,"
                                               "hasten_posids,"
                                               "hasten_gqa_repeat,hasten_no_cache")
     args = parser.parse_args()

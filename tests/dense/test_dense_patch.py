@@ -22,6 +22,7 @@ MODELS = {
                                                         num_experts_per_tok=2, **SMALL)),
 }
 ALL_OFF = {"rms_norm": False, "swiglu": False, "rope": False}
+ALL_ON = {"rms_norm": True, "swiglu": True, "rope": True}
 
 
 def _batch():
@@ -43,7 +44,7 @@ def _run(name, kernels):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fused_kernels_match_the_unfused_model(name):
     _, _, want_loss, want = _run(name, ALL_OFF)
-    model, handle, loss, grads = _run(name, {})
+    model, handle, loss, grads = _run(name, ALL_ON)
     fused = [item for item in handle.active if item.startswith("fused kernels")]
     assert fused and "RMSNorm" in fused[0] and "RoPE" in fused[0]
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
@@ -66,8 +67,8 @@ def test_each_kernel_switches_alone():
 def test_rope_patch_is_shared_and_restored_with_the_last_model():
     modeling = sys.modules[Qwen3ForCausalLM.__module__]
     original = modeling.apply_rotary_pos_emb
-    _, first, _, _ = _run("qwen3", {})
-    _, second, _, _ = _run("qwen3", {})
+    _, first, _, _ = _run("qwen3", ALL_ON)
+    _, second, _, _ = _run("qwen3", ALL_ON)
     assert modeling.apply_rotary_pos_emb is not original
     first.undo()
     assert modeling.apply_rotary_pos_emb is not original  # the second model still uses it
@@ -78,7 +79,7 @@ def test_rope_patch_is_shared_and_restored_with_the_last_model():
 def test_mixed_dtypes_fall_back_to_transformers_norm():
     torch.manual_seed(0)
     model = MODELS["llama"]()
-    hasten.accelerate(model, Config())
+    hasten.accelerate(model, Config.from_dict({"kernels": ALL_ON}))
     norm = model.model.norm
     x = torch.randn(2, 3, 32, dtype=torch.float64)
     out = norm(x)

@@ -90,7 +90,8 @@ def test_twenty_steps_with_fused_kernels_follow_the_unfused_curve():
                                             for s, k in zip(starts, lengths)]), "cuda"))
     curves = {}
     for name, kernels in (("unfused", {"fused_cross_entropy": False, "rms_norm": False, "swiglu": False,
-                                       "rope": False}), ("fused", {})):
+                                       "rope": False}),
+                         ("fused", {"rms_norm": True, "swiglu": True, "rope": True})):
         torch.manual_seed(0)
         config = Qwen3Config(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                              num_attention_heads=8, num_key_value_heads=2, head_dim=64)

@@ -1,0 +1,128 @@
+"""W2 long-context anchor: the longest single sequence a Llama-8B-shaped model trains on one GPU
+with PEFT LoRA (r=16 on every projection), forward + backward.
+
+Variants in one run (rows to benchmarks/results/W2_long.jsonl):
+  hf_grad_ckpt   transformers gradient checkpointing (non-reentrant), sdpa, transformers' loss
+  hasten         hasten.accelerate: packed varlen attention, fused cross-entropy and dense
+                 kernels, activation checkpointing full
+
+For each variant the lengths in --lengths are tried in order until one runs out of memory; the
+row records the longest that trained, its step time and peak. Reference (BENCHMARKS.md, H200):
+transformers checkpointing trains 49,152 tokens (12.2 s, 110.5 GiB) and runs out at 65,536.
+Target: hasten at least 2x the longest transformers length.
+
+    python benchmarks/long_context.py [--lengths 16384,32768,...] [--variants hf_grad_ckpt,hasten] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import hasten  # noqa: E402
+from hasten.config import Config  # noqa: E402
+from hasten.packing import move_batch  # noqa: E402
+
+DEFAULT_LENGTHS = "16384,32768,49152,65536,98304,131072,163840,196608,262144"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build(variant: str):
+    import peft
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=524288,
+                         attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    handle = None
+    if variant == "hf_grad_ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        handle = hasten.accelerate(model, Config.from_dict({"training": {"checkpoint": {"activations": "full"}}}))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    model.train()
+    return model, handle
+
+
+def batch_for(tokens: int, variant: str) -> dict:
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, 128256, (tokens,), generator=gen).tolist()
+    if variant == "hf_grad_ckpt":
+        tensor = torch.tensor([ids], device="cuda")
+        return {"input_ids": tensor, "labels": tensor}
+    return move_batch(hasten.PackingCollator(max_tokens=tokens)([{"input_ids": ids}]), "cuda")
+
+
+def try_length(model, optimizer, tokens: int, variant: str) -> tuple[float, float] | None:
+    """(seconds, peak GiB) of one step at `tokens`, or None when it runs out of memory."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        batch = batch_for(tokens, variant)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
+    except torch.OutOfMemoryError:
+        optimizer.zero_grad(set_to_none=True)
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS)
+    parser.add_argument("--variants", default="hf_grad_ckpt,hasten")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    run_id = common.new_run_id()
+    rows = []
+    for variant in args.variants.split(","):
+        model, handle = build(variant)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        trained, tried = None, []
+        for tokens in lengths:
+            result = try_length(model, optimizer, tokens, variant)
+            tried.append((tokens, None if result is None else round(result[0], 2)))
+            print(f"{variant:>14} {tokens:>7} tokens: " + ("out of memory" if result is None
+                                                           else f"{result[0]:.2f} s, peak {result[1]:.1f} GiB"),
+                  flush=True)
+            if result is None:
+                break
+            trained = (tokens, *result)
+        rows.append({"workload": "W2_long", "variant": variant, **common.environment(),
+                     "tokens_per_s": trained[0] / trained[1] if trained else None,
+                     "step_s": trained[1] if trained else None, "peak_gib": trained[2] if trained else None,
+                     "host_syncs_per_step": None, "correct": trained is not None,
+                     "notes": f"longest trained {trained[0] if trained else 0} tokens; tried {tried}",
+                     "max_tokens": trained[0] if trained else 0, "run_id": run_id})
+        if handle is not None:
+            handle.undo()
+        del model, optimizer
+        gc.collect()
+        torch.cuda.empty_cache()
+    by = {r["variant"]: r for r in rows}
+    if {"hf_grad_ckpt", "hasten"} <= by.keys() and by["hf_grad_ckpt"]["max_tokens"]:
+        print(f"longest sequence: hasten {by['hasten']['max_tokens']} vs transformers checkpointing "
+              f"{by['hf_grad_ckpt']['max_tokens']} tokens ({by['hasten']['max_tokens'] / by['hf_grad_ckpt']['max_tokens']:.2f}x)")
+    print(f"rows appended to {common.write_rows(rows, 'W2_long', args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
