@@ -29,8 +29,13 @@ if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scalin
     --output_dir "$RUNS/one" --no_progress > "$OUT/one_gpu.log" 2>&1; echo "one gpu exit $?"
   torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
     --output_dir "$RUNS/two" --no_progress > "$OUT/two_gpu.log" 2>&1; echo "two gpu exit $?"
+  # the same with each layer's gathered weights kept from forward to backward (one all-gather less)
+  python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); c['training']['fsdp2_reshard_after_forward'] = False; \
+yaml.safe_dump(c, open(sys.argv[2], 'w'))" "$CONFIG" "$RUNS/keep_gathered.yaml"
+  torchrun --nproc_per_node 2 -m hasten train --config "$RUNS/keep_gathered.yaml" --max_steps "$STEPS" \
+    --output_dir "$RUNS/two_keep" --no_progress > "$OUT/two_gpu_keep.log" 2>&1; echo "two gpu (kept gathered) exit $?"
   python3 scripts/compare_runs.py one_gpu="$RUNS/one/logs" fsdp2_two_gpu="$RUNS/two/logs" \
-    --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
+    fsdp2_kept_gathered="$RUNS/two_keep/logs" --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
 fi
 
 wait_for() {  # wait_for PATH SECONDS: until PATH exists

@@ -91,6 +91,9 @@ class TrainingConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     # Under torchrun: ddp replicates the model, fsdp2 shards it per decoder layer (auto: ddp).
     distributed: Literal["auto", "ddp", "fsdp2", "none"] = "auto"
+    # fsdp2: free each decoder layer's gathered weights after its forward (true: least memory) or
+    # keep them until its backward (false: one all-gather per layer and step instead of two).
+    fsdp2_reshard_after_forward: bool = True
     # auto: bf16 on a GPU that supports it, float32 on the CPU.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
 

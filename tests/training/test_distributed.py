@@ -37,10 +37,12 @@ def _torchrun(tmp_path, name, training, *extra):
     return out, rows
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_train_and_report_once(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,extra", [("ddp", {}), ("fsdp2", {}),
+                                            ("fsdp2", {"fsdp2_reshard_after_forward": False})],
+                         ids=["ddp", "fsdp2", "fsdp2-keep-gathered"])
+def test_two_processes_train_and_report_once(tmp_path, strategy, extra):
     out, rows = _torchrun(tmp_path, strategy, {"distributed": strategy, "max_steps": 2,
-                                               "checkpoint": {"interval_steps": 2}})
+                                               "checkpoint": {"interval_steps": 2}, **extra})
     assert [r["step"] for r in rows] == [2 - 1, 2]  # rank 0 alone writes, one row per step
     summary = json.loads((out / "logs" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["distributed"] == strategy

@@ -63,7 +63,8 @@ def tied_parameter_names(model: torch.nn.Module) -> set[str]:
     return tied
 
 
-def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
+               reshard_after_forward: bool = True) -> torch.nn.Module:
     if not ctx.enabled:
         return model
     ctx.tied_names = tied_parameter_names(model)
@@ -81,7 +82,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device) -
             raise ConfigError("training.distributed fsdp2 shards per decoder layer and this model has no "
                               "model.layers; use ddp")
         for layer in layers:
-            fully_shard(layer, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh)
         return model
     raise ConfigError(f"unknown training.distributed strategy {ctx.strategy!r}")

@@ -202,7 +202,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     if config.lora.enabled:
         model = _with_lora(model, config, ctx)
     hf_model = model
-    model = wrap_model(model, ctx, device)
+    model = wrap_model(model, ctx, device, reshard_after_forward=t.fsdp2_reshard_after_forward)
     if ctx.enabled and ctx.is_main:
         logger.info("hasten: %s over %d processes", ctx.strategy, ctx.world_size)
 
