@@ -219,3 +219,15 @@ def test_accelerate_on_cpu_says_offload_needs_a_gpu():
 def test_conflicting_offload_config_is_refused(raw, message):
     with pytest.raises(hasten.config.ConfigError, match=message):
         Config.from_dict({"training": {"checkpoint": raw}})
+
+
+def test_recomputed_layers_do_not_count_as_new_forwards():
+    """A checkpointed layer's forward runs again inside backward; it must not look like a new step."""
+    model = _model()
+    offload = LayerOffload(decoder_layers(model), ["recompute", "offload", "recompute", "keep"], min_bytes=0)
+    starts = []
+    offload.layer_observers.append(lambda index, event: starts.append(index) if event == "forward_start" else None)
+    offload.attach()
+    for _ in range(2):
+        model(**_batch()).loss.backward()
+    assert starts == [0, 1, 2, 3] * 2

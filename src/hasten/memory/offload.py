@@ -123,6 +123,11 @@ class _Packed:
         self.offset = tensor.storage_offset()
 
 
+def _in_backward() -> bool:
+    """True inside the autograd engine (a checkpointed layer's recompute runs its forward there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a transformers model, in order (transformers marks them by class)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -217,7 +222,8 @@ class LayerOffload:
 
     def _pre_forward(self, index: int):
         def hook(module, args):
-            if not torch.is_grad_enabled():
+            # no graph to offload from (eval), or a checkpointed layer's recompute inside backward
+            if not torch.is_grad_enabled() or _in_backward():
                 return
             if index == 0:
                 self._start_graph()
@@ -237,7 +243,7 @@ class LayerOffload:
             if context is not None:
                 context.__exit__(None, None, None)
                 self._current_layer = None
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or _in_backward():
                 return
             for observer in self.layer_observers:
                 observer(index, "forward_end")
