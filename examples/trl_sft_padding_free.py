@@ -36,6 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hasten
+from hasten.config import Config
 from hasten.data import embedded_corpus_path, read_records
 from hasten.integrations.trainer import HastenCallback
 
@@ -56,8 +57,10 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if cuda else torch.float32)
     # Patch before TRL sees the model. With --lora, TRL wraps it in a PeftModel afterwards; the
-    # PeftModel's forward reaches this patched model, so nothing else is needed.
-    handle = hasten.accelerate(model)
+    # PeftModel's forward reaches this patched model, so nothing else is needed. TRL computes entropy
+    # and token accuracy from the logits of every training step, so the fused cross-entropy (which
+    # returns logits=None in training) stays off here.
+    handle = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_cross_entropy": False}}))
     print(handle.report())
 
     # Tokenized and truncated here: with padding_free and no packing, TRL requires max_length=None
