@@ -184,6 +184,31 @@ def test_offload_lowers_the_peak():
     assert peaks["offload"] < 0.8 * peaks["keep"], peaks
 
 
+def test_offloaded_memory_is_freed_before_the_forward_ends():
+    """Only layer 0 offloads; the later layers keep. Once its copy is done (forced here by a sync
+    before the last layer), the device copy must be released during the forward, not at backward:
+    the memory at the end of the last layer is lower by about layer 0's bytes."""
+    batch = _batches(1, seed=6, max_tokens=8192)[0]
+    at_end = {}
+    for plan in ("keep", "offload"):
+        model = _model()
+        hasten.accelerate(model, Config())
+        layers = decoder_layers(model)
+        offload = LayerOffload(layers, [plan, "keep", "keep", "keep"])
+        offload.attach()
+        layers[2].register_forward_hook(lambda *args: torch.cuda.synchronize())
+        layers[3].register_forward_hook(lambda *args: at_end.__setitem__(plan, torch.cuda.memory_allocated()))
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+        if plan == "offload":
+            saved = offload.bytes_per_layer[0]
+        offload.detach()
+        del model, offload, layers
+        gc.collect()
+    assert saved > 10 << 20
+    assert at_end["keep"] - at_end["offload"] >= 0.9 * saved, (at_end, saved)
+
+
 def test_accelerate_with_the_guides_double_buffer_plans_and_trains():
     batches = _batches(3, seed=4)
     want_losses, _ = _train(_model(), batches)

@@ -227,6 +227,11 @@ class LayerOffload:
                 return
             if index == 0:
                 self._start_graph()
+            else:
+                # releases the device copies of offloads that have completed: without this, nothing
+                # polls during the kept layers after the last offloaded one, and the memory would
+                # stay held through the peak at the loss
+                self.engine.poll()
             for observer in self.layer_observers:
                 observer(index, "forward_start")
             self.bytes_per_layer[index] = 0
@@ -245,6 +250,8 @@ class LayerOffload:
                 self._current_layer = None
             if not torch.is_grad_enabled() or _in_backward():
                 return
+            if index == len(self.layers) - 1:
+                self.engine.poll()  # the last chance before the LM head and loss, where the peak is
             for observer in self.layer_observers:
                 observer(index, "forward_end")
             grad_output = _first_grad_tensor(output)
