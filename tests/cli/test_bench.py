@@ -94,6 +94,10 @@ def test_variant_configs_are_hasten_off_and_on(good_run) -> None:
     off, on = configs["baseline"], configs["hasten"]
     assert (off["packed_sequence"], off["metadata_cache"], off["moe"]["fused_grouping"]) == (False, False, False)
     assert (on["packed_sequence"], on["metadata_cache"], on["moe"]["fused_grouping"]) == (True, True, True)
+    assert (off["checkpoint"]["offload"], off["checkpoint"]["double_buffer"]) == ("none", False)
+    kernels = {name: json.loads((out_dir / name / "logs" / "config.json").read_text())["kernels"]
+               for name in ("baseline", "hasten")}
+    assert not any(kernels["baseline"].values()) and kernels["hasten"]["fused_cross_entropy"]
 
 
 def test_ratios_loss_agreement_and_environment(good_run) -> None:

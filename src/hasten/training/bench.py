@@ -4,8 +4,9 @@
 same data and seed:
 
   baseline  hasten off: training.packed_sequence, training.metadata_cache,
-            training.moe.fused_grouping and every kernels.* switch false, so batches are padded
-            micro-batches through transformers' own attention, experts, norms, MLPs and loss
+            training.moe.fused_grouping and every kernels.* switch false and activation offload
+            off, so batches are padded micro-batches through transformers' own attention,
+            experts, norms, MLPs and loss (activation checkpointing stays as configured)
   hasten    the config as given, with training.packed_sequence forced true
 
 each for `steps` steps with a metrics row per step, in `output_dir/baseline` and
@@ -119,6 +120,7 @@ def variant_configs(config: Config, steps: int) -> dict[str, Config]:
     off["training"].update(packed_sequence=False, metadata_cache=False)
     off["training"]["moe"]["fused_grouping"] = False
     off["kernels"].update(fused_cross_entropy=False, rms_norm=False, swiglu=False, rope=False)
+    off["training"]["checkpoint"].update(offload="none", double_buffer=False, max_memory_gib=None)
     on = json.loads(json.dumps(base))
     on["training"]["packed_sequence"] = True
     return {"baseline": Config.from_dict(off, source="hasten bench (baseline)"),
