@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from hasten.config import Config, ConfigError
 from hasten.training import loop
@@ -27,6 +26,7 @@ def test_lora_trains_adapters_only_and_resumes_on_the_same_losses(tmp_path, monk
     assert [r["step"] for r in rows] == [3, 4]
     for r, want in zip(rows, straight.losses[2:]):
         assert r["loss"] == pytest.approx(want, abs=1e-6)
+    assert resumed.resumed_from is not None and resumed.steps == 4
 
 
 def test_lora_checks():
