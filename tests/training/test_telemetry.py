@@ -1,6 +1,5 @@
 import json
 
-
 from hasten.cli.main import main
 from hasten.training.telemetry import REDACTED, TensorBoardSink, _flatten, redact, version_record
 
