@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU machine: build for sm_90, then the parts named in PARTS (default: all), writing one
+# log ($OUT/features.log) and the benchmark rows ($OUT/W*.jsonl): the device returns at most 8
+# files per call.
+#   tests  every GPU test (tests/gpu)
+#   w1     W1 with every kernel off, the defaults, and every kernel on
+#   w2     W2 (activation memory), all variants but save_on_cpu
+#   long   W2's long-context anchor (Llama-8B shape + LoRA, longest sequence)
+# Budget: build ~1.5 min, tests ~2 min, w1 ~1.5 min, w2 ~3 min, long ~5 min; one call runs at
+# most 10 minutes, so split PARTS over two calls.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+LOG="$OUT/features.log"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+PARTS=" ${PARTS:-tests w1 w2 long} "
+python3 -m pip install -q --no-build-isolation --no-deps -e . >> "$LOG" 2>&1 || { tail -40 "$LOG"; exit 1; }
+if [[ $PARTS == *" tests "* ]]; then
+  python3 -m pytest tests/gpu -q -rs -s >> "$LOG" 2>&1
+  grep -E "passed|failed|^FAILED" "$LOG" | tail -15
+fi
+if [[ $PARTS == *" w1 "* ]]; then
+  python3 benchmarks/packed_sft.py --steps 5 --out "$OUT" --variants hasten_unfused,hasten,hasten_all_kernels \
+    >> "$LOG" 2>&1
+  grep -E "tok/s" "$LOG" | tail -6
+fi
+if [[ $PARTS == *" w2 "* ]]; then
+  python3 benchmarks/activation_memory.py --iters 3 --out "$OUT" --variants \
+    hf_no_ckpt,hf_grad_ckpt,hasten_selective,hasten_offload_all,hasten_offload_auto,hasten_offload_budget,hasten_fused_ce,hasten_fused_ce_auto,hasten \
+    >> "$LOG" 2>&1
+  grep -E "^ +W2 |x no-ckpt|offload plan" "$LOG" | tail -22
+fi
+if [[ $PARTS == *" long "* ]]; then
+  python3 benchmarks/long_context.py --out "$OUT" >> "$LOG" 2>&1
+  grep -E "tokens:|longest" "$LOG" | tail -20
+fi
