@@ -19,6 +19,7 @@ and an isolation check (a sample's logits inside the pack vs the sample alone).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import sys
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import hasten  # noqa: E402
-from hasten.config import Config  # noqa: E402
+from hasten.config import Config, KernelsConfig  # noqa: E402
 from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
 from hasten.packing import move_batch  # noqa: E402
 
@@ -111,9 +112,10 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
     reset_fallbacks()
     model = build_model()
     handle = None
-    unfused = {"fused_cross_entropy": False, "rms_norm": False, "swiglu": False, "rope": False}
+    kernel_switches = [f.name for f in dataclasses.fields(KernelsConfig)]
+    unfused = dict.fromkeys(kernel_switches, False)
     hasten_cfg = {"hasten": {}, "hasten_unfused": {"kernels": unfused},
-                  "hasten_all_kernels": {"kernels": {"rms_norm": True, "swiglu": True, "rope": True}},
+                  "hasten_all_kernels": {"kernels": dict.fromkeys(kernel_switches, True)},
                   "hasten_fused_ce_only": {"kernels": dict(unfused, fused_cross_entropy=True)},
                   "hasten_posids": {}, "hasten_gqa_repeat": {"attention": {"gqa": "repeat"}},
                   "hasten_no_cache": {"training": {"metadata_cache": False}}}

@@ -10,31 +10,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
+
+from hasten.training.metrics import median_rates, read_metrics
 
 
 def read_rows(log_dir: Path) -> list[dict]:
     path = log_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{path} is missing: did that run fail? (see its console log)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path)
 
 
 def summarise(name: str, rows: list[dict], skip: int) -> dict:
-    timed = [r for r in rows if r["step"] > skip] or rows
+    tokens_per_s, step_s = median_rates(rows, warmup_rows=skip)
     gpu = [r.get("gpu") for r in rows if r.get("gpu")]
-    return {"run": name, "steps": [rows[0]["step"], rows[-1]["step"]],
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "step_s": statistics.median(r["step_s"] for r in timed),
-            "peak_gib": max(r["peak_gib"] for r in rows),
+    return {"run": name, "steps": [rows[0]["step"], rows[-1]["step"]], "tokens_per_s": tokens_per_s,
+            "step_s": step_s, "peak_gib": max(r["peak_gib"] for r in rows),
             "losses": {r["step"]: r["loss"] for r in rows}, "gpu_last": gpu[-1] if gpu else None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="NAME=LOG_DIR")
-    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
+    parser.add_argument("--skip", type=int, default=3, help="warm-up rows (steps) left out of the medians")
     parser.add_argument("--json")
     args = parser.parse_args()
     runs = [summarise(name, read_rows(Path(path)), args.skip)

@@ -1,6 +1,7 @@
 // Cross-entropy over rows of LM-head logits, gradient written in place (see cross_entropy.cuh).
 // Two passes over a row: an online max/sum-exp, then the gradient. 16-byte vector loads when the
-// row stride and base allow it (vocab sizes like 151936 and 128256 do); scalar loads otherwise.
+// row stride and base allow it (vocab sizes like 151936 and 128256 do); one element per load
+// otherwise (the same kernel with V = 1).
 #include <cfloat>
 #include <cmath>
 
@@ -69,7 +70,26 @@ __device__ void block_reduce(MaxSum& ms, float& total) {
   total = shared_total[0];
 }
 
-template <typename T, int V>  // V elements per load (1: scalar)
+// V consecutive elements starting at element v * V: one 16-byte access, or one element when V == 1.
+template <typename T, int V>
+__device__ __forceinline__ void load_chunk(const T* row, int64_t v, T (&chunk)[V]) {
+  if constexpr (V == 1) {
+    chunk[0] = row[v];
+  } else {
+    *reinterpret_cast<uint4*>(chunk) = reinterpret_cast<const uint4*>(row)[v];
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_chunk(T* row, int64_t v, const T (&chunk)[V]) {
+  if constexpr (V == 1) {
+    row[v] = chunk[0];
+  } else {
+    reinterpret_cast<uint4*>(row)[v] = *reinterpret_cast<const uint4*>(chunk);
+  }
+}
+
+template <typename T, int V>  // V elements per load: 16 bytes, or 1 where rows are not aligned
 __global__ void __launch_bounds__(kThreads) cross_entropy_rows_kernel(CrossEntropyRowsParams p) {
   const int64_t row = blockIdx.x;
   T* logits = static_cast<T*>(p.logits) + row * p.ld;
@@ -84,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_rows_kernel(CrossEntro
   if (!ignored) {
     for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
       T chunk[V];
-      *reinterpret_cast<uint4*>(chunk) = reinterpret_cast<const uint4*>(logits)[v];
+      load_chunk<T, V>(logits, v, chunk);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float z = capped(to_float(chunk[i]), cap);
@@ -124,59 +144,13 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_rows_kernel(CrossEntro
   };
   for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
     T chunk[V];
-    *reinterpret_cast<uint4*>(chunk) = reinterpret_cast<const uint4*>(logits)[v];
+    load_chunk<T, V>(logits, v, chunk);
 #pragma unroll
     for (int i = 0; i < V; ++i) chunk[i] = from_float<T>(grad_of(to_float(chunk[i]), v * V + i));
-    reinterpret_cast<uint4*>(logits)[v] = *reinterpret_cast<uint4*>(chunk);
+    store_chunk<T, V>(logits, v, chunk);
   }
   for (int64_t j = vectors * V + threadIdx.x; j < p.vocab; j += kThreads)
     logits[j] = from_float<T>(grad_of(to_float(logits[j]), j));
-}
-
-// Scalar-load variant: same arithmetic, one element per load.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) cross_entropy_rows_scalar_kernel(CrossEntropyRowsParams p) {
-  const int64_t row = blockIdx.x;
-  T* logits = static_cast<T*>(p.logits) + row * p.ld;
-  const int64_t target = p.targets[row];
-  const bool ignored = target == p.ignore_index;
-  const bool invalid = !ignored && (target < 0 || target >= p.vocab);
-  const float cap = p.softcap;
-  MaxSum ms{-INFINITY, 0.f};
-  float total = 0.f;
-  if (!ignored) {
-    for (int64_t j = threadIdx.x; j < p.vocab; j += kThreads) {
-      const float z = capped(to_float(logits[j]), cap);
-      total += z;
-      accumulate(ms, z);
-    }
-  }
-  block_reduce(ms, total);
-  const float lse = ms.max + __logf(ms.sum);
-  const float eps = p.label_smoothing;
-  const float smooth = eps / static_cast<float>(p.vocab);
-  if (threadIdx.x == 0) {
-    float loss = 0.f;
-    if (invalid) {
-      loss = NAN;
-    } else if (!ignored) {
-      loss = lse - (1.f - eps) * capped(to_float(logits[target]), cap) - smooth * total;
-    }
-    p.loss[row] = loss;
-  }
-  if (p.grad_scale == nullptr) return;
-  __syncthreads();
-  const float scale = (ignored || invalid) ? 0.f : *p.grad_scale;
-  for (int64_t j = threadIdx.x; j < p.vocab; j += kThreads) {
-    float g = 0.f;
-    if (scale != 0.f) {
-      const float z = capped(to_float(logits[j]), cap);
-      g = __expf(z - lse) - smooth - (j == target ? 1.f - eps : 0.f);
-      if (cap > 0.f) g *= 1.f - (z / cap) * (z / cap);
-      g *= scale;
-    }
-    logits[j] = from_float<T>(g);
-  }
 }
 
 }  // namespace
@@ -190,7 +164,7 @@ cudaError_t launch_cross_entropy_rows(const CrossEntropyRowsParams& p, cudaStrea
     if (vector_ok) {
       cross_entropy_rows_kernel<T, kV><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
     } else {
-      cross_entropy_rows_scalar_kernel<T><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+      cross_entropy_rows_kernel<T, 1><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
     }
     return cudaGetLastError();
   });

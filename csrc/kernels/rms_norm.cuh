@@ -28,10 +28,11 @@ struct RmsNormParams {
   ElementType type;
 };
 
-// Blocks the backward launch uses (rows per block vary); size of grad_weight_partial's first dim.
+// Blocks for the backward launch (rows per block vary): the first dim of grad_weight_partial.
 int rms_norm_backward_blocks(int64_t rows, int device);
 cudaError_t launch_rms_norm_forward(const RmsNormParams& params, cudaStream_t stream);
-cudaError_t launch_rms_norm_backward(const RmsNormParams& params, int device, cudaStream_t stream);
+// `blocks`: rms_norm_backward_blocks(rows, device), the partials the caller allocated.
+cudaError_t launch_rms_norm_backward(const RmsNormParams& params, int blocks, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace hasten

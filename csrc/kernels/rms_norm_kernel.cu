@@ -81,9 +81,8 @@ cudaError_t launch_rms_norm_forward(const RmsNormParams& p, cudaStream_t stream)
   });
 }
 
-cudaError_t launch_rms_norm_backward(const RmsNormParams& p, int device, cudaStream_t stream) {
+cudaError_t launch_rms_norm_backward(const RmsNormParams& p, int blocks, cudaStream_t stream) {
   if (p.rows == 0 || p.hidden == 0) return cudaSuccess;
-  const int blocks = rms_norm_backward_blocks(p.rows, device);
   return HASTEN_DISPATCH_ELEMENT(p.type, {
     rms_norm_backward_kernel<T><<<blocks, kThreads, 0, stream>>>(p);
     return cudaGetLastError();

@@ -45,9 +45,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto x = x_in.contiguous(), g = grad_y_in.contiguous(), w = weight.contiguous(), rstd = rstd_in.contiguous();
   const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
-  const int device = x.get_device();
+  const int blocks = kernels::rms_norm_backward_blocks(rows, x.get_device());
   auto grad_x = at::empty_like(x);
-  auto partial = at::zeros({kernels::rms_norm_backward_blocks(rows, device), hidden}, x.options().dtype(at::kFloat));
+  auto partial = at::zeros({blocks, hidden}, x.options().dtype(at::kFloat));
   kernels::RmsNormParams p{};
   p.x = x.data_ptr();
   p.weight = w.data_ptr();
@@ -59,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   p.hidden = hidden;
   p.offset = static_cast<float>(offset);
   p.type = element_type(x, "rms_norm_backward");
-  check_launch(kernels::launch_rms_norm_backward(p, device, c10::cuda::getCurrentCUDAStream()), "rms_norm_backward");
+  check_launch(kernels::launch_rms_norm_backward(p, blocks, c10::cuda::getCurrentCUDAStream()), "rms_norm_backward");
   return {grad_x, partial.sum(0).to(weight.scalar_type())};
 }
 

@@ -7,8 +7,9 @@
 #include <algorithm>
 #include <tuple>
 
-#include "packing_checks.h"
 #include "../kernels/varlen_meta.cuh"
+#include "hasten/cuda_glue.h"
+#include "packing_checks.h"
 
 namespace hasten {
 namespace {
@@ -33,8 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_meta_cuda(const at::Tensor
   params.cu_seqlens = cu.data_ptr<int32_t>();
   params.seq_idx = seq_idx.data_ptr<int32_t>();
   params.stats = stats.data_ptr<int32_t>();
-  const cudaError_t err = kernels::launch_varlen_meta(params, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "hasten::varlen_meta: kernel launch failed: ", cudaGetErrorString(err));
+  check_launch(kernels::launch_varlen_meta(params, c10::cuda::getCurrentCUDAStream()), "varlen_meta");
   return {cu, seq_idx, stats};
 }
 

@@ -5,37 +5,21 @@ import sys
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import Qwen3ForCausalLM
 
 import hasten
 from hasten.config import Config
+from tests.tiny_models import MODELS, packed_batch
 
-SMALL = dict(vocab_size=211, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-MODELS = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=64, **SMALL)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, head_dim=8, **SMALL)),
-    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16,
-                                                            num_experts=4, num_experts_per_tok=2, head_dim=8,
-                                                            **SMALL)),
-    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4,
-                                                        num_experts_per_tok=2, **SMALL)),
-}
 ALL_OFF = {"rms_norm": False, "swiglu": False, "rope": False}
 ALL_ON = {"rms_norm": True, "swiglu": True, "rope": True}
-
-
-def _batch():
-    gen = torch.Generator().manual_seed(0)
-    samples = [{"input_ids": torch.randint(0, 211, (n,), generator=gen).tolist()} for n in (7, 1, 19, 12)]
-    return hasten.PackingCollator(max_tokens=64)(samples)
 
 
 def _run(name, kernels):
     torch.manual_seed(0)
     model = MODELS[name]().train()
     handle = hasten.accelerate(model, Config.from_dict({"kernels": kernels}))
-    loss = model(**_batch()).loss
+    loss = model(**packed_batch()).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return model, handle, loss.detach(), grads

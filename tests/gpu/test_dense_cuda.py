@@ -2,12 +2,9 @@
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import hasten
-from hasten.config import Config
 from hasten.ops.dense import rms_norm, rope, silu_mul
-from hasten.packing import move_batch
+from tests.gpu.training_curves import learnable_batches, train_curve
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -80,33 +77,12 @@ def test_rope_cuda_equals_cpu(dtype, batch, heads, length, dim):
 
 
 def test_twenty_steps_with_fused_kernels_follow_the_unfused_curve():
-    gen = torch.Generator().manual_seed(1)
-    collator = hasten.PackingCollator(max_tokens=8192)
-    batches = []
-    for _ in range(20):
-        starts = torch.randint(0, 32000, (20,), generator=gen).tolist()
-        lengths = [1] + torch.randint(2, 700, (19,), generator=gen).tolist()
-        batches.append(move_batch(collator([{"input_ids": [(s + i) % 32000 for i in range(k)]}
-                                            for s, k in zip(starts, lengths)]), "cuda"))
-    curves = {}
-    for name, kernels in (("unfused", {"fused_cross_entropy": False, "rms_norm": False, "swiglu": False,
-                                       "rope": False}),
-                         ("fused", {"rms_norm": True, "swiglu": True, "rope": True})):
-        torch.manual_seed(0)
-        config = Qwen3Config(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                             num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-        model = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).train()
-        handle = hasten.accelerate(model, Config.from_dict({"kernels": kernels}))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for batch in batches:
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        curves[name] = losses
-        handle.undo()
+    batches = learnable_batches(20)
+    curves = {
+        "unfused": train_curve({"fused_cross_entropy": False, "rms_norm": False, "swiglu": False, "rope": False},
+                               batches)[0],
+        "fused": train_curve({"rms_norm": True, "swiglu": True, "rope": True}, batches)[0],
+    }
     print("unfused", [round(x, 4) for x in curves["unfused"]])
     print("fused  ", [round(x, 4) for x in curves["fused"]])
     assert curves["fused"][-1] < curves["fused"][0] - 1.0

@@ -5,12 +5,9 @@ model trains the same with it, at a lower peak."""
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import hasten
-from hasten.config import Config
 from hasten.ops.loss import linear_cross_entropy
-from hasten.packing import move_batch
+from tests.gpu.training_curves import learnable_batches, train_curve
 
 
 @pytest.mark.parametrize("vocab", [151936, 4096, 1001, 259, 7])
@@ -68,43 +65,11 @@ def test_linear_cross_entropy_matches_pytorch_bf16(tokens, chunk):
         assert rel <= 2e-2, rel
 
 
-def _model():
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    return Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).train()
-
-
-def _batches(n):
-    gen = torch.Generator().manual_seed(1)
-    collator = hasten.PackingCollator(max_tokens=8192)
-    out = []
-    for _ in range(n):
-        samples = [{"input_ids": [(s + i) % 32000 for i in range(k)]}
-                   for s, k in zip(torch.randint(0, 32000, (20,), generator=gen).tolist(),
-                                   [1] + torch.randint(2, 700, (19,), generator=gen).tolist())]
-        out.append(move_batch(collator(samples), "cuda"))
-    return out
-
-
 def test_training_with_the_fused_loss_follows_the_unfused_curve_at_a_lower_peak():
-    batches = _batches(20)
+    batches = learnable_batches(20)
     curves, peaks = {}, {}
     for fused in (False, True):
-        model = _model()
-        hasten.accelerate(model, Config.from_dict({"kernels": {"fused_cross_entropy": fused}}))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        torch.cuda.reset_peak_memory_stats()
-        losses = []
-        for batch in batches:
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        peaks[fused] = torch.cuda.max_memory_allocated()
-        curves[fused] = losses
-        del model, optimizer
+        curves[fused], peaks[fused] = train_curve({"fused_cross_entropy": fused}, batches)
     print("unfused", [round(x, 4) for x in curves[False]])
     print("fused  ", [round(x, 4) for x in curves[True]])
     assert curves[True][-1] < curves[True][0] - 1.0  # it learns

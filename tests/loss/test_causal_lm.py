@@ -3,36 +3,18 @@ and leaves inference and unsupported cases to transformers' own forward."""
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import hasten
 from hasten.config import Config
 from hasten.observability import fallback_counts
-
-SMALL = dict(vocab_size=211, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-MODELS = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=64, **SMALL)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, head_dim=8, **SMALL)),
-    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16,
-                                                            num_experts=4, num_experts_per_tok=2, head_dim=8,
-                                                            **SMALL)),
-    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4,
-                                                        num_experts_per_tok=2, **SMALL)),
-}
-
-
-def _batch():
-    gen = torch.Generator().manual_seed(0)
-    samples = [{"input_ids": torch.randint(0, 211, (n,), generator=gen).tolist()} for n in (7, 1, 19, 12)]
-    return hasten.PackingCollator(max_tokens=64)(samples)
+from tests.tiny_models import MODELS, packed_batch
 
 
 def _run(name, fused, **batch_extra):
     torch.manual_seed(0)
     model = MODELS[name]().train()
     handle = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_cross_entropy": fused}}))
-    out = model(**_batch(), **batch_extra)
+    out = model(**packed_batch(), **batch_extra)
     out.loss.backward()
     return model, handle, out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -57,7 +39,7 @@ def test_num_items_in_batch_is_honoured():
 
 def test_eval_and_no_labels_keep_transformers_forward():
     model, handle, _, _ = _run("qwen3", fused=True)
-    batch = _batch()
+    batch = packed_batch()
     with torch.no_grad():
         assert model(**batch).logits is not None  # no grad: transformers' forward, logits as usual
     model.eval()
@@ -70,7 +52,7 @@ def test_router_aux_loss_falls_back_loudly():
     torch.manual_seed(0)
     model = MODELS["qwen3_moe"]().train()
     hasten.accelerate(model, Config())
-    out = model(**_batch(), output_router_logits=True)
+    out = model(**packed_batch(), output_router_logits=True)
     assert out.logits is not None and out.aux_loss is not None
     assert fallback_counts().get("fused_cross_entropy") == 1
 

@@ -346,8 +346,7 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
 
 def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
     kernels = config.kernels
-    wanted = {"rms_norm": kernels.rms_norm, "swiglu": kernels.swiglu, "rope": kernels.rope}
-    if not any(wanted.values()):
+    if not (kernels.rms_norm or kernels.swiglu or kernels.rope):
         return
     model_type = getattr(model.config, "model_type", "?")
     if model_type not in ARCHITECTURES:

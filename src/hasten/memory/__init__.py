@@ -1,5 +1,6 @@
-"""Activation memory: checkpointing policies and the host memory pool for offload (the offload
-engine itself, with copy streams and double buffering, is not built yet)."""
+"""Activation memory: checkpointing policies, the host memory pool, and activation offload
+(hasten.memory.offload: the C++ engine's copy streams, per-layer hooks, double-buffered
+prefetch) planned per layer (hasten.memory.planner)."""
 
 from hasten.memory.checkpointing import POLICIES, apply_activation_checkpointing, selective_policy
 from hasten.memory.host_pool import HostPool, HostPoolStats

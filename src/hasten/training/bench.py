@@ -30,6 +30,7 @@ import torch
 
 from hasten.config import Config, ConfigError
 from hasten.training.loop import train
+from hasten.training.metrics import median_rates, read_metrics
 from hasten.training.telemetry import version_record
 
 VARIANTS = ("baseline", "hasten")
@@ -119,7 +120,7 @@ def variant_configs(config: Config, steps: int) -> dict[str, Config]:
     off = json.loads(json.dumps(base))
     off["training"].update(packed_sequence=False, metadata_cache=False)
     off["training"]["moe"]["fused_grouping"] = False
-    off["kernels"].update(fused_cross_entropy=False, rms_norm=False, swiglu=False, rope=False)
+    off["kernels"] = {name: False for name in off["kernels"]}  # every fused kernel, whatever the version has
     off["training"]["checkpoint"].update(offload="none", double_buffer=False, max_memory_gib=None)
     on = json.loads(json.dumps(base))
     on["training"]["packed_sequence"] = True
@@ -145,11 +146,6 @@ def _prepare_dir(folder: Path) -> None:
         raise ConfigError(f"cannot create {folder}: {exc.strerror}; choose a writable --output_dir") from exc
 
 
-def _read_metrics(path: Path, count: int) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return rows[-count:] if count else []
-
-
 def _read_summary(log_dir: Path) -> dict[str, Any]:
     return json.loads((log_dir / "summary.json").read_text(encoding="utf-8"))
 
@@ -162,17 +158,19 @@ def _run_variant(name: str, config: Config, output_dir: Path, progress: bool) ->
     stopped_by = getattr(result, "interrupted_by", None)
     if stopped_by is not None:
         raise BenchInterrupted(stopped_by, name)
-    rows = _read_metrics(Path(result.metrics_path), len(result.losses))
+    count = len(result.losses)  # this run's rows: the file may hold an earlier run's too
+    rows = read_metrics(Path(result.metrics_path))[-count:] if count else []
     if not rows:
         raise ConfigError(f"the {name} run logged no metrics in {result.metrics_path}")
     summary = _read_summary(log_dir)
-    timed = rows[1:] if len(rows) >= 3 else rows
+    warmup_skipped = len(rows) >= 3
+    tokens_per_s, step_s = median_rates(rows, warmup_rows=1 if warmup_skipped else 0)
     packing = summary.get("packing") or {}
     return VariantResult(
         name=name,
         steps=int(summary.get("steps", result.steps)),
-        tokens_per_s=float(statistics.median(r["tokens_per_s"] for r in timed)),
-        step_s=float(statistics.median(r["step_s"] for r in timed)),
+        tokens_per_s=tokens_per_s,
+        step_s=step_s,
         peak_gib=float(max(r["peak_gib"] for r in rows)),
         final_loss=float(summary.get("final_loss", result.final_loss)),
         tokens=int(summary.get("tokens", result.tokens)),
@@ -183,7 +181,7 @@ def _run_variant(name: str, config: Config, output_dir: Path, progress: bool) ->
         device=str(summary.get("device", "?")),
         dtype=str(summary.get("dtype", "?")),
         packing_efficiency=packing.get("efficiency"),
-        warmup_skipped=len(rows) >= 3,
+        warmup_skipped=warmup_skipped,
         curve_steps=[int(r["step"]) for r in rows],
         curve_loss=[float(r["loss"]) for r in rows],
         curve_tokens_per_s=[float(r["tokens_per_s"]) for r in rows],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,3 +44,16 @@ def format_row(row: dict[str, Any]) -> str:
     if row.get("fallbacks"):
         text += " | fallbacks " + ", ".join(f"{k}={v}" for k, v in sorted(row["fallbacks"].items()))
     return text
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, in order."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def median_rates(rows: list[dict[str, Any]], warmup_rows: int) -> tuple[float, float]:
+    """Median tokens/s and step seconds over `rows` after the first `warmup_rows` (over all rows
+    when that would leave none)."""
+    timed = rows[warmup_rows:] or rows
+    return (float(statistics.median(r["tokens_per_s"] for r in timed)),
+            float(statistics.median(r["step_s"] for r in timed)))
