@@ -62,3 +62,24 @@ def test_fsdp2_resume_continues_the_same_losses(tmp_path):
     assert sorted(got) == [3, 4]
     for step in (3, 4):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
+
+
+def test_each_elastic_restart_gets_its_own_store_keys():
+    """A restarted attempt must not read the keys (NCCL unique id) the dead attempt left in the agent store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hasten.training.distributed import restart_scoped_store
+
+    port = _free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=10))
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    first = restart_scoped_store(env | {"TORCHELASTIC_RESTART_COUNT": "0"}, 1, timedelta(seconds=10))
+    first.set("default_pg/0", b"unique id of attempt 0")
+    second = restart_scoped_store(env | {"TORCHELASTIC_RESTART_COUNT": "1"}, 1, timedelta(seconds=10))
+    assert second.check(["default_pg/0"]) is False
+    second.set("default_pg/0", b"unique id of attempt 1")
+    assert first.get("default_pg/0") == b"unique id of attempt 0"
+    assert agent.get("hasten/attempt_1/default_pg/0") == b"unique id of attempt 1"
+    assert restart_scoped_store({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, 1) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,12 +44,36 @@ def from_environment(strategy: str) -> DistContext:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device_id = torch.device("cuda", local_rank) if backend == "nccl" else None
+        store = restart_scoped_store(os.environ, world_size)
+        if store is None:
+            dist.init_process_group(backend, device_id=device_id)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
     chosen = "ddp" if strategy == "auto" else strategy
     if chosen == "none":
         raise ConfigError(f"training.distributed is 'none' but torchrun started {world_size} processes; use ddp, "
                           "fsdp2 or auto")
     return DistContext(rank, world_size, local_rank, chosen)
+
+
+def restart_scoped_store(environ, world_size: int, timeout: timedelta = timedelta(minutes=10)):
+    """The agent's TCPStore with this restart's keys under their own prefix, or None outside torchelastic.
+
+    torchrun's static rendezvous (its default without --rdzv-backend) hands every restart of the
+    workers the same agent store, and the workers add no per-attempt prefix (torch's
+    rendezvous.py assumes a new store per retry, true only of the c10d backend). After a restart
+    rank 1 could then read the dead attempt's NCCL unique id and dial the old rank 0's port:
+    "socketPollConnect ... Connection refused" in the first collective (seen on 2xH200, a296f65).
+    TORCHELASTIC_RESTART_COUNT is the same on every worker of one attempt, so it names the attempt.
+    """
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent_store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size,
+                                is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"hasten/attempt_{attempt}", agent_store)
 
 
 def tied_parameter_names(model: torch.nn.Module) -> set[str]:
