@@ -6,12 +6,14 @@ Variants in one run (rows to benchmarks/results/W2_long.jsonl):
   hasten         hasten.accelerate: packed varlen attention, fused cross-entropy and dense
                  kernels, activation checkpointing full
 
-For each variant the lengths in --lengths are tried in order until one runs out of memory; the
-row records the longest that trained, its step time and peak. Reference (BENCHMARKS.md, H200):
+For each variant its lengths (--hf_lengths, --hasten_lengths) are tried in order until one runs
+out of memory, or until the next step would take longer than --max_step_s (predicted from the last
+step, quadratic in length since attention dominates there; the row says so); the row records the
+longest that trained, its step time and peak. Reference (BENCHMARKS.md, H200):
 transformers checkpointing trains 49,152 tokens (12.2 s, 110.5 GiB) and runs out at 65,536.
 Target: hasten at least 2x the longest transformers length.
 
-    python benchmarks/long_context.py [--lengths 16384,32768,...] [--variants hf_grad_ckpt,hasten] [--out DIR]
+    python benchmarks/long_context.py [--hf_lengths 32768,...] [--hasten_lengths 98304,...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import hasten  # noqa: E402
 from hasten.config import Config  # noqa: E402
 from hasten.packing import move_batch  # noqa: E402
 
-DEFAULT_LENGTHS = "16384,32768,49152,65536,98304,131072,163840,196608,262144"
+# transformers' reference limit is 49,152, so each ladder starts near what it has to show
+HF_LENGTHS = "32768,49152,65536,81920"
+HASTEN_LENGTHS = "98304,131072,196608,262144"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -85,18 +89,25 @@ def try_length(model, optimizer, tokens: int, variant: str) -> tuple[float, floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS)
+    parser.add_argument("--hf_lengths", default=HF_LENGTHS)
+    parser.add_argument("--hasten_lengths", default=HASTEN_LENGTHS)
+    parser.add_argument("--max_step_s", type=float, default=200.0)
     parser.add_argument("--variants", default="hf_grad_ckpt,hasten")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
     run_id = common.new_run_id()
     rows = []
     for variant in args.variants.split(","):
         model, handle = build(variant)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        trained, tried = None, []
+        trained, tried, capped = None, [], ""
+        lengths = [int(x) for x in (args.hf_lengths if variant.startswith("hf") else args.hasten_lengths).split(",")]
         for tokens in lengths:
+            if trained and trained[1] * (tokens / trained[0]) ** 2 > args.max_step_s:
+                capped = (f"; stopped before {tokens} tokens: predicted step "
+                          f"{trained[1] * (tokens / trained[0]) ** 2:.0f} s > --max_step_s {args.max_step_s:.0f}")
+                print(f"{variant:>14} {tokens:>7} tokens: not tried{capped}", flush=True)
+                break
             result = try_length(model, optimizer, tokens, variant)
             tried.append((tokens, None if result is None else round(result[0], 2)))
             print(f"{variant:>14} {tokens:>7} tokens: " + ("out of memory" if result is None
@@ -109,7 +120,7 @@ def main() -> int:
                      "tokens_per_s": trained[0] / trained[1] if trained else None,
                      "step_s": trained[1] if trained else None, "peak_gib": trained[2] if trained else None,
                      "host_syncs_per_step": None, "correct": trained is not None,
-                     "notes": f"longest trained {trained[0] if trained else 0} tokens; tried {tried}",
+                     "notes": f"longest trained {trained[0] if trained else 0} tokens; tried {tried}{capped}",
                      "max_tokens": trained[0] if trained else 0, "run_id": run_id})
         if handle is not None:
             handle.undo()

@@ -10,10 +10,17 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
   hasten_posids      hasten with position_ids only (metadata derived on the device once per forward)
   hasten_gqa_repeat  hasten with K/V heads repeated instead of read natively
   hasten_no_cache    hasten with training.metadata_cache false (metadata derived in every layer)
+  liger              hasten's packed attention with every kernels.* switch off, and Liger-Kernel's
+                     RMSNorm, SwiGLU, RoPE and fused linear cross-entropy instead (needs liger_kernel;
+                     it patches transformers' Qwen3 module for the rest of the process, so run it last)
 Each row: median step time, non-padding tokens/s, peak memory, host syncs per step,
 and an isolation check (a sample's logits inside the pack vs the sample alone).
 
-    python benchmarks/packed_sft.py [--steps 6] [--out benchmarks/results]
+    python benchmarks/packed_sft.py [--steps 6] [--out benchmarks/results] [--profile hasten]
+
+--profile VARIANTS prints, for one step of each named variant, where the GPU's time goes: the top
+kernels by device time, grouped (GEMM, attention, optimizer, elementwise...), and how much of the
+step the GPU sat idle (launch-bound).
 """
 
 from __future__ import annotations
@@ -106,7 +113,53 @@ def isolation_error(model, forward_pack, samples, refs) -> float:
                for i, ref in refs.items())
 
 
-def run_variant(name: str, samples, refs, steps: int) -> dict:
+KERNEL_GROUPS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "wgmma")),
+                 ("attention", ("flash", "fmha", "attention", "varlen")),
+                 ("cross_entropy", ("cross_entropy", "linear_cross", "_ce_", "liger_cross")),
+                 ("optimizer", ("adam", "multi_tensor", "foreach")),
+                 ("norm", ("rms", "norm")),
+                 ("rope_swiglu", ("rope", "rotary", "swiglu", "silu")),
+                 ("copy_cast", ("copy", "cast", "convert", "to_copy", "cat", "fill", "memset", "memcpy")),
+                 ("reduce", ("reduce", "sum", "mean")),
+                 ("elementwise", ("elementwise", "vectorized", "unrolled")))
+
+
+def kernel_group(kernel: str) -> str:
+    lowered = kernel.lower()
+    return next((group for group, keys in KERNEL_GROUPS if any(k in lowered for k in keys)), "other")
+
+
+def print_profile(name: str, step) -> None:
+    """One profiled step: top kernels by device time, per group, and the GPU's idle share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    totals: dict[str, list] = {}
+    for e in kernels:
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us() / 1e3
+        entry[1] += 1
+    busy = sum(t for t, _ in totals.values())
+    groups: dict[str, float] = {}
+    for kernel, (ms, _) in totals.items():
+        groups[kernel_group(kernel)] = groups.get(kernel_group(kernel), 0.0) + ms
+    print(f"profile {name}: step {step_ms:.1f} ms (profiled), kernels {busy:.1f} ms in {len(kernels)} launches, "
+          f"GPU idle {max(0.0, step_ms - busy):.1f} ms")
+    print("  by group: " + ", ".join(f"{g} {ms:.1f}" for g, ms in sorted(groups.items(), key=lambda x: -x[1])))
+    for kernel, (ms, count) in sorted(totals.items(), key=lambda x: -x[1][0])[:25]:
+        print(f"  {ms:8.2f} ms {count:5d}x  {kernel_group(kernel):>13}  {kernel[:110]}")
+
+
+def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] = ()) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     reset_fallbacks()
@@ -121,8 +174,13 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
                   "hasten_no_cache": {"training": {"metadata_cache": False}}}
     if name in hasten_cfg:
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
+    elif name == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        handle = hasten.accelerate(model, Config.from_dict({"kernels": unfused}))
+        apply_liger_kernel_to_qwen3(model=model)
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), "cuda")
-    if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat"):
+    if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat", "liger"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):
         inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")}]
@@ -134,9 +192,15 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
         raise ValueError(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
+    losses = []
+
     def step():
+        total = 0.0
         for micro in inputs:
-            (model(**micro).loss / len(inputs)).backward()
+            loss = model(**micro).loss / len(inputs)
+            loss.backward()
+            total = total + loss.detach()
+        losses.append(total)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -152,9 +216,12 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
     with count_host_syncs() as syncs:
         step()
     step_s = common.median(times)
+    if name in profile:
+        print_profile(name, step)
     row = {"workload": "W1", "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
            "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count, "correct": correct,
-           "notes": f"isolation rel err {err:.2e}; steps {[round(t, 4) for t in times]}; "
+           "notes": f"isolation rel err {err:.2e}; first loss {float(losses[0]):.4f}; "
+                    f"steps {[round(t, 4) for t in times]}; "
                     f"fallbacks {fallback_counts()}"}
     if handle is not None:
         handle.undo()
@@ -165,6 +232,7 @@ def run_variant(name: str, samples, refs, steps: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--profile", default="", help="comma-separated variants to profile for one step")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--variants", default="hf_padded,hf_packed_sdpa,hasten,hasten_unfused,hasten_fused_ce_only,hasten_all_kernels,"
                                               "hasten_posids,"
@@ -179,14 +247,14 @@ def main() -> int:
     run_id = common.new_run_id()
     rows = []
     for name in args.variants.split(","):
-        row = run_variant(name, samples, refs, args.steps) | {"run_id": run_id}
+        row = run_variant(name, samples, refs, args.steps, tuple(args.profile.split(","))) | {"run_id": run_id}
         rows.append(row)
         print(f"{name:>18}: {row['tokens_per_s']:>9,.0f} tok/s  {row['step_s']:.4f} s  {row['peak_gib']:6.1f} GiB  "
               f"syncs {row['host_syncs_per_step']:>3}  correct {row['correct']}  ({row['notes'][:60]})", flush=True)
     path = common.write_rows(rows, "W1", args.out)
     base = {r["variant"]: r for r in rows}
     if "hasten" in base:
-        for ref in ("hf_padded", "hf_packed_sdpa", "hasten_unfused"):
+        for ref in ("hf_padded", "hf_packed_sdpa", "hasten_unfused", "liger"):
             if ref in base:
                 print(f"hasten vs {ref}: {base['hasten']['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
                       f"peak {base['hasten']['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")
