@@ -113,15 +113,16 @@ def isolation_error(model, forward_pack, samples, refs) -> float:
                for i, ref in refs.items())
 
 
-KERNEL_GROUPS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "wgmma")),
-                 ("attention", ("flash", "fmha", "attention", "varlen")),
-                 ("cross_entropy", ("cross_entropy", "linear_cross", "_ce_", "liger_cross")),
+# first match wins: flash-attention kernels contain "gemm"-like words, and "nocast" is no cast
+KERNEL_GROUPS = (("attention", ("flash", "fmha", "attention", "varlen")),
+                 ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "wgmma")),
+                 ("cross_entropy", ("cross_entropy", "linear_cross", "_ce_")),
                  ("optimizer", ("adam", "multi_tensor", "foreach")),
                  ("norm", ("rms", "norm")),
                  ("rope_swiglu", ("rope", "rotary", "swiglu", "silu")),
-                 ("copy_cast", ("copy", "cast", "convert", "to_copy", "cat", "fill", "memset", "memcpy")),
-                 ("reduce", ("reduce", "sum", "mean")),
-                 ("elementwise", ("elementwise", "vectorized", "unrolled")))
+                 ("copy", ("direct_copy", "bfloat16_copy", "memcpy", "catarray", "fill", "memset")),
+                 ("reduce", ("reduce_kernel", "reduce")),
+                 ("elementwise", ("elementwise",)))
 
 
 def kernel_group(kernel: str) -> str:

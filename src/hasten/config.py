@@ -131,15 +131,12 @@ class KernelsConfig:
     # LM head and cross-entropy in chunks of tokens (C++/CUDA): the (tokens, vocab) logits are
     # never materialised. Training forwards with labels return logits=None.
     fused_cross_entropy: bool = True
-    # RMSNorm in one C++/CUDA kernel each way (Llama/Qwen semantics). Off by default until its
-    # CUDA kernel has been verified on a GPU (CPU-tested only so far).
-    rms_norm: bool = False
-    # silu(gate) * up of the dense MLPs in one kernel; backward keeps only gate and up. Off by
-    # default until verified on a GPU.
-    swiglu: bool = False
-    # Rotary embedding of q and k in one kernel each (transformers' rotate_half convention). Off
-    # by default until verified on a GPU.
-    rope: bool = False
+    # RMSNorm in one C++/CUDA kernel each way (Llama/Qwen semantics, weight offset variants).
+    rms_norm: bool = True
+    # silu(gate) * up of the dense MLPs in one kernel; backward keeps only gate and up.
+    swiglu: bool = True
+    # Rotary embedding of q and k in one kernel each (transformers' rotate_half convention).
+    rope: bool = True
 
 
 @dataclass

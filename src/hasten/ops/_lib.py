@@ -34,8 +34,17 @@ def op_names() -> tuple[str, ...]:
                         if name.startswith("hasten::")))
 
 
+def _has_kernel(op: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"hasten::{op}", key)
+
+
 def has_cuda_kernel(op: str) -> bool:
-    """Whether hasten::<op> has a CUDA implementation compiled into this build."""
+    """Whether hasten::<op> runs on CUDA tensors in this build: its own CUDA kernel, or, for a
+    composite op (CompositeExplicitAutograd, written in other ops), a build whose other ops have
+    CUDA kernels (a CPU-only build has none, so its composites cannot run on the GPU either)."""
     if not is_loaded():
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"hasten::{op}", "CUDA")
+    if _has_kernel(op, "CUDA"):
+        return True
+    return _has_kernel(op, "CompositeExplicitAutograd") and any(
+        _has_kernel(other, "CUDA") for other in op_names() if other != op)
