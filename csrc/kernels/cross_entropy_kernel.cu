@@ -70,25 +70,6 @@ __device__ void block_reduce(MaxSum& ms, float& total) {
   total = shared_total[0];
 }
 
-// V consecutive elements starting at element v * V: one 16-byte access, or one element when V == 1.
-template <typename T, int V>
-__device__ __forceinline__ void load_chunk(const T* row, int64_t v, T (&chunk)[V]) {
-  if constexpr (V == 1) {
-    chunk[0] = row[v];
-  } else {
-    *reinterpret_cast<uint4*>(chunk) = reinterpret_cast<const uint4*>(row)[v];
-  }
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void store_chunk(T* row, int64_t v, const T (&chunk)[V]) {
-  if constexpr (V == 1) {
-    row[v] = chunk[0];
-  } else {
-    reinterpret_cast<uint4*>(row)[v] = *reinterpret_cast<const uint4*>(chunk);
-  }
-}
-
 template <typename T, int V>  // V elements per load: 16 bytes, or 1 where rows are not aligned
 __global__ void __launch_bounds__(kThreads) cross_entropy_rows_kernel(CrossEntropyRowsParams p) {
   const int64_t row = blockIdx.x;
@@ -160,7 +141,7 @@ cudaError_t launch_cross_entropy_rows(const CrossEntropyRowsParams& p, cudaStrea
   if (p.rows > 0x7fffffff) return cudaErrorInvalidValue;
   return HASTEN_DISPATCH_ELEMENT(p.type, {
     constexpr int kV = kVec<T>;
-    const bool vector_ok = p.ld % kV == 0 && reinterpret_cast<uintptr_t>(p.logits) % 16 == 0;
+    const bool vector_ok = p.ld % kV == 0 && aligned16(p.logits);
     if (vector_ok) {
       cross_entropy_rows_kernel<T, kV><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
     } else {

@@ -4,8 +4,10 @@
 //             the normalised value is cast to the input dtype before the weight multiplies it)
 //   backward  n = x * rstd, wg = (weight + offset) * grad_y
 //             grad_x = rstd * (wg - n * mean(wg * n))
-//             grad_weight_partial[b, :] += grad_y * round_to_T(n) over the rows block b handles
-//             (the caller sums the partials over blocks: float accumulation, no atomics)
+//             grad_weight_partial[b, :] = sum of grad_y * round_to_T(n) over the rows block b
+//             handles, every column written (the caller sums the partials over blocks: float
+//             accumulation, no global atomics). Shared memory holds one float per column: hidden
+//             above about 57k columns is refused (cudaErrorInvalidValue from the attribute call).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,7 +24,7 @@ struct RmsNormParams {
   const void* grad_y;  // backward only
   void* y;             // forward: y; backward: grad_x
   float* rstd;         // (R,)
-  float* grad_weight_partial;  // backward: (blocks, H), zero-initialised
+  float* grad_weight_partial;  // backward: (blocks, H), written whole
   int64_t rows, hidden;
   float eps, offset;
   ElementType type;

@@ -47,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
   const int blocks = kernels::rms_norm_backward_blocks(rows, x.get_device());
   auto grad_x = at::empty_like(x);
-  auto partial = at::zeros({blocks, hidden}, x.options().dtype(at::kFloat));
+  auto partial = at::empty({blocks, hidden}, x.options().dtype(at::kFloat));
   kernels::RmsNormParams p{};
   p.x = x.data_ptr();
   p.weight = w.data_ptr();

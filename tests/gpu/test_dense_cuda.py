@@ -1,5 +1,7 @@
 """RMSNorm, SwiGLU and RoPE CUDA kernels equal the CPU ops, and a model trains the same with them."""
 
+import math
+
 import pytest
 import torch
 
@@ -23,7 +25,10 @@ def _both(fn, *inputs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (300, 1000), (5, 4096), (0, 64)])
+# 16 lanes per row for a 128-wide head norm, a full warp from 256 up, element path for 1001 and
+# 1, 20000 columns need more than the default 48 KiB of shared memory in the backward
+@pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (16387, 128), (300, 1000), (33, 1001), (5, 4096),
+                                         (9, 20000), (0, 64)])
 def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows + hidden)
     x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
@@ -37,7 +42,7 @@ def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 7, 129), (4096, 3072)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7, 129), (4096, 3072), (70001, 8)])  # rows past the grid's 65535
 def test_silu_mul_cuda_equals_cpu(dtype, shape):
     gen = torch.Generator().manual_seed(len(shape))
     gate, up = (torch.randn(shape, generator=gen) * 3).to(dtype), torch.randn(shape, generator=gen).to(dtype)
@@ -47,30 +52,55 @@ def test_silu_mul_cuda_equals_cpu(dtype, shape):
         torch.testing.assert_close(g, c, **TOL[dtype])
 
 
-def test_moe_swiglu_layout_still_matches_after_the_shared_kernel():
-    gate_up = torch.randn(77, 2 * 96, device="cuda", dtype=torch.bfloat16)
+def _misaligned(shape, dtype, gen):
+    """A contiguous CUDA tensor whose data starts one element past a 16-byte boundary."""
+    numel = math.prod(shape)
+    flat = torch.randn(numel + 1, generator=gen).to(dtype).cuda()
+    return flat[1:].view(shape)
+
+
+def test_rows_off_the_16_byte_grid_take_the_element_path():
+    gen = torch.Generator().manual_seed(5)
+    x, w = _misaligned((40, 256), torch.bfloat16, gen), torch.randn(256, generator=gen).to(torch.bfloat16)
+    assert x.data_ptr() % 16 != 0
+    torch.testing.assert_close(rms_norm(x, w.cuda(), 1e-6).cpu().float(), rms_norm(x.cpu(), w, 1e-6).float(),
+                               **TOL[torch.bfloat16])
+    gate, up = _misaligned((40, 256), torch.bfloat16, gen), _misaligned((40, 256), torch.bfloat16, gen)
+    torch.testing.assert_close(silu_mul(gate, up).cpu().float(), silu_mul(gate.cpu(), up.cpu()).float(),
+                               **TOL[torch.bfloat16])
+    q = _misaligned((1, 3, 10, 64), torch.bfloat16, gen)
+    cos, sin = torch.randn(1, 10, 64, generator=gen).to(torch.bfloat16), torch.randn(1, 10, 64, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(rope(q, cos.cuda(), sin.cuda()).cpu().float(), rope(q.cpu(), cos, sin).float(),
+                               **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("rows,inner", [(77, 96), (131077, 24)])  # rows past the grid's 65535
+def test_moe_swiglu_layout_still_matches_after_the_shared_kernel(rows, inner):
+    gate_up = torch.randn(rows, 2 * inner, device="cuda", dtype=torch.bfloat16)
     got = torch.ops.hasten.swiglu(gate_up)
     want = torch.ops.hasten.swiglu(gate_up.cpu())
     torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[torch.bfloat16])
-    grad = torch.randn(77, 96, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(rows, inner, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(torch.ops.hasten.swiglu_backward(grad, gate_up).cpu().float(),
                                torch.ops.hasten.swiglu_backward(grad.cpu(), gate_up.cpu()).float(),
                                **TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch,heads,length,dim", [(1, 1, 1, 2), (2, 16, 333, 128), (1, 8, 16384, 64)])
+@pytest.mark.parametrize("batch,heads,length,dim", [(1, 1, 1, 2), (1, 3, 50, 6), (2, 16, 333, 128),
+                                                    (1, 8, 16384, 64)])
 def test_rope_cuda_equals_cpu(dtype, batch, heads, length, dim):
     gen = torch.Generator().manual_seed(length)
     x = torch.randn(batch, length, heads, dim, generator=gen).to(dtype).transpose(1, 2)
     angles = torch.randn(1, length, dim // 2, generator=gen)
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    upstream = torch.randn(x.shape, generator=gen).to(dtype)
     results = []
     for device in ("cpu", "cuda"):
         leaf = x.detach().to(device).requires_grad_()
         out = rope(leaf, cos.to(device), sin.to(device))
-        out.backward(torch.ones_like(out))
+        out.backward(upstream.to(device))
         results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
     torch.testing.assert_close(results[1][0], results[0][0], **TOL[dtype])
     torch.testing.assert_close(results[1][1], results[0][1], **TOL[dtype])
