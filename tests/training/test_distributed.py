@@ -64,6 +64,45 @@ def test_fsdp2_resume_continues_the_same_losses(tmp_path):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
 
 
+def test_elastic_restart_after_a_worker_dies_resumes_the_same_losses(tmp_path):
+    """torchrun --max-restarts 1: one worker is SIGKILLed after the first checkpoint; the restarted
+    workers resume from the newest checkpoint and finish on the uninterrupted run's losses."""
+    import time
+
+    training = {"distributed": "ddp", "max_steps": 40, "checkpoint": {"interval_steps": 3}}
+    _, straight = _torchrun(tmp_path, "straight", training)
+    want = {r["step"]: r["loss"] for r in straight}
+    config = tmp_path / "elastic.yaml"
+    config.write_text(json.dumps({"model": {"default_size": "tiny"},
+                                  "training": {"max_tokens": 256, "learning_rate": 0.003, "warmup_steps": 1,
+                                               "logging_steps": 1, **training},
+                                  "logging": {"tensorboard": "false"}}))
+    out = tmp_path / "elastic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "--max-restarts", "1", "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out),
+           "--resume", "auto", "--no_progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(out.glob("checkpoints/*/manifest.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the job ended"
+            time.sleep(0.05)
+        workers = subprocess.run(["pgrep", "-f", f"output_dir {out}"], capture_output=True, text=True).stdout.split()
+        victim = max(int(pid) for pid in workers if int(pid) != proc.pid)  # the launcher starts the workers last
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in err and "closing signal" in err, err[-3000:]  # it did die and come back
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    got = {r["step"]: r["loss"] for r in rows}  # steps trained twice: the restart's value wins
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-4), step
+
+
 def test_each_elastic_restart_gets_its_own_store_keys():
     """A restarted attempt must not read the keys (NCCL unique id) the dead attempt left in the agent store."""
     from datetime import timedelta
