@@ -46,5 +46,4 @@ def has_cuda_kernel(op: str) -> bool:
         return False
     if _has_kernel(op, "CUDA"):
         return True
-    return _has_kernel(op, "CompositeExplicitAutograd") and any(
-        _has_kernel(other, "CUDA") for other in op_names() if other != op)
+    return _has_kernel(op, "CompositeExplicitAutograd") and any(_has_kernel(o, "CUDA") for o in op_names())
