@@ -135,7 +135,7 @@ def print_profile(name: str, step) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -158,6 +158,11 @@ def print_profile(name: str, step) -> None:
     print("  by group: " + ", ".join(f"{g} {ms:.1f}" for g, ms in sorted(groups.items(), key=lambda x: -x[1])))
     for kernel, (ms, count) in sorted(totals.items(), key=lambda x: -x[1][0])[:25]:
         print(f"  {ms:8.2f} ms {count:5d}x  {kernel_group(kernel):>13}  {kernel[:110]}")
+    # which operators launch the time, with their input shapes (names the source of small kernels)
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    print("  top operators by their own device time, with input shapes:")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:30]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:40]:40s} {str(e.input_shapes)[:90]}")
 
 
 def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] = ()) -> dict:

@@ -7,6 +7,7 @@
 #   w1     W1 with every kernel off, the defaults, every kernel on, and Liger-Kernel where it
 #          imports (carry its wheel); one profiled step of the defaults
 #   w2     W2 (activation memory), all variants but save_on_cpu
+#   attn   packed attention backends on W1's shapes (FlashAttention-2 varlen vs cuDNN ragged)
 #   moe    W3 (MoE block) and the grouping op alone
 #   long   W2's long-context anchor (Llama-8B shape + LoRA, longest sequence)
 # Budget: build ~1.5 min, tests ~2 min, w1 ~2 min, w2 ~3 min, moe ~1 min, long ~6 min; one call
@@ -24,6 +25,10 @@ fi
 if [[ $PARTS == *" tests "* ]]; then
   python3 -m pytest tests/gpu -q -rs -s >> "$LOG" 2>&1
   grep -E "passed|failed|^FAILED" "$LOG" | tail -15
+fi
+if [[ $PARTS == *" attn "* ]]; then
+  python3 benchmarks/attention_backends.py --out "$OUT" >> "$LOG" 2>&1
+  grep -E "fwd\+bwd|failed" "$LOG" | tail -3
 fi
 if [[ $PARTS == *" w1 "* ]]; then
   W1_VARIANTS=hasten_unfused,hasten,hasten_all_kernels

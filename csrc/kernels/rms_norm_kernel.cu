@@ -3,9 +3,14 @@
 // warp for hidden 1024 and up), so a 256-thread block works on 256 / group rows at once and the
 // row's sum needs only warp shuffles, no __syncthreads. Rows move as 16-byte vectors when the
 // hidden size and the pointers allow it, else one element at a time (the same kernel, V = 1).
-// The backward sums grad_y * n for the weight in shared memory per block (float atomics there),
-// then writes one partial row per block for the caller to sum: no global atomics, and the order
-// of additions inside a block does not change the result beyond float rounding.
+//
+// Backward, the weight gradient: a lane always owns the same columns (vectors lane, lane + group,
+// ...), so when a row is at most K = 8 vectors per lane (hidden <= 2048 in bf16/fp16, <= 1024 in
+// fp32), the lane keeps its weights and its share of grad_weight in registers over all its rows
+// and x and grad_y are read once per row. Wider rows use the general kernel, which accumulates
+// grad_weight in shared memory per element and reads x and grad_y twice. Either way a block adds
+// its lanes' sums once into shared memory and writes one partial row for the caller to sum: no
+// global atomics, and the order of additions changes the result only by float rounding.
 #include "dtype_utils.cuh"
 #include "rms_norm.cuh"
 
@@ -14,6 +19,7 @@ namespace kernels {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kMaxVectorsPerLane = 8;  // register-resident backward up to this many vectors per lane
 
 // Sum over the `group` lanes that share a row; every lane of the group gets it. All 32 lanes of
 // the warp must call it (xor offsets below `group` stay inside the group).
@@ -22,31 +28,35 @@ __device__ __forceinline__ float group_sum(float value, int group) {
   return value;
 }
 
-struct RowSlot {
-  int64_t first, step;  // first row of this group, rows between its turns
-  int lane;             // lane inside the group
+// The rows one group of lanes visits. Trips are per warp: warp_row (the first row of the warp's
+// groups on this trip) is the same on all 32 lanes, so every lane takes the same trips through
+// the row loop and reaches group_sum's shuffles together, also past the last row.
+struct RowWalk {
+  int64_t warp_row;   // first row of this warp's groups on the first trip
+  int64_t step;       // rows between trips
+  int group_in_warp;  // this group's row on a trip is warp_row + group_in_warp
+  int lane;           // lane inside the group
 };
 
-__device__ __forceinline__ RowSlot row_slot(int group) {
-  const int groups_per_block = kThreads / group;
-  return {static_cast<int64_t>(blockIdx.x) * groups_per_block + threadIdx.x / group,
-          static_cast<int64_t>(gridDim.x) * groups_per_block, static_cast<int>(threadIdx.x % group)};
+__device__ __forceinline__ RowWalk row_walk(int group) {
+  const int rows_per_warp = 32 / group;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  return {warp * rows_per_warp, static_cast<int64_t>(gridDim.x) * (kThreads / group),
+          static_cast<int>(threadIdx.x % 32) / group, static_cast<int>(threadIdx.x % group)};
 }
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParams p, int group) {
-  const RowSlot slot = row_slot(group);
+  const RowWalk walk = row_walk(group);
   const int64_t vectors = p.hidden / V;
   const T* w = static_cast<const T*>(p.weight);
-  // row0 (the first row of this warp's groups) is the same on every lane of the warp, so all 32
-  // lanes take the same trips through the loop and reach the shuffles together.
-  for (int64_t row0 = slot.first - threadIdx.x % 32 / group; row0 < p.rows; row0 += slot.step) {
-    const int64_t row = row0 + threadIdx.x % 32 / group;
+  for (int64_t warp_row = walk.warp_row; warp_row < p.rows; warp_row += walk.step) {
+    const int64_t row = warp_row + walk.group_in_warp;
     const bool active = row < p.rows;
     const T* x = static_cast<const T*>(p.x) + (active ? row : 0) * p.hidden;
     float squares = 0.f;
     if (active) {
-      for (int64_t v = slot.lane; v < vectors; v += group) {
+      for (int64_t v = walk.lane; v < vectors; v += group) {
         T chunk[V];
         load_chunk<T, V>(x, v, chunk);
 #pragma unroll
@@ -55,9 +65,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
     }
     const float rstd = rsqrtf(group_sum(squares, group) / static_cast<float>(p.hidden) + p.eps);
     if (!active) continue;
-    if (slot.lane == 0) p.rstd[row] = rstd;
+    if (walk.lane == 0) p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.hidden;
-    for (int64_t v = slot.lane; v < vectors; v += group) {
+    for (int64_t v = walk.lane; v < vectors; v += group) {
       T chunk[V], weight[V];
       load_chunk<T, V>(x, v, chunk);
       load_chunk<T, V>(w, v, weight);
@@ -71,16 +81,91 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
   }
 }
 
+// Zeroes the block's grad_weight sums (hidden,) in shared memory.
+__device__ __forceinline__ void zero_block_sums(float* sums, int64_t hidden) {
+  for (int64_t c = threadIdx.x; c < hidden; c += kThreads) sums[c] = 0.f;
+  __syncthreads();
+}
+
+// Writes the block's sums as its row of grad_weight_partial (blocks, hidden).
+__device__ __forceinline__ void write_block_partial(const float* sums, const RmsNormParams& p) {
+  __syncthreads();
+  float* partial = p.grad_weight_partial + static_cast<int64_t>(blockIdx.x) * p.hidden;
+  for (int64_t c = threadIdx.x; c < p.hidden; c += kThreads) partial[c] = sums[c];
+}
+
+// Register-resident backward: the lane's vectors k = 0..K-1 are columns (lane + k * group) * V ..
+// + V - 1 of every row it visits (those at or past `vectors` are skipped).
+template <typename T, int V, int K>
+__global__ void __launch_bounds__(kThreads) rms_norm_backward_registers_kernel(RmsNormParams p, int group) {
+  extern __shared__ float block_grad_weight[];  // (hidden,)
+  zero_block_sums(block_grad_weight, p.hidden);
+  const RowWalk walk = row_walk(group);
+  const int64_t vectors = p.hidden / V;
+  T weight[K][V];
+  float grad_weight[K][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t v = walk.lane + static_cast<int64_t>(k) * group;
+    if (v < vectors) load_chunk<T, V>(static_cast<const T*>(p.weight), v, weight[k]);
+#pragma unroll
+    for (int i = 0; i < V; ++i) grad_weight[k][i] = 0.f;
+  }
+  for (int64_t warp_row = walk.warp_row; warp_row < p.rows; warp_row += walk.step) {
+    const int64_t row = warp_row + walk.group_in_warp;
+    const bool active = row < p.rows;
+    const int64_t offset = (active ? row : 0) * p.hidden;
+    const float rstd = active ? p.rstd[row] : 0.f;
+    T xs[K][V], gs[K][V];
+    float dot = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + static_cast<int64_t>(k) * group;
+      if (!active || v >= vectors) continue;
+      load_chunk<T, V>(static_cast<const T*>(p.x) + offset, v, xs[k]);
+      load_chunk<T, V>(static_cast<const T*>(p.grad_y) + offset, v, gs[k]);
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        dot += (to_float(weight[k][i]) + p.offset) * to_float(gs[k][i]) * (to_float(xs[k][i]) * rstd);
+    }
+    const float mean_dot = group_sum(dot, group) / static_cast<float>(p.hidden);
+    if (!active) continue;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + static_cast<int64_t>(k) * group;
+      if (v >= vectors) continue;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float n = to_float(xs[k][i]) * rstd;
+        const float gy = to_float(gs[k][i]);
+        grad_weight[k][i] += gy * to_float(from_float<T>(n));
+        xs[k][i] = from_float<T>(rstd * ((to_float(weight[k][i]) + p.offset) * gy - n * mean_dot));
+      }
+      store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
+    }
+  }
+  // 256 / group lanes share each column: one shared-memory add per lane and column per block.
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t v = walk.lane + static_cast<int64_t>(k) * group;
+    if (v >= vectors) continue;
+#pragma unroll
+    for (int i = 0; i < V; ++i) atomicAdd(&block_grad_weight[v * V + i], grad_weight[k][i]);
+  }
+  write_block_partial(block_grad_weight, p);
+}
+
+// General backward for rows of any width: x and grad_y are read twice per row, and grad_weight
+// is added into shared memory per element.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormParams p, int group) {
-  extern __shared__ float block_grad_weight[];  // (hidden,) this block's share of grad_weight
-  for (int64_t c = threadIdx.x; c < p.hidden; c += kThreads) block_grad_weight[c] = 0.f;
-  __syncthreads();
-  const RowSlot slot = row_slot(group);
+  extern __shared__ float block_grad_weight[];  // (hidden,)
+  zero_block_sums(block_grad_weight, p.hidden);
+  const RowWalk walk = row_walk(group);
   const int64_t vectors = p.hidden / V;
   const T* w = static_cast<const T*>(p.weight);
-  for (int64_t row0 = slot.first - threadIdx.x % 32 / group; row0 < p.rows; row0 += slot.step) {
-    const int64_t row = row0 + threadIdx.x % 32 / group;
+  for (int64_t warp_row = walk.warp_row; warp_row < p.rows; warp_row += walk.step) {
+    const int64_t row = warp_row + walk.group_in_warp;
     const bool active = row < p.rows;
     const int64_t offset = (active ? row : 0) * p.hidden;
     const T* x = static_cast<const T*>(p.x) + offset;
@@ -88,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
     const float rstd = active ? p.rstd[row] : 0.f;
     float dot = 0.f;
     if (active) {
-      for (int64_t v = slot.lane; v < vectors; v += group) {
+      for (int64_t v = walk.lane; v < vectors; v += group) {
         T xs[V], gs[V], ws[V];
         load_chunk<T, V>(x, v, xs);
         load_chunk<T, V>(g, v, gs);
@@ -103,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
     const float mean_dot = group_sum(dot, group) / static_cast<float>(p.hidden);
     if (!active) continue;
     T* gx = static_cast<T*>(p.y) + offset;
-    for (int64_t v = slot.lane; v < vectors; v += group) {
+    for (int64_t v = walk.lane; v < vectors; v += group) {
       T xs[V], gs[V], ws[V];
       load_chunk<T, V>(x, v, xs);
       load_chunk<T, V>(g, v, gs);
@@ -118,9 +203,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
       store_chunk<T, V>(gx, v, xs);
     }
   }
-  __syncthreads();
-  float* partial = p.grad_weight_partial + static_cast<int64_t>(blockIdx.x) * p.hidden;
-  for (int64_t c = threadIdx.x; c < p.hidden; c += kThreads) partial[c] = block_grad_weight[c];
+  write_block_partial(block_grad_weight, p);
 }
 
 // Lanes per row: enough for one vector each, a power of two, at most a warp.
@@ -140,6 +223,34 @@ unsigned forward_blocks(int64_t rows, int group) {
   const int64_t rows_per_block = kThreads / group;
   const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   return static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20));  // the kernel loops past this
+}
+
+using BackwardKernel = void (*)(RmsNormParams, int);
+
+// The register-resident kernel with the fewest vectors per lane that cover the row, or the
+// general kernel past kMaxVectorsPerLane.
+template <typename T, int V>
+BackwardKernel backward_kernel(int64_t vectors_per_lane) {
+  if (vectors_per_lane <= 1) return rms_norm_backward_registers_kernel<T, V, 1>;
+  if (vectors_per_lane <= 2) return rms_norm_backward_registers_kernel<T, V, 2>;
+  if (vectors_per_lane <= 4) return rms_norm_backward_registers_kernel<T, V, 4>;
+  if (vectors_per_lane <= kMaxVectorsPerLane) return rms_norm_backward_registers_kernel<T, V, kMaxVectorsPerLane>;
+  return rms_norm_backward_kernel<T, V>;
+}
+
+template <typename T, int V>
+cudaError_t launch_backward(const RmsNormParams& p, int blocks, cudaStream_t stream) {
+  const int64_t vectors = p.hidden / V;
+  const int group = lanes_per_row(vectors);
+  const BackwardKernel kernel = backward_kernel<T, V>((vectors + group - 1) / group);
+  const size_t shared = static_cast<size_t>(p.hidden) * sizeof(float);
+  if (shared > 48 * 1024) {  // above the default: ask for more (fails past the device's limit)
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<blocks, kThreads, shared, stream>>>(p, group);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -167,18 +278,9 @@ cudaError_t launch_rms_norm_forward(const RmsNormParams& p, cudaStream_t stream)
 
 cudaError_t launch_rms_norm_backward(const RmsNormParams& p, int blocks, cudaStream_t stream) {
   if (p.hidden == 0) return cudaSuccess;  // no rows still launches: the blocks write zero partials
-  const size_t shared = static_cast<size_t>(p.hidden) * sizeof(float);
   return HASTEN_DISPATCH_ELEMENT(p.type, {
-    const bool vec = vectors_fit<T>(p, true);
-    auto kernel = vec ? rms_norm_backward_kernel<T, kVec<T>> : rms_norm_backward_kernel<T, 1>;
-    const int group = lanes_per_row(vec ? p.hidden / kVec<T> : p.hidden);
-    if (shared > 48 * 1024) {  // above the default: ask for more (fails past the device's limit)
-      const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-      if (err != cudaSuccess) return err;
-    }
-    kernel<<<blocks, kThreads, shared, stream>>>(p, group);
-    return cudaGetLastError();
+    if (vectors_fit<T>(p, true)) return launch_backward<T, kVec<T>>(p, blocks, stream);
+    return launch_backward<T, 1>(p, blocks, stream);
   });
 }
 

@@ -26,9 +26,11 @@ def _both(fn, *inputs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # 16 lanes per row for a 128-wide head norm, a full warp from 256 up, element path for 1001 and
-# 1, 20000 columns need more than the default 48 KiB of shared memory in the backward
-@pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (16387, 128), (300, 1000), (33, 1001), (5, 4096),
-                                         (9, 20000), (0, 64)])
+# 1, 20000 columns need more than the default 48 KiB of shared memory in the backward. Backward
+# kernels: registers with 1 (128), 4 (1000 and 1024 in 16-bit), 8 (1536 and 2048 in 16-bit, 1000
+# in fp32) vectors per lane; the general kernel for 4096, 1001 and 20000, and 1536/2048 in fp32.
+@pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (16387, 128), (300, 1000), (2051, 1024), (70, 1536),
+                                         (600, 2048), (33, 1001), (5, 4096), (9, 20000), (0, 64)])
 def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows + hidden)
     x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
