@@ -1,9 +1,10 @@
 """Packed causal attention on W1's shapes: torch's varlen (FlashAttention-2) against cuDNN's ragged
-SDPA, forward + backward, and how far cuDNN's results are from FlashAttention's.
+SDPA (hasten.attention.varlen's backends), forward + backward, and how far cuDNN's results are from
+FlashAttention's.
 
 W1's batch: 16,384 tokens in 61 packed samples (benchmarks/packed_sft.py's lengths), 16 query heads,
-8 K/V heads, head_dim 128, bf16. cuDNN runs with K/V heads repeated (rep) and, where it accepts
-them, with 8 K/V heads read natively (gqa). Each row: milliseconds per forward + backward of one
+8 K/V heads, head_dim 128, bf16. Each backend runs with the 8 K/V heads read natively (gqa) and
+repeated to 16 (rep); a backend that fell back says so. Each row: milliseconds per forward + backward of one
 layer (median of 20) and the largest difference from FlashAttention in out, dq, dk, dv relative
 to each tensor's largest magnitude.
 
@@ -22,40 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from packed_sft import TOKENS, make_samples  # noqa: E402
 
+from hasten.attention.varlen import varlen_attention  # noqa: E402
+from hasten.observability import fallback_counts, fallback_reasons, reset_fallbacks  # noqa: E402
+
 Q_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
-def flash(q, k, v, cu, max_len):
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=True)
-
-
-class CudnnRagged(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False)
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.max_len = max_len
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        empty = torch.empty(0, device=q.device, dtype=q.dtype)
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, seed, offset, empty, cu, cu, ctx.max_len, ctx.max_len, 0.0, True)
-        return dq, dk, dv, None, None
-
-
-def cudnn(q, k, v, cu, max_len):
-    return CudnnRagged.apply(q, k, v, cu, max_len)
-
-
-def cudnn_repeated(q, k, v, cu, max_len):
-    groups = q.shape[1] // k.shape[1]
-    return cudnn(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), cu, max_len)
+def backend(name: str, gqa: str):
+    def attention(q, k, v, cu, max_len):
+        return varlen_attention(q, k, v, cu, max_len, backend=name, gqa=gqa)
+    return attention
 
 
 def run(fn, q, k, v, cu, max_len, grad):
@@ -78,10 +55,14 @@ def main() -> int:
     k = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn(TOKENS, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-    reference = run(flash, q, k, v, cu, max_len, grad)
+    reference = run(backend("torch_varlen", "native"), q, k, v, cu, max_len, grad)
     run_id = common.new_run_id()
     rows = []
-    for name, fn in (("flash_varlen", flash), ("cudnn_rep", cudnn_repeated), ("cudnn_gqa", cudnn)):
+    variants = (("flash_varlen", backend("torch_varlen", "native")),
+                ("flash_varlen_rep", backend("torch_varlen", "repeat")),
+                ("cudnn_gqa", backend("cudnn", "native")), ("cudnn_rep", backend("cudnn", "repeat")))
+    for name, fn in variants:
+        reset_fallbacks()
         base = {"workload": "W1_attention", "variant": name, **common.environment(), "run_id": run_id}
         try:
             got = run(fn, q, k, v, cu, max_len, grad)
@@ -91,7 +72,10 @@ def main() -> int:
             ms = common.median(times) * 1e3
             print(f"{name:14s} {ms:7.3f} ms fwd+bwd   rel diff vs flash: "
                   + ", ".join(f"{key} {val:.2e}" for key, val in diffs.items()))
-            rows.append(base | {"fwd_bwd_ms": ms, "rel_diff": diffs, "correct": max(diffs.values()) < 2e-2})
+            if fallback_counts():
+                print(f"{name:14s} fell back: {fallback_reasons()}")
+            rows.append(base | {"fwd_bwd_ms": ms, "rel_diff": diffs, "correct": max(diffs.values()) < 2e-2,
+                                "fallbacks": fallback_counts()})
         except (RuntimeError, ValueError) as exc:
             print(f"{name:14s} failed: {type(exc).__name__}: {str(exc)[:300]}")
             rows.append(base | {"error": f"{type(exc).__name__}: {str(exc)[:300]}"})

@@ -9,6 +9,7 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
   hasten_all_kernels hasten with RMSNorm, SwiGLU and RoPE kernels switched on too
   hasten_posids      hasten with position_ids only (metadata derived on the device once per forward)
   hasten_gqa_repeat  hasten with K/V heads repeated instead of read natively
+  hasten_fa2         hasten with attention.backend torch_varlen (FlashAttention-2) instead of auto
   hasten_no_cache    hasten with training.metadata_cache false (metadata derived in every layer)
   liger              hasten's packed attention with every kernels.* switch off, and Liger-Kernel's
                      RMSNorm, SwiGLU, RoPE and fused linear cross-entropy instead (needs liger_kernel;
@@ -177,6 +178,7 @@ def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] =
                   "hasten_all_kernels": {"kernels": dict.fromkeys(kernel_switches, True)},
                   "hasten_fused_ce_only": {"kernels": dict(unfused, fused_cross_entropy=True)},
                   "hasten_posids": {}, "hasten_gqa_repeat": {"attention": {"gqa": "repeat"}},
+                  "hasten_fa2": {"attention": {"backend": "torch_varlen"}},
                   "hasten_no_cache": {"training": {"metadata_cache": False}}}
     if name in hasten_cfg:
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
@@ -186,7 +188,8 @@ def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] =
         handle = hasten.accelerate(model, Config.from_dict({"kernels": unfused}))
         apply_liger_kernel_to_qwen3(model=model)
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), "cuda")
-    if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat", "liger"):
+    if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat",
+                "hasten_fa2", "liger"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):
         inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")}]

@@ -4,7 +4,7 @@
 # the device returns at most 8 files per call. On a two-GPU machine run two of these at once,
 # each with its own CUDA_VISIBLE_DEVICES and TAG, after one build.
 #   tests  every GPU test (tests/gpu)
-#   w1     W1 with every kernel off, the defaults, every kernel on, and Liger-Kernel where it
+#   w1     W1 with every kernel off, the defaults, FlashAttention-2 attention, and Liger-Kernel where it
 #          imports (carry its wheel); one profiled step of the defaults
 #   w2     W2 (activation memory), all variants but save_on_cpu
 #   attn   packed attention backends on W1's shapes (FlashAttention-2 varlen vs cuDNN ragged)
@@ -31,7 +31,7 @@ if [[ $PARTS == *" attn "* ]]; then
   grep -E "fwd\+bwd|failed" "$LOG" | tail -3
 fi
 if [[ $PARTS == *" w1 "* ]]; then
-  W1_VARIANTS=hasten_unfused,hasten,hasten_all_kernels
+  W1_VARIANTS=${W1_VARIANTS:-hasten_unfused,hasten,hasten_fa2}
   python3 -c "import liger_kernel" 2>/dev/null && W1_VARIANTS=$W1_VARIANTS,liger  # last: it patches globally
   python3 benchmarks/packed_sft.py --steps 5 --out "$OUT" --variants "$W1_VARIANTS" --profile hasten \
     >> "$LOG" 2>&1
