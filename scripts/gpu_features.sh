@@ -28,7 +28,7 @@ if [[ $PARTS == *" tests "* ]]; then
 fi
 if [[ $PARTS == *" attn "* ]]; then
   python3 benchmarks/attention_backends.py --out "$OUT" >> "$LOG" 2>&1
-  grep -E "fwd\+bwd|failed" "$LOG" | tail -3
+  grep -E "fwd\+bwd|failed|fell back" "$LOG" | tail -6
 fi
 if [[ $PARTS == *" w1 "* ]]; then
   W1_VARIANTS=${W1_VARIANTS:-hasten_unfused,hasten,hasten_fa2}
