@@ -1,10 +1,12 @@
-"""Packed causal attention on W1's shapes: torch's varlen (FlashAttention-2) against cuDNN's ragged
-SDPA (hasten.attention.varlen's backends), forward + backward, and how far cuDNN's results are from
-FlashAttention's.
+"""Packed causal attention on W1's shapes: torch's varlen (FlashAttention-2, hasten's backend) against
+cuDNN's ragged SDPA through torch's private aten ops, forward + backward, and how far cuDNN's results
+are from FlashAttention's. On torch 2.11 + H200 (2026-11-30) cuDNN's forward agreed and its kernels
+took half FlashAttention-2's time, but its gradients were wrong (dq off by 100%) and every call
+rebuilt a cuDNN graph (about 50 ms of host time): hasten does not use it. Re-run on a new torch.
 
 W1's batch: 16,384 tokens in 61 packed samples (benchmarks/packed_sft.py's lengths), 16 query heads,
 8 K/V heads, head_dim 128, bf16. Each backend runs with the 8 K/V heads read natively (gqa) and
-repeated to 16 (rep); a backend that fell back says so. Each row: milliseconds per forward + backward of one
+repeated to 16 (rep). Each row: milliseconds per forward + backward of one
 layer (median of 20) and the largest difference from FlashAttention in out, dq, dk, dv relative
 to each tensor's largest magnitude.
 
@@ -29,9 +31,38 @@ from hasten.observability import fallback_counts, fallback_reasons, reset_fallba
 Q_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
-def backend(name: str, gqa: str):
+def torch_varlen(gqa: str):
     def attention(q, k, v, cu, max_len):
-        return varlen_attention(q, k, v, cu, max_len, backend=name, gqa=gqa)
+        return varlen_attention(q, k, v, cu, max_len, backend="torch_varlen", gqa=gqa)
+    return attention
+
+
+class CudnnRagged(torch.autograd.Function):
+    """cuDNN's fused attention over ragged sequences through torch's private aten ops (torch keeps
+    this path switched off in its own varlen_attn)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len):
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False)
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.max_len = max_len
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(  # attn_bias None: an undefined tensor
+            grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, ctx.max_len, ctx.max_len, 0.0, True)
+        return dq, dk, dv, None, None
+
+
+def cudnn(gqa: str):
+    def attention(q, k, v, cu, max_len):
+        if gqa == "repeat":
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return CudnnRagged.apply(q, k, v, cu, max_len)
     return attention
 
 
@@ -55,12 +86,11 @@ def main() -> int:
     k = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn(TOKENS, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-    reference = run(backend("torch_varlen", "native"), q, k, v, cu, max_len, grad)
+    reference = run(torch_varlen("native"), q, k, v, cu, max_len, grad)
     run_id = common.new_run_id()
     rows = []
-    variants = (("flash_varlen", backend("torch_varlen", "native")),
-                ("flash_varlen_rep", backend("torch_varlen", "repeat")),
-                ("cudnn_gqa", backend("cudnn", "native")), ("cudnn_rep", backend("cudnn", "repeat")))
+    variants = (("flash_varlen", torch_varlen("native")), ("flash_varlen_rep", torch_varlen("repeat")),
+                ("cudnn_gqa", cudnn("native")), ("cudnn_rep", cudnn("repeat")))
     for name, fn in variants:
         reset_fallbacks()
         base = {"workload": "W1_attention", "variant": name, **common.environment(), "run_id": run_id}

@@ -4,12 +4,7 @@ Layout: q (T, Hq, D), k and v (T, Hkv, D) with Hq a multiple of Hkv; `cu_seqlens
 (N + 1,) int32 marks the N sequences inside the T tokens. Dispatch, best first:
 
   flash_attn     flash-attn's varlen kernel, when the package is installed
-  cudnn          cuDNN's fused attention over ragged sequences (aten._cudnn_attention_forward
-                 with cumulative sequence lengths), once a check on this device, dtype, head
-                 size and head grouping has matched torch's varlen kernel; no sliding window,
-                 no dropout
-  torch_varlen   torch.nn.attention.varlen.varlen_attn (torch >= 2.10, CUDA, fp16/bf16;
-                 FlashAttention-2)
+  torch_varlen   torch.nn.attention.varlen.varlen_attn (torch >= 2.10, CUDA, fp16/bf16)
   per_sequence   scaled_dot_product_attention once per sequence: correct anywhere,
                  slow, and reported through hasten.observability when used because
                  a faster path was not available.
@@ -27,7 +22,7 @@ import torch.nn.functional as F
 
 from hasten.observability import record_fallback
 
-Backend = Literal["flash_attn", "cudnn", "torch_varlen", "per_sequence"]
+Backend = Literal["flash_attn", "torch_varlen", "per_sequence"]
 GqaMode = Literal["auto", "native", "repeat"]
 
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
@@ -71,8 +66,6 @@ def select_backend(q: torch.Tensor, requested: str = "auto") -> Backend:
     if reason is None:
         if requested in ("auto", "flash_attn") and _flash_attn_fn() is not None:
             return "flash_attn"
-        if requested in ("auto", "cudnn") and _cudnn_ragged_available():
-            return "cudnn"
         if requested in ("auto", "torch_varlen") and _torch_varlen_fn() is not None:
             return "torch_varlen"
         reason = (f"torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not installed "
@@ -148,88 +141,6 @@ def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dr
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _cudnn_ragged_available() -> bool:
-    return (hasattr(torch.ops.aten, "_cudnn_attention_forward") and torch.backends.cudnn.is_available()
-            and torch.backends.cuda.cudnn_sdp_enabled())
-
-
-class _CudnnRaggedAttention(torch.autograd.Function):
-    """cuDNN's fused attention over packed sequences. q (T, Hq, D), k and v (T, Hkv, D) with Hkv
-    dividing Hq, cu_seqlens (N + 1,) int32. The forward keeps the log-sum-exp (Hq per token) for
-    the backward instead of the probabilities."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, scale: float | None, causal: bool):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, 0.0, causal, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
-        ctx.max_seqlen, ctx.scale, ctx.causal = max_seqlen, scale, causal
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_seqlens, seed, offset = ctx.saved_tensors
-        # attn_bias None (an undefined tensor): a defined empty one would be read as a bias
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, seed, offset, None, cu_seqlens, cu_seqlens,
-            ctx.max_seqlen, ctx.max_seqlen, 0.0, ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None
-
-
-# (device, dtype, head_dim, grouped K/V) -> cuDNN agreed with torch's varlen kernel there
-_cudnn_checked: dict[tuple, bool] = {}
-
-
-def _cudnn_agrees(q: torch.Tensor, grouped: bool) -> bool:
-    """Once per device, dtype, head size and head grouping: do cuDNN's ragged forward and
-    backward match torch's varlen kernel on a small packed problem (a one-token sequence
-    included)? Checked, not assumed: the ragged path is new in torch and cuDNN versions vary."""
-    key = (q.device, q.dtype, q.shape[-1], grouped)
-    if key not in _cudnn_checked:
-        gen = torch.Generator(device=q.device).manual_seed(0)
-        hkv, d = (2 if grouped else 4), q.shape[-1]
-        shapes = ((57, 4, d), (57, hkv, d), (57, hkv, d), (57, 4, d))
-        q0, k0, v0, grad = (torch.randn(s, device=q.device, dtype=q.dtype, generator=gen) for s in shapes)
-        cu = torch.tensor([0, 17, 18, 57], device=q.device, dtype=torch.int32)
-        try:
-            got = _attention_and_grads(lambda a, b, c: _CudnnRaggedAttention.apply(a, b, c, cu, 39, None, True),
-                                       q0, k0, v0, grad)
-            want = _attention_and_grads(lambda a, b, c: _call_torch_varlen(
-                a, _repeat_kv(b, 4 // hkv), _repeat_kv(c, 4 // hkv), cu, 39, None, False, (-1, 0)),
-                q0, k0, v0, grad)
-            ok = all(torch.allclose(g.float(), w.float(), atol=2e-2, rtol=2e-2) for g, w in zip(got, want))
-            detail = "gave results different from torch's varlen kernel"
-        except Exception as exc:  # noqa: BLE001 - any failure of the check means: do not use cuDNN here
-            ok, detail = False, f"raised {type(exc).__name__}: {str(exc)[:200]}"
-        if not ok:
-            what = " with fewer K/V heads than query heads" if grouped else ""
-            then = ("K/V heads are repeated for it (more memory traffic)" if grouped
-                    else "using torch's varlen kernel (FlashAttention-2) instead")
-            record_fallback("attention_cudnn_gqa" if grouped else "attention_cudnn",
-                            f"cuDNN's ragged attention{what} {detail} (head_dim {d}, {q.dtype}); {then}")
-        _cudnn_checked[key] = ok
-    return _cudnn_checked[key]
-
-
-def _cudnn_plan(q: torch.Tensor, groups: int, gqa: str) -> str | None:
-    """How cuDNN runs these heads: "native" (K/V heads as given), "repeat" (K/V repeated to the
-    query heads) or None (cuDNN disagreed with the reference on this device)."""
-    if groups > 1 and gqa != "repeat" and _cudnn_agrees(q, grouped=True):
-        return "native"
-    if _cudnn_agrees(q, grouped=False):
-        return "repeat" if groups > 1 else "native"
-    return None
-
-
-def _attention_and_grads(fn, q, k, v, grad):
-    with torch.enable_grad():  # the check may first run inside no_grad (an evaluation forward)
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(grad)
-    return [out.detach()] + [x.grad for x in leaves]
-
-
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      *, scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                      dropout: float = 0.0, backend: str = "auto", gqa: GqaMode = "auto") -> torch.Tensor:
@@ -239,26 +150,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     # sliding_window W (transformers' meaning): a query sees itself and the W - 1 tokens before it.
     left = sliding_window - 1 if sliding_window is not None else -1
     chosen = select_backend(q, backend)
-    groups = q.shape[1] // k.shape[1]
-    cudnn_plan = None
-    if chosen == "cudnn":
-        # cuDNN's ragged path has no sliding window and no dropout; torch's kernel does the window
-        cudnn_plan = _cudnn_plan(q, groups, gqa) if left < 0 and dropout == 0.0 else None
-        if cudnn_plan is None:
-            if backend == "cudnn" and (left >= 0 or dropout > 0.0):
-                record_fallback("attention_cudnn_window", "attention.backend cudnn has no sliding window or dropout; "
-                                "those layers use torch's varlen kernel")
-            chosen = "torch_varlen"
     if dropout > 0.0 and chosen == "torch_varlen":
         record_fallback("attention_dropout", "torch's varlen attention has no dropout; attention dropout "
                         f"{dropout} runs one sequence at a time (install flash-attn for the fast path)")
         chosen = "per_sequence"
     if chosen == "per_sequence":
         return _per_sequence(q, k, v, cu_seqlens, scale, causal, left if causal else -1, dropout)
-    if chosen == "cudnn":
-        if cudnn_plan == "repeat":
-            k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        return _CudnnRaggedAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+
+    groups = q.shape[1] // k.shape[1]
     if chosen == "flash_attn":  # reads shared K/V heads natively
         return _flash_attn_fn()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout,
                                 softmax_scale=scale, causal=causal, window_size=(left, 0 if causal else -1))
