@@ -2,7 +2,8 @@
 # On the GPU machine, after the extension is built: the production-training runs of the closing
 # notes. Results go to $OUT (or ./gpu-out).
 #   bench    hasten bench (hasten off vs on) on the Qwen3-0.6B-shaped job, one GPU
-#   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two, same config, tokens/s and losses
+#   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two, same config, tokens/s and losses over
+#            SCALE_STEPS (80) steps
 #   resume   (2+ GPUs) FSDP2 killed (SIGKILL, whole job) after a checkpoint, then --resume auto;
 #   elastic  (2+ GPUs) one worker killed under torchrun --max-restarts 1; the restarted workers
 #            resume from the latest checkpoint
@@ -25,25 +26,42 @@ if [[ " ${PARTS:-bench scaling resume elastic} " == *" bench "* ]]; then
 fi
 
 if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scaling "* ]]; then
-  CUDA_VISIBLE_DEVICES=0 python3 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
+  # Steady state: a row every 10 steps (a per-step row costs each step a host sync), checkpoints every
+  # 50 (their writing time is reported apart from the step rate), the first row left out as warm-up.
+  SCALE_STEPS=${SCALE_STEPS:-80}
+  python3 - "$CONFIG" "$RUNS" <<'PY'
+import sys, yaml
+config = yaml.safe_load(open(sys.argv[1]))
+training = config.setdefault("training", {})
+training["logging_steps"] = 10
+training.setdefault("checkpoint", {})["interval_steps"] = 50
+yaml.safe_dump(config, open(f"{sys.argv[2]}/scaling.yaml", "w"))
+training["fsdp2_reshard_after_forward"] = False  # each layer's gathered weights kept from forward to backward
+yaml.safe_dump(config, open(f"{sys.argv[2]}/keep_gathered.yaml", "w"))
+PY
+  CUDA_VISIBLE_DEVICES=0 python3 -m hasten train --config "$RUNS/scaling.yaml" --max_steps "$SCALE_STEPS" \
     --output_dir "$RUNS/one" --no_progress > "$OUT/one_gpu.log" 2>&1; echo "one gpu exit $?"
-  torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
+  torchrun --nproc_per_node 2 -m hasten train --config "$RUNS/scaling.yaml" --max_steps "$SCALE_STEPS" \
     --output_dir "$RUNS/two" --no_progress > "$OUT/two_gpu.log" 2>&1; echo "two gpu exit $?"
-  # the same with each layer's gathered weights kept from forward to backward (one all-gather less)
-  python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); c['training']['fsdp2_reshard_after_forward'] = False; \
-yaml.safe_dump(c, open(sys.argv[2], 'w'))" "$CONFIG" "$RUNS/keep_gathered.yaml"
-  torchrun --nproc_per_node 2 -m hasten train --config "$RUNS/keep_gathered.yaml" --max_steps "$STEPS" \
+  torchrun --nproc_per_node 2 -m hasten train --config "$RUNS/keep_gathered.yaml" --max_steps "$SCALE_STEPS" \
     --output_dir "$RUNS/two_keep" --no_progress > "$OUT/two_gpu_keep.log" 2>&1; echo "two gpu (kept gathered) exit $?"
   python3 scripts/compare_runs.py one_gpu="$RUNS/one/logs" fsdp2_two_gpu="$RUNS/two/logs" \
-    fsdp2_kept_gathered="$RUNS/two_keep/logs" --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
+    fsdp2_kept_gathered="$RUNS/two_keep/logs" --skip 1 --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
 fi
 
 wait_for() {  # wait_for PATH SECONDS: until PATH exists
   for _ in $(seq "$2"); do [ -e "$1" ] && return 0; sleep 1; done; return 1
 }
 
+straight_run() {  # the uninterrupted FSDP2 run that resume and elastic compare their losses with
+  [ -e "$RUNS/straight/logs/summary.json" ] && return 0
+  torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
+    --output_dir "$RUNS/straight" --no_progress > "$OUT/straight.log" 2>&1; echo "uninterrupted exit $?"
+}
+
 if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" resume "* ]]; then
-  # 1) the whole job dies (SIGKILL: nothing saved on the way out), then a new launch with --resume auto
+  straight_run
+  # the whole job dies (SIGKILL: nothing saved on the way out), then a new launch with --resume auto
   setsid torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
     --output_dir "$RUNS/killed" --no_progress > "$OUT/killed.log" 2>&1 &
   LAUNCHER=$!
@@ -55,12 +73,13 @@ if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" resume
   torchrun --nproc_per_node 2 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
     --output_dir "$RUNS/killed" --resume auto --no_progress > "$OUT/resumed.log" 2>&1; echo "resumed exit $?" | tee -a "$OUT/resume.txt"
   grep -iE "resum" "$OUT/resumed.log" | head -3 | tee -a "$OUT/resume.txt"
-  python3 scripts/compare_runs.py uninterrupted="$RUNS/two/logs" killed_resumed="$RUNS/killed/logs" \
+  python3 scripts/compare_runs.py uninterrupted="$RUNS/straight/logs" killed_resumed="$RUNS/killed/logs" \
     --json "$OUT/resume.json" | tee -a "$OUT/resume.txt"
 
 fi
 
 if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" elastic "* ]]; then
+  straight_run
   # elastic: torchrun restarts the workers after one dies; they resume from the latest checkpoint
   torchrun --nproc_per_node 2 --max-restarts 1 -m hasten train --config "$CONFIG" --max_steps "$STEPS" \
     --output_dir "$RUNS/elastic" --resume auto --no_progress > "$OUT/elastic.log" 2>&1 &
@@ -70,6 +89,6 @@ if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" elasti
   echo "elastic: killing worker $VICTIM" | tee -a "$OUT/resume.txt"
   kill -KILL "$VICTIM"
   timeout 600 tail --pid "$LAUNCHER" -f /dev/null; wait "$LAUNCHER"; echo "elastic exit $?" | tee -a "$OUT/resume.txt"
-  python3 scripts/compare_runs.py uninterrupted="$RUNS/two/logs" elastic="$RUNS/elastic/logs" \
+  python3 scripts/compare_runs.py uninterrupted="$RUNS/straight/logs" elastic="$RUNS/elastic/logs" \
     --json "$OUT/elastic.json" | tee -a "$OUT/resume.txt"
 fi

@@ -74,3 +74,29 @@ def test_data_with_nothing_trainable_is_an_error_not_a_hang(tmp_path, capsys):
     rc = main(["train", "--config", str(config), "--output_dir", str(tmp_path / "o"), "--no_progress"])
     assert rc == 2
     assert "no sample can be trained on" in capsys.readouterr().err
+
+
+def test_checkpoint_writing_is_reported_apart_from_the_step_rate(tmp_path, monkeypatch):
+    import time
+
+    import hasten.training.loop as loop
+
+    real_save = loop.save_checkpoint
+
+    def slow_save(*args, **kwargs):  # a slow disk: each checkpoint takes at least 0.6 s
+        time.sleep(0.6)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "save_checkpoint", slow_save)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY + "  checkpoint:\n    interval_steps: 1\n")
+    logs = tmp_path / "logs"
+    assert main(["train", "--config", str(config), "--output_dir", str(tmp_path / "out"), "--log_dir", str(logs),
+                 "--no_progress"]) == 0
+    rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    # window 1-2 holds the checkpoint of step 1; window 3-4 those of steps 2 and 3 (step 2's is
+    # written after its row); step 4's comes after the last row
+    assert rows[0]["checkpoint_s"] >= 0.6 and rows[1]["checkpoint_s"] >= 1.2
+    for r in rows:
+        assert r["step_s"] < 0.6, "checkpoint time leaked into the step rate"
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / (2 * r["step_s"]))

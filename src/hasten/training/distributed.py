@@ -109,6 +109,15 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh)
+        # Each layer asks for its neighbour's all-gather when it starts (the next layer's in forward,
+        # the previous layer's in backward), so the copy overlaps this layer's compute even when the
+        # host is not running ahead of the GPU.
+        layers = list(layers)
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers):
+                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+            if i > 0:
+                layer.set_modules_to_backward_prefetch([layers[i - 1]])
         return model
     raise ConfigError(f"unknown training.distributed strategy {ctx.strategy!r}")
 

@@ -244,6 +244,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                                   batch_of=lambda item: item[2])
     losses: list[float] = []
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
+    window_checkpoint_s = 0.0  # checkpoint writing inside the window: reported apart from the step rate
     last_checkpoint: Path | None = resume_from
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -277,10 +278,11 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                     [window_tokens, float(window_loss), window_micro, signalled], ctx, device)
                 stopping = stopping or stop_all > 0
                 mean_loss = loss_all * t.gradient_accumulation_steps / micro_all
-                elapsed = time.perf_counter() - window_start
+                elapsed = time.perf_counter() - window_start - window_checkpoint_s
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                        "tokens": int(tokens_all), "tokens_per_s": tokens_all / elapsed,
                        "step_s": elapsed / (window_micro // t.gradient_accumulation_steps),
+                       "checkpoint_s": window_checkpoint_s,
                        "peak_gib": peak_memory_gib(device),
                        "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
                        "fallbacks": fallback_counts()}
@@ -299,12 +301,15 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                 state.tokens += int(tokens_all)
                 state.losses.append(mean_loss)
                 window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
+                window_checkpoint_s = 0.0
                 window_start = time.perf_counter()
             if not ctx.enabled:  # a signal that came during this step's logging still stops here
                 stopping = stopping or stop.signal_name is not None
             if state.step % t.checkpoint.interval_steps == 0 or stopping:
+                saving_since = time.perf_counter()
                 last_checkpoint = save_checkpoint(checkpoints, state, model, optimizer, scheduler,
                                                   keep_last=t.checkpoint.keep_last, ctx=ctx)
+                window_checkpoint_s += time.perf_counter() - saving_since
                 if ctx.is_main:
                     tqdm.write(f"checkpoint: {last_checkpoint}")
     bar.close()
