@@ -3,7 +3,7 @@
 # notes. Results go to $OUT (or ./gpu-out).
 #   bench    hasten bench (hasten off vs on) on the Qwen3-0.6B-shaped job, one GPU
 #   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two, same config, tokens/s and losses over
-#            SCALE_STEPS (80) steps
+#            SCALE_STEPS (80) steps of ACCUM (1) micro-batches; the collectives' bandwidth first
 #   resume   (2+ GPUs) FSDP2 killed (SIGKILL, whole job) after a checkpoint, then --resume auto;
 #   elastic  (2+ GPUs) one worker killed under torchrun --max-restarts 1; the restarted workers
 #            resume from the latest checkpoint
@@ -28,11 +28,14 @@ fi
 if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scaling "* ]]; then
   # Steady state: a row every 10 steps (a per-step row costs each step a host sync), checkpoints every
   # 50 (their writing time is reported apart from the step rate), the first row left out as warm-up.
-  SCALE_STEPS=${SCALE_STEPS:-80}
-  python3 - "$CONFIG" "$RUNS" <<'PY'
+  # ACCUM micro-batches per optimizer step (gradients reduced once per step), the same on one GPU.
+  SCALE_STEPS=${SCALE_STEPS:-80} ACCUM=${ACCUM:-1}
+  torchrun --nproc_per_node 2 benchmarks/collective_bandwidth.py 2>&1 | grep -vE "^W1|\*\*\*|OMP_NUM" | tee "$OUT/collectives.txt"
+  python3 - "$CONFIG" "$RUNS" "$ACCUM" <<'PY'
 import sys, yaml
 config = yaml.safe_load(open(sys.argv[1]))
 training = config.setdefault("training", {})
+training["gradient_accumulation_steps"] = int(sys.argv[3])
 training["logging_steps"] = 10
 training.setdefault("checkpoint", {})["interval_steps"] = 50
 yaml.safe_dump(config, open(f"{sys.argv[2]}/scaling.yaml", "w"))

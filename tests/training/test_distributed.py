@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def _free_port() -> int:
@@ -122,3 +123,23 @@ def test_each_elastic_restart_gets_its_own_store_keys():
     assert first.get("default_pg/0") == b"unique id of attempt 0"
     assert agent.get("hasten/attempt_1/default_pg/0") == b"unique id of attempt 1"
     assert restart_scoped_store({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, 1) is None
+
+
+def test_gradient_accumulation_reduces_once_per_step_and_trains_like_ddp(tmp_path):
+    """FSDP2 keeps the first micro-batch's gradients local and reduces on the last; DDP does the
+    same through no_sync. Both must end on the same weights: a dropped or doubled micro-batch
+    gradient on either side would move them apart."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for strategy in ("ddp", "fsdp2"):
+        out, rows = _torchrun(tmp_path, strategy, {"distributed": strategy, "max_steps": 3,
+                                                   "gradient_accumulation_steps": 2})
+        runs[strategy] = (rows, load_file(str(out / "final" / "model.safetensors")))
+    (ddp_rows, ddp_weights), (fsdp_rows, fsdp_weights) = runs["ddp"], runs["fsdp2"]
+    assert [r["step"] for r in fsdp_rows] == [1, 2, 3]
+    for a, b in zip(ddp_rows, fsdp_rows):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    assert ddp_weights.keys() == fsdp_weights.keys()
+    for name, weight in ddp_weights.items():
+        assert torch.allclose(weight.float(), fsdp_weights[name].float(), rtol=1e-4, atol=1e-5), name

@@ -8,7 +8,9 @@ in DDP or FSDP2, shards the packed batches by rank and reduces the metrics onto 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -120,6 +122,30 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
                 layer.set_modules_to_backward_prefetch([layers[i - 1]])
         return model
     raise ConfigError(f"unknown training.distributed strategy {ctx.strategy!r}")
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, ctx: DistContext, last_micro_batch: bool) -> Iterator[None]:
+    """Gradient accumulation talks across ranks once per optimizer step: the micro-batches before
+    the last keep their gradients local (DDP's no_sync; FSDP2 skips the reduce-scatter and keeps
+    each layer's gathered weights from one backward to the next forward), and the last one's
+    backward reduces the accumulated sum. Same result as reducing every micro-batch, up to float
+    summation order."""
+    if not ctx.enabled or last_micro_batch:
+        yield
+    elif ctx.strategy == "ddp":
+        with model.no_sync():
+            yield
+    elif ctx.strategy == "fsdp2":
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:  # the last micro-batch reduces and reshards as usual
+            model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
+    else:
+        yield
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -23,7 +23,7 @@ from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSample
 from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_valid, load_checkpoint, save_checkpoint,
                                        save_final_model, verify)
 from hasten.training.defaults import embedded_model_config
-from hasten.training.distributed import all_reduce_sum, from_environment, shutdown, wrap_model
+from hasten.training.distributed import all_reduce_sum, from_environment, gradient_sync, shutdown, wrap_model
 from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib
 from hasten.training.prefetch import NextBatchPrefetcher
 from hasten.training.telemetry import GpuMonitor, TensorBoardSink, redact, version_record
@@ -255,13 +255,14 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     stopping = False  # the whole job stops (ranks agree at a logging step)
     with _StopRequest() as stop:
         while state.step < t.max_steps and not stopping:
-            for _ in range(t.gradient_accumulation_steps):
+            for micro in range(t.gradient_accumulation_steps):
                 (state.epoch, state.batches_in_epoch, host_batch), batch = next(batches)
                 # non-padding tokens, counted on the host copy (no device read-back)
                 window_tokens += int(host_batch["input_ids"].numel() if t.packed_sequence
                                      else host_batch["attention_mask"].sum())
-                loss = model(**batch).loss / t.gradient_accumulation_steps
-                loss.backward()
+                with gradient_sync(model, ctx, last_micro_batch=micro == t.gradient_accumulation_steps - 1):
+                    loss = model(**batch).loss / t.gradient_accumulation_steps
+                    loss.backward()
                 window_loss += loss.detach()
                 window_micro += 1
             optimizer.step()
