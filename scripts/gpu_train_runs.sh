@@ -31,12 +31,12 @@ if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scalin
   # ACCUM micro-batches per optimizer step (gradients reduced once per step), the same on one GPU.
   SCALE_STEPS=${SCALE_STEPS:-80} ACCUM=${ACCUM:-1}
   torchrun --nproc_per_node 2 benchmarks/collective_bandwidth.py 2>&1 | grep -vE "^W1|\*\*\*|OMP_NUM" | tee "$OUT/collectives.txt"
-  python3 - "$CONFIG" "$RUNS" "$ACCUM" <<'PY'
+  python3 - "$CONFIG" "$RUNS" "$ACCUM" "${LOG_EVERY:-10}" <<'PY'
 import sys, yaml
 config = yaml.safe_load(open(sys.argv[1]))
 training = config.setdefault("training", {})
 training["gradient_accumulation_steps"] = int(sys.argv[3])
-training["logging_steps"] = 10
+training["logging_steps"] = int(sys.argv[4])
 training.setdefault("checkpoint", {})["interval_steps"] = 50
 yaml.safe_dump(config, open(f"{sys.argv[2]}/scaling.yaml", "w"))
 training["fsdp2_reshard_after_forward"] = False  # each layer's gathered weights kept from forward to backward
