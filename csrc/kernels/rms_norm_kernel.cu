@@ -5,12 +5,15 @@
 // hidden size and the pointers allow it, else one element at a time (the same kernel, V = 1).
 //
 // Backward, the weight gradient: a lane always owns the same columns (vectors lane, lane + group,
-// ...), so when a row is at most K = 8 vectors per lane (hidden <= 2048 in bf16/fp16, <= 1024 in
-// fp32), the lane keeps its weights and its share of grad_weight in registers over all its rows
-// and x and grad_y are read once per row. Wider rows use the general kernel, which accumulates
-// grad_weight in shared memory per element and reads x and grad_y twice. Either way a block adds
-// its lanes' sums once into shared memory and writes one partial row for the caller to sum: no
-// global atomics, and the order of additions changes the result only by float rounding.
+// ...), and x and grad_y of a row are read once into registers. Rows of up to 2 vectors per lane
+// (head norms) keep the lane's weights and grad_weight sums in registers too. Rows of 3 to 8
+// vectors per lane (hidden up to 2048 in bf16/fp16, 1024 in fp32; a full warp per row) add
+// grad_weight into the warp's own shared-memory row instead: lanes own their columns there, so no
+// atomics, and registers stay under 64 so four blocks fit an SM (kept in registers, those sums
+// took 128 registers and ran at 1.1 TB/s, ncu on H200). Wider rows use the general kernel, which
+// adds grad_weight into shared memory per element and reads x and grad_y twice. Every kernel
+// writes one partial row per block for the caller to sum: no global atomics, and the order of
+// additions changes the result only by float rounding.
 #include "dtype_utils.cuh"
 #include "rms_norm.cuh"
 
@@ -19,7 +22,9 @@ namespace kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxVectorsPerLane = 8;  // register-resident backward up to this many vectors per lane
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRegisterVectors = 2;  // grad_weight sums in registers up to this many vectors per lane
+constexpr int kMaxWarpSumVectors = 8;   // in the warp's shared-memory row up to this many
 
 // Sum over the `group` lanes that share a row; every lane of the group gets it. All 32 lanes of
 // the warp must call it (xor offsets below `group` stay inside the group).
@@ -155,6 +160,65 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_registers_kernel(R
   write_block_partial(block_grad_weight, p);
 }
 
+// A full warp per row, K (3..8) vectors per lane. The warp's grad_weight sums live in shared
+// memory as (V, vectors): element i of vector v at i * vectors + v, so the 32 lanes (consecutive v)
+// hit 32 different banks. Registers capped so that four blocks (K = 4) or two (K = 8) fit an SM.
+template <typename T, int V, int K>
+__global__ void __launch_bounds__(kThreads, K <= 4 ? 4 : 2) rms_norm_backward_warp_sums_kernel(RmsNormParams p, int group) {
+  extern __shared__ float warp_grad_weight[];  // (kWarps, V, vectors)
+  const int64_t vectors = p.hidden / V;
+  float* mine = warp_grad_weight + static_cast<int64_t>(threadIdx.x / 32) * p.hidden;
+  for (int64_t c = threadIdx.x % 32; c < p.hidden; c += 32) mine[c] = 0.f;
+  __syncwarp();
+  const RowWalk walk = row_walk(group);  // group == 32: one row per warp and trip
+  const T* w = static_cast<const T*>(p.weight);
+  for (int64_t warp_row = walk.warp_row; warp_row < p.rows; warp_row += walk.step) {
+    const int64_t row = warp_row;
+    const bool active = row < p.rows;
+    const int64_t offset = (active ? row : 0) * p.hidden;
+    const float rstd = active ? p.rstd[row] : 0.f;
+    T xs[K][V], gs[K][V];
+    float dot = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + static_cast<int64_t>(k) * 32;
+      if (!active || v >= vectors) continue;
+      T ws[V];
+      load_chunk<T, V>(static_cast<const T*>(p.x) + offset, v, xs[k]);
+      load_chunk<T, V>(static_cast<const T*>(p.grad_y) + offset, v, gs[k]);
+      load_chunk<T, V>(w, v, ws);
+#pragma unroll
+      for (int i = 0; i < V; ++i) dot += (to_float(ws[i]) + p.offset) * to_float(gs[k][i]) * (to_float(xs[k][i]) * rstd);
+    }
+    const float mean_dot = group_sum(dot, 32) / static_cast<float>(p.hidden);
+    if (!active) continue;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + static_cast<int64_t>(k) * 32;
+      if (v >= vectors) continue;
+      T ws[V];
+      load_chunk<T, V>(w, v, ws);  // the weight row stays in L1: 2-4 KB read by every row
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float n = to_float(xs[k][i]) * rstd;
+        const float gy = to_float(gs[k][i]);
+        mine[i * vectors + v] += gy * to_float(from_float<T>(n));
+        xs[k][i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * gy - n * mean_dot));
+      }
+      store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
+    }
+  }
+  __syncthreads();
+  float* partial = p.grad_weight_partial + static_cast<int64_t>(blockIdx.x) * p.hidden;
+  for (int64_t c = threadIdx.x; c < p.hidden; c += kThreads) {
+    const int64_t at = (c % V) * vectors + c / V;
+    float sum = 0.f;
+#pragma unroll
+    for (int warp = 0; warp < kWarps; ++warp) sum += warp_grad_weight[warp * p.hidden + at];
+    partial[c] = sum;
+  }
+}
+
 // General backward for rows of any width: x and grad_y are read twice per row, and grad_weight
 // is added into shared memory per element.
 template <typename T, int V>
@@ -227,29 +291,33 @@ unsigned forward_blocks(int64_t rows, int group) {
 
 using BackwardKernel = void (*)(RmsNormParams, int);
 
-// The register-resident kernel with the fewest vectors per lane that cover the row, or the
-// general kernel past kMaxVectorsPerLane.
+struct BackwardLaunch {
+  BackwardKernel kernel;
+  size_t shared;  // bytes of dynamic shared memory
+};
+
+// The kernel for rows of `vectors_per_lane` vectors per lane (see the top of this file).
 template <typename T, int V>
-BackwardKernel backward_kernel(int64_t vectors_per_lane) {
-  if (vectors_per_lane <= 1) return rms_norm_backward_registers_kernel<T, V, 1>;
-  if (vectors_per_lane <= 2) return rms_norm_backward_registers_kernel<T, V, 2>;
-  if (vectors_per_lane <= 4) return rms_norm_backward_registers_kernel<T, V, 4>;
-  if (vectors_per_lane <= kMaxVectorsPerLane) return rms_norm_backward_registers_kernel<T, V, kMaxVectorsPerLane>;
-  return rms_norm_backward_kernel<T, V>;
+BackwardLaunch backward_launch(int64_t vectors_per_lane, int64_t hidden) {
+  const size_t row = static_cast<size_t>(hidden) * sizeof(float);
+  if (vectors_per_lane <= 1) return {rms_norm_backward_registers_kernel<T, V, 1>, row};
+  if (vectors_per_lane <= kMaxRegisterVectors) return {rms_norm_backward_registers_kernel<T, V, 2>, row};
+  if (vectors_per_lane <= 4) return {rms_norm_backward_warp_sums_kernel<T, V, 4>, kWarps * row};
+  if (vectors_per_lane <= kMaxWarpSumVectors) return {rms_norm_backward_warp_sums_kernel<T, V, 8>, kWarps * row};
+  return {rms_norm_backward_kernel<T, V>, row};
 }
 
 template <typename T, int V>
 cudaError_t launch_backward(const RmsNormParams& p, int blocks, cudaStream_t stream) {
   const int64_t vectors = p.hidden / V;
   const int group = lanes_per_row(vectors);
-  const BackwardKernel kernel = backward_kernel<T, V>((vectors + group - 1) / group);
-  const size_t shared = static_cast<size_t>(p.hidden) * sizeof(float);
-  if (shared > 48 * 1024) {  // above the default: ask for more (fails past the device's limit)
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  const BackwardLaunch launch = backward_launch<T, V>((vectors + group - 1) / group, p.hidden);
+  if (launch.shared > 48 * 1024) {  // above the default: ask for more (fails past the device's limit)
+    const cudaError_t err = cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(launch.shared));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<blocks, kThreads, shared, stream>>>(p, group);
+  launch.kernel<<<blocks, kThreads, launch.shared, stream>>>(p, group);
   return cudaGetLastError();
 }
 

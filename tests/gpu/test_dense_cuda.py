@@ -25,12 +25,15 @@ def _both(fn, *inputs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-# 16 lanes per row for a 128-wide head norm, a full warp from 256 up, element path for 1001 and
-# 1, 20000 columns need more than the default 48 KiB of shared memory in the backward. Backward
-# kernels: registers with 1 (128), 4 (1000 and 1024 in 16-bit), 8 (1536 and 2048 in 16-bit, 1000
-# in fp32) vectors per lane; the general kernel for 4096, 1001 and 20000, and 1536/2048 in fp32.
-@pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (16387, 128), (300, 1000), (2051, 1024), (70, 1536),
-                                         (600, 2048), (33, 1001), (5, 4096), (9, 20000), (0, 64)])
+# 16 lanes per row for a 128-wide head norm, a full warp from 256 up, element path for 1001, 100,
+# 250 and 1, 20000 columns need more than the default 48 KiB of shared memory in the backward.
+# Backward kernels: registers for 1-2 vectors per lane (128; 100 and 200 in fp32); per-warp shared
+# sums for 3-4 (1000 and 1024 in 16-bit, 100 element-wise in 16-bit) and 5-8 (1536 and 2048 in
+# 16-bit, 1000 and 1024 in fp32, 250 element-wise; 64 KiB for 2048); the general kernel for 4096,
+# 1001 and 20000, and 1536/2048 in fp32.
+@pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (16387, 128), (45, 100), (45, 200), (45, 250),
+                                         (300, 1000), (2051, 1024), (70, 1536), (600, 2048), (33, 1001),
+                                         (5, 4096), (9, 20000), (0, 64)])
 def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows + hidden)
     x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
@@ -41,6 +44,18 @@ def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
     # the weight gradient sums over rows: compare relative to its size
     scale = cpu_grads[1].abs().max().clamp_min(1.0)
     torch.testing.assert_close(gpu_grads[1] / scale, cpu_grads[1] / scale, **TOL[dtype])
+
+
+@pytest.mark.parametrize("hidden", [128, 1024, 2048, 4096])  # each backward kernel, with Gemma's weight + 1
+def test_rms_norm_weight_offset_cuda_equals_cpu(hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(513, hidden, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(hidden, generator=gen) * 0.1).to(torch.bfloat16)
+    (cpu_out, cpu_grads), (gpu_out, gpu_grads) = _both(lambda a, b: rms_norm(a, b, 1e-6, 1.0), x, w)
+    torch.testing.assert_close(gpu_out, cpu_out, **TOL[torch.bfloat16])
+    torch.testing.assert_close(gpu_grads[0], cpu_grads[0], **TOL[torch.bfloat16])
+    scale = cpu_grads[1].abs().max().clamp_min(1.0)
+    torch.testing.assert_close(gpu_grads[1] / scale, cpu_grads[1] / scale, **TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
