@@ -1,11 +1,8 @@
 # Run: pip install trl datasets
 #      python examples/trl_sft_padding_free.py --model Qwen/Qwen3-0.6B [--max_steps 20] [--lora]
 #
-# NOT RUN IN CI. TRL is installed neither in hasten's CI nor on its GPU test machine, so this example
-# has never been executed there. It is written against TRL's documented API (SFTConfig with
-# `padding_free=True` and `max_length=None`, SFTTrainer with `processing_class` and `peft_config`);
-# the hasten side (a batch of `input_ids`, `labels` and `position_ids`, no attention mask) is the
-# path tested in tests/integrations/test_transformers.py and tests/integrations/test_trainer.py.
+# Run in CI on the CPU (tests/integrations/test_trl_example.py: TRL 1.16, a tiny Qwen3 model and a
+# character tokenizer built offline); not yet run on a GPU (TRL is not in the GPU machine's image).
 """TRL SFTTrainer with padding_free=True, accelerated by hasten.
 
 With `padding_free=True`, TRL's collator concatenates the batch's samples into one row and sends
@@ -57,9 +54,10 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if cuda else torch.float32)
     # Patch before TRL sees the model. With --lora, TRL wraps it in a PeftModel afterwards; the
-    # PeftModel's forward reaches this patched model, so nothing else is needed. TRL computes entropy
-    # and token accuracy from the logits of every training step, so the fused cross-entropy (which
-    # returns logits=None in training) stays off here.
+    # PeftModel's forward reaches this patched model, so nothing else is needed. TRL (1.x) computes the
+    # loss, entropy and token accuracy with its own fused LM head (trl's add_fused_lm_head), which
+    # calls the backbone directly and never reaches hasten's fused cross-entropy: it stays off here
+    # so that hasten's report says what runs.
     handle = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_cross_entropy": False}}))
     print(handle.report())
 
@@ -95,6 +93,7 @@ def main(argv=None):
 
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} logged steps")
+    return trainer.state.log_history
 
 
 if __name__ == "__main__":
