@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 import hasten
 from hasten.config import Config, ConfigError
 from hasten.data import ByteTokenizer, DataError, load_dataset
-from hasten.observability import fallback_counts, fallback_reasons, logger, reset_fallbacks
+from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler
 from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_valid, load_checkpoint, save_checkpoint,
                                        save_final_model, verify)
@@ -245,6 +246,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     losses: list[float] = []
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
     window_checkpoint_s = 0.0  # checkpoint writing inside the window: reported apart from the step rate
+    window_syncs = 0  # host syncs of the window's first step
     last_checkpoint: Path | None = resume_from
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -255,19 +257,25 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     stopping = False  # the whole job stops (ranks agree at a logging step)
     with _StopRequest() as stop:
         while state.step < t.max_steps and not stopping:
-            for micro in range(t.gradient_accumulation_steps):
-                (state.epoch, state.batches_in_epoch, host_batch), batch = next(batches)
-                # non-padding tokens, counted on the host copy (no device read-back)
-                window_tokens += int(host_batch["input_ids"].numel() if t.packed_sequence
-                                     else host_batch["attention_mask"].sum())
-                with gradient_sync(model, ctx, last_micro_batch=micro == t.gradient_accumulation_steps - 1):
-                    loss = model(**batch).loss / t.gradient_accumulation_steps
-                    loss.backward()
-                window_loss += loss.detach()
-                window_micro += 1
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            # The first step of each logging window counts its host syncs (torch's sync debug mode;
+            # cheap when there are none, which is the point). 0 without CUDA.
+            syncs_probe = count_host_syncs() if window_micro == 0 else contextlib.nullcontext()
+            with syncs_probe as probed:
+                for micro in range(t.gradient_accumulation_steps):
+                    (state.epoch, state.batches_in_epoch, host_batch), batch = next(batches)
+                    # non-padding tokens, counted on the host copy (no device read-back)
+                    window_tokens += int(host_batch["input_ids"].numel() if t.packed_sequence
+                                         else host_batch["attention_mask"].sum())
+                    with gradient_sync(model, ctx, last_micro_batch=micro == t.gradient_accumulation_steps - 1):
+                        loss = model(**batch).loss / t.gradient_accumulation_steps
+                        loss.backward()
+                    window_loss += loss.detach()
+                    window_micro += 1
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            if probed is not None:
+                window_syncs = probed.count
             state.step += 1
             bar.update(1)
             # Alone, a signal stops after this step; under torchrun the ranks agree at the next logging step.
@@ -283,7 +291,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                        "tokens": int(tokens_all), "tokens_per_s": tokens_all / elapsed,
                        "step_s": elapsed / (window_micro // t.gradient_accumulation_steps),
-                       "checkpoint_s": window_checkpoint_s,
+                       "checkpoint_s": window_checkpoint_s, "host_syncs_per_step": window_syncs,
                        "peak_gib": peak_memory_gib(device),
                        "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
                        "fallbacks": fallback_counts()}

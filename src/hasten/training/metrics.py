@@ -41,6 +41,8 @@ def format_row(row: dict[str, Any]) -> str:
     text = (f"step {row['step']:>5} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
             f"{row['tokens_per_s']:,.0f} tok/s | step {row['step_s'] * 1000:.1f} ms | "
             f"peak {row['peak_gib']:.2f} GiB")
+    if row.get("host_syncs_per_step"):
+        text += f" | host syncs {row['host_syncs_per_step']}/step"
     if row.get("checkpoint_s"):
         text += f" | checkpoint {row['checkpoint_s']:.1f} s"
     if row.get("fallbacks"):
