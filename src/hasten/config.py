@@ -159,6 +159,9 @@ class LoggingConfig:
     tensorboard: Literal["auto", "true", "false"] = "auto"
     # GPU utilisation, memory, temperature and power per logging step (NVML, nvidia-ml-py).
     gpu_monitor: bool = True
+    # Profile this optimizer step (0: none) with torch.profiler: LOG_DIR/profile_step<N>_rank<R>.txt
+    # (operators by GPU and by CPU time) and a trace for Perfetto / chrome://tracing beside it.
+    profile_step: int = 0
 
 
 @dataclass
@@ -283,3 +286,5 @@ def validate(config: Config) -> None:
         raise ConfigError(f"`training.checkpoint.max_memory_gib` must be positive GiB; got {checkpoint.max_memory_gib}")
     if t.warmup_steps < 0:
         raise ConfigError(f"`training.warmup_steps` must be zero or more; got {t.warmup_steps}")
+    if config.logging.profile_step < 0:
+        raise ConfigError(f"`logging.profile_step` must be zero (off) or a step number; got {config.logging.profile_step}")

@@ -101,3 +101,23 @@ def test_checkpoint_writing_is_reported_apart_from_the_step_rate(tmp_path, monke
     for r in rows:
         assert r["step_s"] < 0.6, "checkpoint time leaked into the step rate"
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / (2 * r["step_s"]))
+
+
+def test_profile_step_writes_operator_tables_and_a_trace(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY + "logging:\n  profile_step: 3\n  tensorboard: 'false'\n")
+    logs = tmp_path / "logs"
+    assert main(["train", "--config", str(config), "--output_dir", str(tmp_path / "out"), "--log_dir", str(logs),
+                 "--no_progress"]) == 0
+    assert sorted(p.name for p in logs.glob("profile_*")) == ["profile_step3_rank0.trace.json",
+                                                               "profile_step3_rank0.txt"]
+    table = (logs / "profile_step3_rank0.txt").read_text()
+    assert "operators by own CPU time" in table and "aten::mm" in table  # the step's matmuls were seen
+    assert json.loads((logs / "profile_step3_rank0.trace.json").read_text())["traceEvents"]
+
+
+def test_profile_step_must_not_be_negative(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("logging:\n  profile_step: -1\n")
+    assert main(["train", "--config", str(config), "--output_dir", str(tmp_path / "o"), "--no_progress"]) == 2
+    assert "logging.profile_step" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_va
                                        save_final_model, verify)
 from hasten.training.defaults import embedded_model_config
 from hasten.training.distributed import all_reduce_sum, from_environment, gradient_sync, shutdown, wrap_model
-from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib
+from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib, profiled_step
 from hasten.training.prefetch import NextBatchPrefetcher
 from hasten.training.telemetry import GpuMonitor, TensorBoardSink, redact, version_record
 
@@ -247,6 +247,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
     window_checkpoint_s = 0.0  # checkpoint writing inside the window: reported apart from the step rate
     window_syncs = 0  # host syncs of the window's first step
+    sync_sites_reported = False
     last_checkpoint: Path | None = resume_from
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -260,7 +261,9 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
             # The first step of each logging window counts its host syncs (torch's sync debug mode;
             # cheap when there are none, which is the point). 0 without CUDA.
             syncs_probe = count_host_syncs() if window_micro == 0 else contextlib.nullcontext()
-            with syncs_probe as probed:
+            profiler = (profiled_step(log_dir, state.step + 1, ctx.rank, device)
+                        if config.logging.profile_step == state.step + 1 else contextlib.nullcontext())
+            with profiler, syncs_probe as probed:
                 for micro in range(t.gradient_accumulation_steps):
                     (state.epoch, state.batches_in_epoch, host_batch), batch = next(batches)
                     # non-padding tokens, counted on the host copy (no device read-back)
@@ -276,6 +279,10 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                 optimizer.zero_grad(set_to_none=True)
             if probed is not None:
                 window_syncs = probed.count
+                if probed.sites and not sync_sites_reported and ctx.is_main:
+                    sync_sites_reported = True  # once per run: where the step waits for the GPU
+                    logger.info("hasten: %d host sync(s) in one training step, at: %s", probed.count,
+                                "; ".join(sorted(set(probed.sites))))
             state.step += 1
             bar.update(1)
             # Alone, a signal stops after this step; under torchrun the ranks agree at the next logging step.

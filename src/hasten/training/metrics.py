@@ -1,12 +1,14 @@
-"""Per-logging-step metrics: console line, progress bar postfix, and a JSONL file."""
+"""Per-logging-step metrics: console line, progress bar postfix, and a JSONL file; one profiled step."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +63,26 @@ def median_rates(rows: list[dict[str, Any]], warmup_rows: int) -> tuple[float, f
     timed = rows[warmup_rows:] or rows
     return (float(statistics.median(r["tokens_per_s"] for r in timed)),
             float(statistics.median(r["step_s"] for r in timed)))
+
+
+@contextlib.contextmanager
+def profiled_step(log_dir: Path, step: int, rank: int, device: torch.device) -> Iterator[None]:
+    """Runs the block under torch.profiler and writes, for this rank, the operators by their own GPU
+    time and by their own CPU time (LOG_DIR/profile_step<N>_rank<R>.txt) and a trace for Perfetto or
+    chrome://tracing (.trace.json): where a slow step spends its time, GPU busy or host-bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    stem = Path(log_dir) / f"profile_step{step}_rank{rank}"
+    averages = prof.key_averages()
+    sections = []
+    if device.type == "cuda":
+        sections.append(("by own GPU time", averages.table(sort_by="self_cuda_time_total", row_limit=30)))
+    sections.append(("by own CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=30)))
+    stem.with_suffix(".txt").write_text("".join(f"== step {step}, rank {rank}, operators {title}\n{table}\n"
+                                                for title, table in sections), encoding="utf-8")
+    prof.export_chrome_trace(str(stem.with_suffix(".trace.json")))
