@@ -151,3 +151,30 @@ def test_packed_batch_without_position_ids_is_refused():
     del batch["position_ids"]
     with pytest.raises(ValueError, match="no position_ids"):
         model(**batch)
+
+
+def test_packed_forward_skips_transformers_packed_row_search(monkeypatch):
+    """transformers' find_packed_sequence_indices ends in a host sync; inside a forward hasten
+    prepared as packed its result would be thrown away, so it must not run there, and it must
+    still run for a model hasten did not touch (and after undo)."""
+    import hasten.integrations.transformers as integration
+    from tests.tiny_models import MODELS, packed_batch
+
+    calls = []
+
+    def counting(position_ids):
+        calls.append(position_ids.shape)
+        return None
+
+    monkeypatch.setattr(integration, "_find_packed_sequence_indices", counting)
+    batch = packed_batch()
+    plain = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
+    model = MODELS["qwen3"]()
+    handle = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_cross_entropy": False}}))
+    model(**batch)
+    model(**plain)  # position_ids only: hasten derives the metadata itself
+    assert calls == []
+    handle.undo()
+    model(**plain, use_cache=False)  # (with a cache transformers skips the search anyway)
+    assert len(calls) == 1  # transformers' own search is back for an unpatched model
+    assert integration._packed_forward_stack() == []  # every hooked forward left its entry

@@ -14,6 +14,7 @@ The returned handle undoes all of it.
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hasten.attention.varlen import varlen_attention
@@ -130,6 +132,35 @@ def hasten_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
 
 AttentionInterface.register(ATTN_NAME, hasten_attention_forward)
 AttentionMaskInterface.register(ATTN_NAME, hasten_mask)
+
+# transformers' mask preparation looks for packed rows in position_ids and ends with a Python-level
+# `.all()` on a device tensor: a host sync in every forward, for a result hasten_mask throws away
+# (packed batches carry no attention_mask; attention reads cu_seqlens). Inside a forward that
+# hasten prepared as packed, that search is skipped. One entry per hooked forward, innermost last.
+_packed_forwards = threading.local()
+_find_packed_sequence_indices = masking_utils.find_packed_sequence_indices
+
+
+def _packed_forward_stack() -> list[bool]:
+    if not hasattr(_packed_forwards, "stack"):
+        _packed_forwards.stack = []
+    return _packed_forwards.stack
+
+
+def _find_packed_sequence_indices_unless_hasten(position_ids: torch.Tensor) -> torch.Tensor | None:
+    stack = _packed_forward_stack()
+    if stack and stack[-1]:
+        return None
+    return _find_packed_sequence_indices(position_ids)
+
+
+masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices_unless_hasten
+
+
+def _leave_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    stack = _packed_forward_stack()
+    if stack:
+        stack.pop()
 ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, fused_experts_forward)
 
 
@@ -148,6 +179,11 @@ class _PackingPreHook:
         return bound
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        prepared = self._prepare(args, kwargs)
+        _packed_forward_stack().append(prepared is not None)  # popped by _leave_forward
+        return prepared
+
+    def _prepare(self, args: tuple, kwargs: dict):
         bound = self._arguments(args, kwargs)
         if bound.get("past_key_values") is not None:  # generation with a cache: leave it alone
             return None
@@ -235,9 +271,11 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
     model.set_attn_implementation(ATTN_NAME)
     _SETTINGS[id(model.config)] = settings
     hook = model.register_forward_pre_hook(_PackingPreHook(model, settings), with_kwargs=True)
+    leave = model.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
 
     def undo() -> None:
         hook.remove()
+        leave.remove()
         _SETTINGS.pop(id(model.config), None)
         model.set_attn_implementation(previous or "sdpa")
 
