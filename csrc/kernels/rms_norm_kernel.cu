@@ -164,7 +164,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_registers_kernel(R
 // memory as (V, vectors): element i of vector v at i * vectors + v, so the 32 lanes (consecutive v)
 // hit 32 different banks. Registers capped so that four blocks (K = 4) or two (K = 8) fit an SM.
 template <typename T, int V, int K>
-__global__ void __launch_bounds__(kThreads, K <= 4 ? 4 : 2) rms_norm_backward_warp_sums_kernel(RmsNormParams p, int group) {
+__global__ void __launch_bounds__(kThreads, K <= 4 ? 4 : 2)
+    rms_norm_backward_warp_sums_kernel(RmsNormParams p, int group) {
   extern __shared__ float warp_grad_weight[];  // (kWarps, V, vectors)
   const int64_t vectors = p.hidden / V;
   float* mine = warp_grad_weight + static_cast<int64_t>(threadIdx.x / 32) * p.hidden;
@@ -188,7 +189,8 @@ __global__ void __launch_bounds__(kThreads, K <= 4 ? 4 : 2) rms_norm_backward_wa
       load_chunk<T, V>(static_cast<const T*>(p.grad_y) + offset, v, gs[k]);
       load_chunk<T, V>(w, v, ws);
 #pragma unroll
-      for (int i = 0; i < V; ++i) dot += (to_float(ws[i]) + p.offset) * to_float(gs[k][i]) * (to_float(xs[k][i]) * rstd);
+      for (int i = 0; i < V; ++i)
+        dot += (to_float(ws[i]) + p.offset) * to_float(gs[k][i]) * (to_float(xs[k][i]) * rstd);
     }
     const float mean_dot = group_sum(dot, 32) / static_cast<float>(p.hidden);
     if (!active) continue;

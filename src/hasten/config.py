@@ -287,4 +287,5 @@ def validate(config: Config) -> None:
     if t.warmup_steps < 0:
         raise ConfigError(f"`training.warmup_steps` must be zero or more; got {t.warmup_steps}")
     if config.logging.profile_step < 0:
-        raise ConfigError(f"`logging.profile_step` must be zero (off) or a step number; got {config.logging.profile_step}")
+        raise ConfigError("`logging.profile_step` must be zero (off) or a step number; "
+                          f"got {config.logging.profile_step}")

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel, masking_utils
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers import masking_utils
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hasten.attention.varlen import varlen_attention
