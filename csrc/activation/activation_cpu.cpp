@@ -67,7 +67,7 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gat
 at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   check_silu_mul_args("silu_mul", gate, up);
   const auto g = gate.contiguous(), u = up.contiguous();
-  const int64_t inner = g.size(-1), rows = inner ? g.numel() / inner : 0;
+  const int64_t inner = g.size(-1), rows = rows_of(g);
   auto out = at::empty_like(g);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "silu_mul_cpu", [&] {
     swiglu_rows(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), inner, out.data_ptr<scalar_t>(), rows, inner);
@@ -79,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cpu(const at::Tensor& grad_
                                                           const at::Tensor& up) {
   check_silu_mul_backward_args(grad_act, gate, up);
   const auto g = gate.contiguous(), u = up.contiguous(), d = grad_act.contiguous();
-  const int64_t inner = g.size(-1), rows = inner ? g.numel() / inner : 0;
+  const int64_t inner = g.size(-1), rows = rows_of(g);
   auto grad_gate = at::empty_like(g), grad_up = at::empty_like(u);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "silu_mul_backward_cpu", [&] {
     swiglu_rows_backward(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), inner, d.data_ptr<scalar_t>(),

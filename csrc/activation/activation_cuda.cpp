@@ -50,7 +50,7 @@ at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
   check_silu_mul_args("silu_mul", gate, up);
   const c10::cuda::CUDAGuard guard(gate.device());
   const auto g = gate.contiguous(), u = up.contiguous();
-  const int64_t inner = g.size(-1), rows = inner ? g.numel() / inner : 0;
+  const int64_t inner = g.size(-1), rows = rows_of(g);
   auto out = at::empty_like(g);
   kernels::SwigluParams p{g.data_ptr(), u.data_ptr(), inner, nullptr, out.data_ptr(), nullptr, inner, rows, inner,
                           element_type(g, "silu_mul")};
@@ -64,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& grad
   check_silu_mul_backward_args(grad_act, gate, up);
   const c10::cuda::CUDAGuard guard(gate.device());
   const auto g = gate.contiguous(), u = up.contiguous(), d = grad_act.contiguous();
-  const int64_t inner = g.size(-1), rows = inner ? g.numel() / inner : 0;
+  const int64_t inner = g.size(-1), rows = rows_of(g);
   auto grad_gate = at::empty_like(g), grad_up = at::empty_like(u);
   kernels::SwigluParams p{g.data_ptr(), u.data_ptr(), inner, d.data_ptr(), grad_gate.data_ptr(), grad_up.data_ptr(),
                           inner, rows, inner, element_type(g, "silu_mul_backward")};

@@ -16,7 +16,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x_in, const at
   check_rms_norm_args("rms_norm", x_in, weight);
   const auto x = x_in.contiguous();
   const auto w = weight.contiguous();
-  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  const int64_t hidden = x.size(-1), rows = rows_of(x);
   auto y = at::empty_like(x);
   auto rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_cpu", [&] {
@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
   check_device(x_in, "rms_norm_backward", "x", c10::DeviceType::CPU);
   check_rms_norm_backward_args(grad_y_in, x_in, weight, rstd_in);
   const auto x = x_in.contiguous(), g = grad_y_in.contiguous(), w = weight.contiguous(), rstd = rstd_in.contiguous();
-  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  const int64_t hidden = x.size(-1), rows = rows_of(x);
   auto grad_x = at::empty_like(x);
   auto grad_w = at::zeros({hidden}, x.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_backward_cpu", [&] {

@@ -20,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const a
   check_rms_norm_args("rms_norm", x_in, weight);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto x = x_in.contiguous(), w = weight.contiguous();
-  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  const int64_t hidden = x.size(-1), rows = rows_of(x);
   auto y = at::empty_like(x);
   auto rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
   kernels::RmsNormParams p{};
@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   check_rms_norm_backward_args(grad_y_in, x_in, weight, rstd_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto x = x_in.contiguous(), g = grad_y_in.contiguous(), w = weight.contiguous(), rstd = rstd_in.contiguous();
-  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  const int64_t hidden = x.size(-1), rows = rows_of(x);
   const int blocks = kernels::rms_norm_backward_blocks(rows, x.get_device());
   auto grad_x = at::empty_like(x);
   auto partial = at::empty({blocks, hidden}, x.options().dtype(at::kFloat));

@@ -100,10 +100,11 @@ def _caller_outside_torch() -> str:
 
 
 @contextlib.contextmanager
-def count_host_syncs():
+def count_host_syncs(record_sites: bool = True):
     """Count the synchronizing CUDA operations (item, nonzero, device-to-host copies,
     device synchronize, ...) issued inside the block, through torch's sync debug mode.
-    Counts 0 without CUDA."""
+    Counts 0 without CUDA. `record_sites` False skips the stack walk that names each sync's
+    caller (the count alone costs next to nothing, for probes on a training loop)."""
     result = HostSyncCount()
     if not torch.cuda.is_available():
         yield result
@@ -118,7 +119,8 @@ def count_host_syncs():
         def record(message, category, filename, lineno, file=None, line=None):
             if "synchronizing" in str(message) and armed:
                 result.count += 1
-                result.sites.append(_caller_outside_torch())
+                if record_sites:
+                    result.sites.append(_caller_outside_torch())
             elif "synchronizing" not in str(message):
                 original_show(message, category, filename, lineno, file, line)
 

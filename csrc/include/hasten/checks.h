@@ -42,6 +42,9 @@ inline const char* torch_dtype_name(at::ScalarType t) {
   }
 }
 
+// Rows of a tensor read as (rows, last dim); 0 when the last dim is 0 (the kernels' row count).
+inline int64_t rows_of(const at::Tensor& t) { return t.size(-1) ? t.numel() / t.size(-1) : 0; }
+
 inline void check_dtype(const at::Tensor& t, const char* op, const char* arg,
                         std::initializer_list<at::ScalarType> allowed) {
   for (auto a : allowed) {

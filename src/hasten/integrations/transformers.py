@@ -395,7 +395,11 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
     if kernels.rms_norm:
         undo, count = install_fused_rms_norm(model)
         handle._undo_steps.append(undo)
-        done.append(f"RMSNorm x{count}")
+        if count:
+            done.append(f"RMSNorm x{count}")
+        else:
+            handle.inactive.append("fused RMSNorm (no Llama/Qwen-style RMSNorm modules, with `variance_epsilon`, "
+                                   "in this model)")
     if kernels.swiglu:
         undo, count = install_fused_mlp(model)
         handle._undo_steps.append(undo)

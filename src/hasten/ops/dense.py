@@ -49,7 +49,7 @@ class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_weight = torch.ops.hasten.rms_norm_backward(grad_y.contiguous(), x, weight, rstd, ctx.offset)
+        grad_x, grad_weight = torch.ops.hasten.rms_norm_backward(grad_y, x, weight, rstd, ctx.offset)
         return grad_x, grad_weight, None, None
 
 
@@ -62,7 +62,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_act):
         gate, up = ctx.saved_tensors
-        return torch.ops.hasten.silu_mul_backward(grad_act.contiguous(), gate, up)
+        return torch.ops.hasten.silu_mul_backward(grad_act, gate, up)
 
 
 class _Rope(torch.autograd.Function):

@@ -136,7 +136,7 @@ def gradient_sync(model: torch.nn.Module, ctx: DistContext, last_micro_batch: bo
     elif ctx.strategy == "ddp":
         with model.no_sync():
             yield
-    elif ctx.strategy == "fsdp2":
+    else:  # fsdp2, the only other strategy wrap_model accepts
         model.set_requires_gradient_sync(False)
         model.set_reshard_after_backward(False)
         try:
@@ -144,8 +144,6 @@ def gradient_sync(model: torch.nn.Module, ctx: DistContext, last_micro_batch: bo
         finally:  # the last micro-batch reduces and reshards as usual
             model.set_requires_gradient_sync(True)
             model.set_reshard_after_backward(True)
-    else:
-        yield
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -260,7 +260,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
         while state.step < t.max_steps and not stopping:
             # The first step of each logging window counts its host syncs (torch's sync debug mode;
             # cheap when there are none, which is the point). 0 without CUDA.
-            syncs_probe = count_host_syncs() if window_micro == 0 else contextlib.nullcontext()
+            syncs_probe = (count_host_syncs(record_sites=not sync_sites_reported) if window_micro == 0
+                           else contextlib.nullcontext())
             profiler = (profiled_step(log_dir, state.step + 1, ctx.rank, device)
                         if config.logging.profile_step == state.step + 1 else contextlib.nullcontext())
             with profiler, syncs_probe as probed:
