@@ -31,9 +31,11 @@ if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scalin
   # ACCUM micro-batches per optimizer step (gradients reduced once per step), the same on one GPU.
   SCALE_STEPS=${SCALE_STEPS:-80} ACCUM=${ACCUM:-1}
   torchrun --nproc_per_node 2 benchmarks/collective_bandwidth.py 2>&1 | grep -vE "^W1|\*\*\*|OMP_NUM" | tee "$OUT/collectives.txt"
-  python3 - "$CONFIG" "$RUNS" "$ACCUM" "${LOG_EVERY:-10}" <<'PY'
+  python3 - "$CONFIG" "$RUNS" "$ACCUM" "${LOG_EVERY:-10}" "${PROFILE_STEP:-0}" <<'PY'
 import sys, yaml
 config = yaml.safe_load(open(sys.argv[1]))
+if int(sys.argv[5]):  # torch.profiler on that optimizer step: LOG_DIR/profile_step<N>_rank<R>.txt
+    config.setdefault("logging", {})["profile_step"] = int(sys.argv[5])
 training = config.setdefault("training", {})
 training["gradient_accumulation_steps"] = int(sys.argv[3])
 training["logging_steps"] = int(sys.argv[4])
@@ -50,6 +52,8 @@ PY
     --output_dir "$RUNS/two_keep" --no_progress > "$OUT/two_gpu_keep.log" 2>&1; echo "two gpu (kept gathered) exit $?"
   python3 scripts/compare_runs.py one_gpu="$RUNS/one/logs" fsdp2_two_gpu="$RUNS/two/logs" \
     fsdp2_kept_gathered="$RUNS/two_keep/logs" --skip 1 --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
+  [ "${PROFILE_STEP:-0}" != 0 ] && tar czf "$OUT/profiles.tgz" -C "$RUNS" \
+    $(cd "$RUNS" && ls {one,two,two_keep}/logs/profile_step*.txt 2>/dev/null)
 fi
 
 wait_for() {  # wait_for PATH SECONDS: until PATH exists
