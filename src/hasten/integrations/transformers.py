@@ -32,7 +32,7 @@ from hasten.loss import FusedLossUnsupported, install_fused_cross_entropy
 from hasten.memory.offload import OffloadError, OffloadManager
 from hasten.moe import MoeLoadStats, fused_experts_forward, unsupported_reason
 from hasten.observability import logger, record_fallback
-from hasten.packing.meta import CU_Q, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
+from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
 
 ATTN_NAME = "hasten_varlen"
 EXPERTS_NAME = "hasten_fused"
@@ -88,15 +88,15 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     position_ids = kwargs.get("position_ids")
     batch, _, q_len, _ = query.shape
 
+    if q_len != key.shape[2]:  # decoding against a KV cache: not a training path, never packed
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      sliding_window=sliding_window, **_without_packing(kwargs))
     if cu_seqlens is None:
         if attention_mask is not None:
             record_fallback("attention_padded_batch", "a batch came with a padding attention_mask, so attention ran "
                             "through transformers' sdpa with a dense mask; pack the batch with "
                             "hasten.PackingCollator (or pass position_ids without attention_mask) for the varlen path")
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                          sliding_window=sliding_window, **kwargs)
-        if q_len != key.shape[2]:  # decoding against a KV cache: not a training path
-            return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
                                           sliding_window=sliding_window, **kwargs)
         if position_ids is not None:
             # metadata_cache off (or a caller that bypassed the model hook): derive in this layer.
@@ -116,6 +116,10 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                            scale=scaling, causal=getattr(module, "is_causal", True), sliding_window=sliding_window,
                            dropout=dropout, backend=settings.backend, gqa=settings.gqa)
     return out.view(batch, q_len, out.shape[1], out.shape[2]), None
+
+
+def _without_packing(kwargs: dict) -> dict:
+    return {name: value for name, value in kwargs.items() if name not in (CU_Q, CU_K, MAX_Q, MAX_K)}
 
 
 def hasten_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -184,7 +188,8 @@ class _PackingPreHook:
 
     def _prepare(self, args: tuple, kwargs: dict):
         bound = self._arguments(args, kwargs)
-        if bound.get("past_key_values") is not None:  # generation with a cache: leave it alone
+        # generation with a cache: leave it alone (transformers >= 5.24 names it `cache`)
+        if bound.get("past_key_values") is not None or bound.get("cache") is not None:
             return None
         cu_seqlens = bound.get(CU_Q)
         position_ids = bound.get("position_ids")

@@ -48,18 +48,20 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         nonlocal output_class
+        if past_key_values is not None:  # passed on only when given: transformers >= 5.24 calls it `cache`
+            kwargs["past_key_values"] = past_key_values
         if labels is None or not self.training or not torch.is_grad_enabled():
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                            inputs_embeds=inputs_embeds, labels=labels,
                             use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         if getattr(self.config, "output_router_logits", False) or kwargs.get("output_router_logits"):
             record_fallback("fused_cross_entropy", "the router's auxiliary loss is on (output_router_logits); "
                             "transformers' own loss path runs")
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                            inputs_embeds=inputs_embeds, labels=labels,
                             use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache,
                              **kwargs)
         hidden = outputs.last_hidden_state
         targets = _shifted_targets(labels, kwargs.get("shift_labels"))
@@ -70,7 +72,7 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
             from transformers.modeling_outputs import CausalLMOutputWithPast
 
             output_class = CausalLMOutputWithPast
-        return output_class(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+        return output_class(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
                             hidden_states=getattr(outputs, "hidden_states", None),
                             attentions=getattr(outputs, "attentions", None))
 

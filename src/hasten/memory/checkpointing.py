@@ -50,5 +50,8 @@ def apply_activation_checkpointing(model, policy: str):
     kwargs = {"use_reentrant": False}
     if policy == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (the old name goes in v6)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        return model.activation_checkpointing_disable
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model.gradient_checkpointing_disable
