@@ -38,6 +38,53 @@ def _want_cuda() -> tuple[bool, str]:
     return True, ""
 
 
+def _package_dir(module: str) -> str | None:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return locations[0] if locations else None
+
+
+def _cudnn_attention() -> tuple[dict, str]:
+    """Compiler settings for the cuDNN attention op, or why it is not built.
+
+    Needs the cudnn-frontend headers (pip package nvidia-cudnn-frontend, or
+    HASTEN_CUDNN_FRONTEND_INCLUDE) and the cuDNN that torch loads (nvidia-cudnn-cu*): the op links
+    against that very libcudnn.so.9, so there is no second copy.
+    """
+    from importlib import metadata
+
+    frontend = os.environ.get("HASTEN_CUDNN_FRONTEND_INCLUDE")
+    if frontend is None:
+        try:
+            located = metadata.distribution("nvidia-cudnn-frontend").locate_file("include")
+            frontend = str(located) if os.path.exists(os.path.join(str(located), "cudnn_frontend.h")) else None
+        except metadata.PackageNotFoundError:
+            frontend = None
+    if frontend is None or not os.path.exists(os.path.join(frontend, "cudnn_frontend.h")):
+        return {}, "the cudnn-frontend headers were not found (pip install nvidia-cudnn-frontend, then reinstall)"
+    cudnn = _package_dir("nvidia.cudnn")
+    if cudnn is None or not glob.glob(os.path.join(cudnn, "lib", "libcudnn.so.*")):
+        return {}, "torch's cuDNN (the nvidia-cudnn pip package) was not found"
+    include_dirs = [frontend, os.path.join(cudnn, "include")]
+    nvidia = os.path.dirname(cudnn)
+    # nvrtc.h and libnvrtc: the frontend's runtime-compiled engines
+    include_dirs += [d for d in glob.glob(os.path.join(nvidia, "*", "include")) if os.path.exists(os.path.join(d, "nvrtc.h"))]
+    nvrtc = sorted(glob.glob(os.path.join(nvidia, "*", "lib", "libnvrtc.so.*[0-9]")))
+    if CUDA_HOME is not None:
+        nvrtc += sorted(glob.glob(os.path.join(CUDA_HOME, "lib64", "libnvrtc.so.*[0-9]")))
+    nvrtc = [n for n in nvrtc if "builtins" not in n and "alt" not in os.path.basename(n)]
+    if not nvrtc:
+        return {}, "libnvrtc (the nvidia-cuda-nvrtc pip package or the CUDA toolkit) was not found"
+    libcudnn = sorted(glob.glob(os.path.join(cudnn, "lib", "libcudnn.so.*")))[0]
+    link = [libcudnn, nvrtc[0]] + [f"-Wl,-rpath,{os.path.dirname(x)}" for x in (libcudnn, nvrtc[0])]
+    return {"include_dirs": include_dirs, "extra_link_args": link}, ""
+
+
 def _extension():
     # every build: schemas, CPU ops, and the host-side offload code (pinned memory on CUDA builds)
     cpu_sources = (["csrc/registration.cpp"] + _sources("csrc/*/*_cpu.cpp") + _sources("csrc/*/*_composite.cpp")
@@ -55,12 +102,22 @@ def _extension():
     # torch-free kernels. Host code that nvcc compiled emitted its own copies of libstdc++
     # templates (ostream << long) that crashed every error message with a number in it.
     cuda_sources = _sources("csrc/*/*_cuda.cpp") + _sources("csrc/kernels/*.cu")
+    # attention on CUDA is cuDNN's fused SDPA: built only with the cudnn-frontend headers
+    cudnn, why_no_cudnn = _cudnn_attention()
+    if cudnn:
+        cuda_sources += ["csrc/attention/cudnn_sdpa.cpp"]
+        print("hasten: building the cuDNN attention op")
+    else:
+        cuda_sources.remove("csrc/attention/varlen_attention_cuda.cpp")
+        print(f"hasten: NOT building the cuDNN attention op: {why_no_cudnn}. Packed attention will use "
+              "flash-attn or torch's varlen kernel (hasten reports it at run time).")
     return CUDAExtension(
         "hasten._C",
         cpu_sources + cuda_sources,
-        include_dirs=include_dirs,
+        include_dirs=include_dirs + cudnn.get("include_dirs", []),
         extra_compile_args={"cxx": cxx_flags + ["-DHASTEN_WITH_CUDA"],
                             "nvcc": ["-O3", "-std=c++17", "-lineinfo", "-DHASTEN_WITH_CUDA"]},
+        extra_link_args=cudnn.get("extra_link_args", []),
     )
 
 

@@ -1,12 +1,12 @@
-"""Packed causal attention on W1's shapes: torch's varlen (FlashAttention-2, hasten's backend) against
-cuDNN's ragged SDPA through torch's private aten ops, forward + backward, and how far cuDNN's results
-are from FlashAttention's. On torch 2.11 + H200 (2026-11-30) cuDNN's forward agreed and its kernels
-took half FlashAttention-2's time, but its gradients were wrong (dq off by 100%) and every call
-rebuilt a cuDNN graph (about 50 ms of host time): hasten does not use it. Re-run on a new torch.
+"""Packed causal attention on W1's shapes: torch's varlen (FlashAttention-2) against hasten's own
+cuDNN op (hasten::varlen_attention: cuDNN's fused SDPA with ragged offsets, graphs cached per
+bucket), forward + backward, and how far each is from FlashAttention's results. (An earlier try
+through torch's private aten cuDNN ops, torch 2.11, gave wrong gradients and rebuilt a graph on
+every call; hasten's op builds its own graphs.)
 
 W1's batch: 16,384 tokens in 61 packed samples (benchmarks/packed_sft.py's lengths), 16 query heads,
-8 K/V heads, head_dim 128, bf16. Each backend runs with the 8 K/V heads read natively (gqa) and
-repeated to 16 (rep). Each row: milliseconds per forward + backward of one
+8 K/V heads, head_dim 128, bf16. FlashAttention runs with the 8 K/V heads read natively and
+repeated to 16 (rep); cuDNN reads them natively. Each row: milliseconds per forward + backward of one
 layer (median of 20) and the largest difference from FlashAttention in out, dq, dk, dv relative
 to each tensor's largest magnitude.
 
@@ -37,33 +37,8 @@ def torch_varlen(gqa: str):
     return attention
 
 
-class CudnnRagged(torch.autograd.Function):
-    """cuDNN's fused attention over ragged sequences through torch's private aten ops (torch keeps
-    this path switched off in its own varlen_attn)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False)
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.max_len = max_len
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(  # attn_bias None: an undefined tensor
-            grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, ctx.max_len, ctx.max_len, 0.0, True)
-        return dq, dk, dv, None, None
-
-
-def cudnn(gqa: str):
-    def attention(q, k, v, cu, max_len):
-        if gqa == "repeat":
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return CudnnRagged.apply(q, k, v, cu, max_len)
-    return attention
+def hasten_cudnn(q, k, v, cu, max_len):
+    return varlen_attention(q, k, v, cu, max_len, backend="cudnn")
 
 
 def run(fn, q, k, v, cu, max_len, grad):
@@ -90,7 +65,7 @@ def main() -> int:
     run_id = common.new_run_id()
     rows = []
     variants = (("flash_varlen", torch_varlen("native")), ("flash_varlen_rep", torch_varlen("repeat")),
-                ("cudnn_gqa", cudnn("native")), ("cudnn_rep", cudnn("repeat")))
+                ("hasten_cudnn", hasten_cudnn))
     for name, fn in variants:
         reset_fallbacks()
         base = {"workload": "W1_attention", "variant": name, **common.environment(), "run_id": run_id}
@@ -100,7 +75,7 @@ def main() -> int:
                      for label, g, r in zip(("out", "dq", "dk", "dv"), got, reference)}
             times = common.time_steps(lambda: run(fn, q, k, v, cu, max_len, grad), warmup=3, iters=20)
             ms = common.median(times) * 1e3
-            print(f"{name:14s} {ms:7.3f} ms fwd+bwd   rel diff vs flash: "
+            print(f"{name:16s} {ms:7.3f} ms fwd+bwd   rel diff vs flash: "
                   + ", ".join(f"{key} {val:.2e}" for key, val in diffs.items()))
             if fallback_counts():
                 print(f"{name:14s} fell back: {fallback_reasons()}")

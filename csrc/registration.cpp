@@ -48,6 +48,16 @@ TORCH_LIBRARY(hasten, m) {
   // The same on two tensors of one shape (..., I): gate and up of a dense MLP (two projections).
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("silu_mul_backward(Tensor grad_act, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
+  // Attention of each packed sequence to itself (causal or full): q (T, Hq, D), k and v (T, Hk, D),
+  // Hq a multiple of Hk, cu_seqlens (N+1) int32 boundaries, max_seqlen >= the longest sequence.
+  // out (T, Hq, D); lse (T, Hq) float32, the log-sum-exp of each query's scaled scores, which the
+  // backward reads. Rows of tokens after cu_seqlens[N] are undefined. CUDA: cuDNN's fused SDPA
+  // (built when the cudnn-frontend headers are present at install time).
+  m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, float scale, "
+        "bool causal) -> (Tensor out, Tensor lse)");
+  m.def("varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor cu_seqlens, int max_seqlen, float scale, bool causal) -> (Tensor grad_q, Tensor grad_k, "
+        "Tensor grad_v)");
 
   // RMSNorm over the last dimension of x (..., H) (kernels/rms_norm.cuh): y in x's dtype and
   // rstd (...,) float32; y = (weight + offset) * (x * rstd cast to x's dtype).

@@ -117,8 +117,9 @@ class DataConfig:
 
 @dataclass
 class AttentionConfig:
-    # auto: flash-attn when installed, else torch varlen, else the per-sequence path.
-    backend: Literal["auto", "flash_attn", "torch_varlen", "per_sequence"] = "auto"
+    # auto: hasten's cuDNN op when built (cudnn-frontend headers at install), else flash-attn when
+    # installed, else torch varlen (FlashAttention-2), else the per-sequence path.
+    backend: Literal["auto", "cudnn", "flash_attn", "torch_varlen", "per_sequence"] = "auto"
     # Grouped-query attention: native lets the kernel read shared K/V heads;
     # repeat materialises repeated K/V (for comparison and old kernels).
     gqa: Literal["auto", "native", "repeat"] = "auto"

@@ -1,5 +1,5 @@
-"""torch's varlen attention, with K/V heads read natively and repeated, equals attention computed
-one sequence at a time on the GPU, output and gradients, without falling back."""
+"""torch's varlen attention (K/V heads read natively and repeated) and hasten's cuDNN op equal
+attention computed one sequence at a time on the GPU, output and gradients, without falling back."""
 
 import pytest
 import torch
@@ -15,9 +15,10 @@ def _outputs(backend, gqa, q, k, v, cu, max_len, grad):
     return [out.detach().float()] + [x.grad.float() for x in leaves]
 
 
-@pytest.mark.parametrize("backend,gqa", [("torch_varlen", "native"), ("torch_varlen", "repeat")])
+@pytest.mark.parametrize("backend,gqa", [("torch_varlen", "native"), ("torch_varlen", "repeat"),
+                                         ("cudnn", "native")])
 @pytest.mark.parametrize("lengths,hq,hkv,head_dim", [([1], 2, 1, 128), ([300, 1, 77, 1000, 5], 16, 8, 128),
-                                                     ([129, 64, 1], 4, 4, 64), ([2048, 700], 8, 2, 128)])
+                                                     ([129, 64, 1], 4, 4, 64), ([2048, 700], 8, 2, 128), ([33, 1, 1, 9], 2, 2, 64)])
 def test_backend_equals_one_sequence_at_a_time(backend, gqa, lengths, hq, hkv, head_dim):
     reset_fallbacks()
     gen = torch.Generator(device="cuda").manual_seed(sum(lengths) + hq)
@@ -32,3 +33,48 @@ def test_backend_equals_one_sequence_at_a_time(backend, gqa, lengths, hq, hkv, h
         torch.testing.assert_close(g / scale, w / scale, rtol=0, atol=2e-2, msg=f"{backend}/{gqa}: {label}")
     # per_sequence is the reference, not a fallback; the backend under test must not have fallen back
     assert not {k: n for k, n in fallback_counts().items() if k != "attention_per_sequence"}, fallback_counts()
+
+
+def _cudnn_vs_flash(lengths, hq=16, hkv=8, head_dim=128, causal=True, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    t = sum(lengths)
+    q, k, v, grad = (torch.randn(t, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for h in (hq, hkv, hkv, hq))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    reset_fallbacks()
+    got = _outputs("cudnn", "native", q, k, v, cu, max(lengths), grad)
+    assert not fallback_counts(), fallback_counts()
+    want = _outputs("torch_varlen", "native", q, k, v, cu, max(lengths), grad)
+    for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        rel = float((g - w).norm() / w.norm())
+        assert rel < 1e-2, f"{label}: relative error {rel:.2e} against FlashAttention-2 ({len(lengths)} sequences)"
+
+
+def test_cudnn_on_w1_sized_batches_matches_flash_attention():
+    """16,384 tokens in many short samples and a few long ones; batches of different sequence counts
+    and longest lengths land in different graph buckets and reuse them."""
+    gen = torch.Generator().manual_seed(7)
+    for count, longest in ((61, 4000), (200, 300), (9, 16384 // 9), (61, 4000), (130, 1100)):
+        lengths = torch.randint(1, longest, (count,), generator=gen).tolist()
+        lengths[-1] += 16384 - sum(lengths) if sum(lengths) < 16384 else 0
+        _cudnn_vs_flash(lengths, seed=count)
+
+
+def test_cudnn_softmax_statistics_and_full_attention():
+    from hasten.ops.attention import varlen_attention as cudnn_op  # noqa: F401  (registers the fakes)
+
+    lengths = [5, 130, 1, 64]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(sum(lengths), h, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    for causal in (True, False):
+        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max(lengths), 0.125, causal)
+        ref_out, ref_lse = torch.ops.hasten.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), max(lengths), 0.125,
+                                                            causal)
+        torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-2, rtol=0)
+        torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=2e-2, rtol=0)
+
+
+def test_cudnn_is_the_default_backend_on_this_gpu():
+    q = torch.zeros(8, 4, 128, device="cuda", dtype=torch.bfloat16)
+    assert varlen.select_backend(q) == "cudnn", varlen._cudnn_unavailable(q)

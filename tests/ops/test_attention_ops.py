@@ -1,0 +1,81 @@
+"""hasten::varlen_attention and its backward against scaled_dot_product_attention run one sequence
+at a time (float64), CPU: outputs, log-sum-exp, gradients, GQA, empty and single-token sequences."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hasten.ops.attention import varlen_attention
+
+
+def _reference(q, k, v, cu, scale, causal):
+    """Per-sequence SDPA with K/V heads repeated; returns out (T, Hq, D) and lse (T, Hq)."""
+    groups = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[:2], dtype=q.dtype)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if end == start:
+            continue
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        lse[start:end] = torch.logsumexp(scores, -1).transpose(0, 1)
+    return out, lse
+
+
+def _inputs(lengths, hq, hkv, head_dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, head_dim, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths,hq,hkv,head_dim", [([1], 2, 1, 8), ([7, 1, 0, 19], 4, 2, 16),
+                                                     ([33, 5], 3, 3, 24), ([65], 8, 2, 8)])
+def test_matches_per_sequence_sdpa(lengths, hq, hkv, head_dim, causal):
+    q, k, v, cu = _inputs(lengths, hq, hkv, head_dim, seed=sum(lengths) + hq)
+    scale = head_dim ** -0.5
+    out, lse = torch.ops.hasten.varlen_attention(q.float(), k.float(), v.float(), cu, max(lengths), scale, causal)
+    want_out, want_lse = _reference(q, k, v, cu, scale, causal)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    varlen_attention(*leaves, cu, max(lengths), scale, causal).backward(upstream.float())
+    _reference(*ref_leaves, cu, scale, causal)[0].backward(upstream)
+    for name, got, want in zip("qkv", leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5, msg=f"grad of {name}")
+
+
+def test_empty_batch():
+    q = torch.zeros(0, 4, 8)
+    k = v = torch.zeros(0, 2, 8)
+    out, lse = torch.ops.hasten.varlen_attention(q, k, v, torch.zeros(1, dtype=torch.int32), 0, 1.0, True)
+    assert out.shape == (0, 4, 8) and lse.shape == (0, 4)
+
+
+def test_bad_arguments_name_the_problem():
+    q, k, v, cu = _inputs([4, 4], 3, 2, 8, seed=0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        torch.ops.hasten.varlen_attention(q.float(), k.float(), v.float(), cu, 4, 1.0, True)
+    q, k, v, cu = _inputs([4, 6], 4, 2, 8, seed=0)
+    with pytest.raises(RuntimeError, match="exceed max_seqlen"):
+        torch.ops.hasten.varlen_attention(q.float(), k.float(), v.float(), cu, 4, 1.0, True)
+    with pytest.raises(RuntimeError, match="int32"):
+        torch.ops.hasten.varlen_attention(q.float(), k.float(), v.float(), cu.long(), 6, 1.0, True)
+
+
+def test_opcheck():
+    q, k, v, cu = _inputs([3, 1, 5], 4, 2, 8, seed=2)
+    q, k, v = q.float(), k.float(), v.float()
+    torch.library.opcheck(torch.ops.hasten.varlen_attention.default, (q, k, v, cu, 5, 0.3, True))
+    out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, 5, 0.3, True)
+    torch.library.opcheck(torch.ops.hasten.varlen_attention_backward.default,
+                          (torch.randn_like(q), q, k, v, out, lse, cu, 5, 0.3, True))
