@@ -85,7 +85,7 @@ def _cudnn_attention() -> tuple[dict, str]:
     return {"include_dirs": include_dirs, "extra_link_args": link}, ""
 
 
-def _extension():
+def _extensions() -> list:
     # every build: schemas, CPU ops, and the host-side offload code (pinned memory on CUDA builds)
     cpu_sources = (["csrc/registration.cpp"] + _sources("csrc/*/*_cpu.cpp") + _sources("csrc/*/*_composite.cpp")
                    + _sources("csrc/offload/*.cpp"))
@@ -94,8 +94,8 @@ def _extension():
     with_cuda, why_not = _want_cuda()
     if not with_cuda:
         print(f"hasten: building the CPU ops only ({why_not}); CUDA kernels are not compiled.")
-        return CppExtension("hasten._C", cpu_sources, include_dirs=include_dirs,
-                            extra_compile_args={"cxx": cxx_flags})
+        return [CppExtension("hasten._C", cpu_sources, include_dirs=include_dirs,
+                             extra_compile_args={"cxx": cxx_flags})]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     print(f"hasten: building CPU and CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     # Torch-facing glue (*_cuda.cpp) is host C++ for the host compiler; nvcc compiles only the
@@ -104,24 +104,28 @@ def _extension():
     cuda_sources = _sources("csrc/*/*_cuda.cpp") + _sources("csrc/kernels/*.cu")
     # attention on CUDA is cuDNN's fused SDPA: built only with the cudnn-frontend headers
     cudnn, why_no_cudnn = _cudnn_attention()
+    extensions = []
     if cudnn:
-        cuda_sources += ["csrc/attention/cudnn_sdpa.cpp"]
+        # its own shared object, opened by _C.so at first use (csrc/attention/cudnn_sdpa.h says why)
+        extensions.append(CUDAExtension("hasten._cudnn_sdpa", ["csrc/attention/cudnn_sdpa.cpp"],
+                                        include_dirs=include_dirs + cudnn["include_dirs"],
+                                        extra_compile_args={"cxx": cxx_flags}, extra_link_args=cudnn["extra_link_args"]))
         print("hasten: building the cuDNN attention op")
     else:
         cuda_sources.remove("csrc/attention/varlen_attention_cuda.cpp")
         print(f"hasten: NOT building the cuDNN attention op: {why_no_cudnn}. Packed attention will use "
               "flash-attn or torch's varlen kernel (hasten reports it at run time).")
-    return CUDAExtension(
+    return [CUDAExtension(
         "hasten._C",
         cpu_sources + cuda_sources,
-        include_dirs=include_dirs + cudnn.get("include_dirs", []),
+        include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags + ["-DHASTEN_WITH_CUDA"],
                             "nvcc": ["-O3", "-std=c++17", "-lineinfo", "-DHASTEN_WITH_CUDA"]},
-        extra_link_args=cudnn.get("extra_link_args", []),
-    )
+        extra_link_args=["-ldl"],
+    )] + extensions
 
 
 setup(
-    ext_modules=[_extension()],
+    ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

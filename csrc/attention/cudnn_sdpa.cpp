@@ -134,8 +134,14 @@ ThreadState& state() {
   return s;
 }
 
+struct Allocator {
+  AllocateFn fn;
+  void* context;
+  void* operator()(int64_t bytes) const { return fn(context, bytes); }
+};
+
 std::string run(bool is_backward, const Problem& p, std::unordered_map<int64_t, void*>& pack,
-                const Allocate& allocate, cudaStream_t stream) {
+                const Allocator& allocate, cudaStream_t stream) {
   auto& s = state();
   auto handle_it = s.handles.find(p.device);
   if (handle_it == s.handles.end()) {
@@ -193,22 +199,23 @@ void add_index_tensors(std::unordered_map<int64_t, void*>& pack, const Pointers&
 }
 
 }  // namespace
-
-std::string forward(const Problem& problem, const Pointers& ptr, const Allocate& allocate, cudaStream_t stream) {
-  std::unordered_map<int64_t, void*> pack{{kQ, mut(ptr.q)}, {kK, mut(ptr.k)}, {kV, mut(ptr.v)},
-                                          {kOut, ptr.out}, {kLse, ptr.lse}};
-  add_index_tensors(pack, ptr);
-  return run(false, problem, pack, allocate, stream);
-}
-
-std::string backward(const Problem& problem, const Pointers& ptr, const Allocate& allocate, cudaStream_t stream) {
-  std::unordered_map<int64_t, void*> pack{{kQ, mut(ptr.q)},         {kK, mut(ptr.k)},   {kV, mut(ptr.v)},
-                                          {kOut, ptr.out},          {kLse, ptr.lse},    {kGradOut, mut(ptr.grad_out)},
-                                          {kGradQ, ptr.grad_q},     {kGradK, ptr.grad_k}, {kGradV, ptr.grad_v}};
-  add_index_tensors(pack, ptr);
-  return run(true, problem, pack, allocate, stream);
-}
-
-int64_t runtime_version() { return static_cast<int64_t>(cudnnGetVersion()); }
-
 }  // namespace hasten::cudnn_sdpa
+
+extern "C" const char* hasten_cudnn_sdpa_run(int is_backward, const hasten::cudnn_sdpa::Problem* problem,
+                                             const hasten::cudnn_sdpa::Pointers* ptr,
+                                             hasten::cudnn_sdpa::AllocateFn allocate, void* allocate_context,
+                                             cudaStream_t stream) {
+  using namespace hasten::cudnn_sdpa;
+  thread_local std::string error;
+  std::unordered_map<int64_t, void*> pack{{kQ, mut(ptr->q)}, {kK, mut(ptr->k)}, {kV, mut(ptr->v)},
+                                          {kOut, ptr->out}, {kLse, ptr->lse}};
+  if (is_backward) {
+    pack[kGradOut] = mut(ptr->grad_out);
+    pack[kGradQ] = ptr->grad_q;
+    pack[kGradK] = ptr->grad_k;
+    pack[kGradV] = ptr->grad_v;
+  }
+  add_index_tensors(pack, *ptr);
+  error = run(is_backward != 0, *problem, pack, Allocator{allocate, allocate_context}, stream);
+  return error.empty() ? nullptr : error.c_str();
+}

@@ -12,7 +12,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <functional>
 #include <string>
 
 namespace hasten::cudnn_sdpa {
@@ -38,14 +37,19 @@ struct Pointers {
 };
 
 // Allocates `bytes` of device workspace that stays valid until the stream has run the graph.
-using Allocate = std::function<void*(int64_t bytes)>;
-
-// Each returns "" on success, else a message naming what cuDNN refused. Thread-safe: graphs and
-// handles are cached per thread (cuDNN plans are not shareable across threads).
-std::string forward(const Problem& problem, const Pointers& ptr, const Allocate& allocate, cudaStream_t stream);
-std::string backward(const Problem& problem, const Pointers& ptr, const Allocate& allocate, cudaStream_t stream);
-
-// The cuDNN library version that is loaded (e.g. 91500), for the caller's support checks.
-int64_t runtime_version();
+using AllocateFn = void* (*)(void* context, int64_t bytes);
 
 }  // namespace hasten::cudnn_sdpa
+
+// This code lives in its own shared object (hasten/_cudnn_sdpa*.so), which _C.so opens with dlopen:
+// linked into _C.so, the frontend's first `ostream << long` ran the broken copy of
+// ostream::_M_insert<long> that _C.so carries (see docs/design.md) and crashed. C linkage, so the
+// glue finds these with dlsym.
+extern "C" {
+// Runs the forward (is_backward 0) or backward graph. Returns nullptr on success, else a message
+// naming what cuDNN refused, valid until the calling thread's next call. Thread-safe: graphs and
+// handles are cached per thread (cuDNN plans are not shareable across threads).
+const char* hasten_cudnn_sdpa_run(int is_backward, const hasten::cudnn_sdpa::Problem* problem,
+                                  const hasten::cudnn_sdpa::Pointers* ptr, hasten::cudnn_sdpa::AllocateFn allocate,
+                                  void* allocate_context, cudaStream_t stream);
+}

@@ -5,6 +5,10 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <dlfcn.h>
+#include <glob.h>
+
+#include <mutex>
 #include <string>
 #include <tuple>
 
@@ -62,8 +66,54 @@ at::Tensor aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
 }
 
-void check_result(const std::string& error, const char* op) {
-  TORCH_CHECK(error.empty(), "hasten::", op, ": ", error);
+using RunFn = decltype(&hasten_cudnn_sdpa_run);
+
+// hasten/_cudnn_sdpa*.so beside this library, opened once (see cudnn_sdpa.h for why it is separate).
+RunFn cudnn_sdpa_run(const char* op) {
+  static std::once_flag once;
+  static RunFn run = nullptr;
+  static std::string error;
+  std::call_once(once, [] {
+    Dl_info self{};
+    if (dladdr(reinterpret_cast<void*>(&cudnn_sdpa_run), &self) == 0 || self.dli_fname == nullptr) {
+      error = "could not locate hasten's own library";
+      return;
+    }
+    std::string dir(self.dli_fname);
+    dir = dir.substr(0, dir.rfind('/'));
+    glob_t found{};
+    const std::string pattern = dir + "/_cudnn_sdpa*.so";
+    if (glob(pattern.c_str(), 0, nullptr, &found) != 0 || found.gl_pathc == 0) {
+      globfree(&found);
+      error = "no " + pattern + " (hasten was built without the cudnn-frontend headers)";
+      return;
+    }
+    void* library = dlopen(found.gl_pathv[0], RTLD_NOW | RTLD_LOCAL);
+    globfree(&found);
+    if (library == nullptr) {
+      error = std::string("dlopen failed: ") + dlerror();
+      return;
+    }
+    run = reinterpret_cast<RunFn>(dlsym(library, "hasten_cudnn_sdpa_run"));
+    if (run == nullptr) error = "the cuDNN attention library has no hasten_cudnn_sdpa_run";
+  });
+  TORCH_CHECK(run != nullptr, "hasten::", op, ": cuDNN attention is unavailable: ", error);
+  return run;
+}
+
+// Workspace from torch's caching allocator; the tensor is released after the launch (stream-ordered).
+void* allocate_workspace(void* context, int64_t bytes) {
+  auto* workspace = static_cast<at::Tensor*>(context);
+  *workspace = at::empty({bytes}, workspace->options());
+  return workspace->data_ptr();
+}
+
+void run_graph(bool is_backward, const cudnn_sdpa::Problem& p, const cudnn_sdpa::Pointers& ptr,
+               const at::Tensor& like, const char* op) {
+  at::Tensor workspace = at::empty({0}, like.options().dtype(at::kByte));
+  const char* error = cudnn_sdpa_run(op)(is_backward ? 1 : 0, &p, &ptr, &allocate_workspace, &workspace,
+                                         c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(error == nullptr, "hasten::", op, ": ", error ? error : "");
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -89,12 +139,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cuda(const at::Tensor& q_in,
   ptr.offsets_q = index.offsets_q.data_ptr<int32_t>();
   ptr.offsets_kv = index.offsets_kv.data_ptr<int32_t>();
   ptr.offsets_lse = index.offsets_lse.data_ptr<int32_t>();
-  at::Tensor workspace;  // from torch's caching allocator, released after the launch (stream-ordered)
-  auto allocate = [&](int64_t bytes) {
-    workspace = at::empty({bytes}, q.options().dtype(at::kByte));
-    return workspace.data_ptr();
-  };
-  check_result(cudnn_sdpa::forward(p, ptr, allocate, c10::cuda::getCurrentCUDAStream()), op);
+  run_graph(false, p, ptr, q, op);
   return {out, lse};
 }
 
@@ -126,12 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
   ptr.offsets_q = index.offsets_q.data_ptr<int32_t>();
   ptr.offsets_kv = index.offsets_kv.data_ptr<int32_t>();
   ptr.offsets_lse = index.offsets_lse.data_ptr<int32_t>();
-  at::Tensor workspace;
-  auto allocate = [&](int64_t bytes) {
-    workspace = at::empty({bytes}, q.options().dtype(at::kByte));
-    return workspace.data_ptr();
-  };
-  check_result(cudnn_sdpa::backward(p, ptr, allocate, c10::cuda::getCurrentCUDAStream()), op);
+  run_graph(true, p, ptr, q, op);
   return {grad_q, grad_k, grad_v};
 }
 
