@@ -5,9 +5,6 @@ PYTHON ?= python3
 # torch is installed only when missing; the extension builds against whatever torch is there.
 TORCH_SPEC ?= torch==2.13.0
 TRAIN_ARGS ?=
-# Headers of cuDNN's C++ graph API for hasten's attention op, on CUDA builds only. Installed without
-# its Python dependencies (CUTLASS DSL, TVM FFI): hasten reads only its C++ headers.
-CUDNN_FRONTEND_SPEC ?= nvidia-cudnn-frontend==1.32.0
 STAMP := build/.installed
 
 .PHONY: install train test compile-check gpu-test clean
@@ -17,8 +14,6 @@ install: $(STAMP)
 $(STAMP): setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/include/hasten/*.h)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -r requirements.txt
-	$(PYTHON) -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
-		&& $(PYTHON) -m pip install --no-deps "$(CUDNN_FRONTEND_SPEC)" || true
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -e .
 	@mkdir -p build && touch $(STAMP)
 

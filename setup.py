@@ -58,6 +58,9 @@ def _cudnn_attention() -> tuple[dict, str]:
     """
     from importlib import metadata
 
+    if os.environ.get("HASTEN_CUDNN_ATTENTION") != "1":
+        return {}, ("it is off unless HASTEN_CUDNN_ATTENTION=1: on torch 2.11+cu130 (H200) the cuDNN frontend "
+                    "segfaulted in its first `ostream << long` inside hasten's libraries (docs/design.md)")
     frontend = os.environ.get("HASTEN_CUDNN_FRONTEND_INCLUDE")
     if frontend is None:
         try:

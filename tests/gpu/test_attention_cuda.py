@@ -4,6 +4,11 @@ attention computed one sequence at a time on the GPU, output and gradients, with
 import pytest
 import torch
 
+from hasten.ops import has_cuda_kernel
+
+needs_cudnn_op = pytest.mark.skipif(not has_cuda_kernel("varlen_attention"),
+                                    reason="the cuDNN attention op is an opt-in build (HASTEN_CUDNN_ATTENTION=1)")
+
 from hasten.attention import varlen
 from hasten.observability import fallback_counts, reset_fallbacks
 
@@ -16,9 +21,10 @@ def _outputs(backend, gqa, q, k, v, cu, max_len, grad):
 
 
 @pytest.mark.parametrize("backend,gqa", [("torch_varlen", "native"), ("torch_varlen", "repeat"),
-                                         ("cudnn", "native")])
+                                         pytest.param("cudnn", "native", marks=needs_cudnn_op)])
 @pytest.mark.parametrize("lengths,hq,hkv,head_dim", [([1], 2, 1, 128), ([300, 1, 77, 1000, 5], 16, 8, 128),
-                                                     ([129, 64, 1], 4, 4, 64), ([2048, 700], 8, 2, 128), ([33, 1, 1, 9], 2, 2, 64)])
+                                                     ([129, 64, 1], 4, 4, 64), ([2048, 700], 8, 2, 128),
+                                                     ([33, 1, 1, 9], 2, 2, 64)])
 def test_backend_equals_one_sequence_at_a_time(backend, gqa, lengths, hq, hkv, head_dim):
     reset_fallbacks()
     gen = torch.Generator(device="cuda").manual_seed(sum(lengths) + hq)
@@ -50,6 +56,7 @@ def _cudnn_vs_flash(lengths, hq=16, hkv=8, head_dim=128, causal=True, seed=0):
         assert rel < 1e-2, f"{label}: relative error {rel:.2e} against FlashAttention-2 ({len(lengths)} sequences)"
 
 
+@needs_cudnn_op
 def test_cudnn_on_w1_sized_batches_matches_flash_attention():
     """16,384 tokens in many short samples and a few long ones; batches of different sequence counts
     and longest lengths land in different graph buckets and reuse them."""
@@ -60,6 +67,7 @@ def test_cudnn_on_w1_sized_batches_matches_flash_attention():
         _cudnn_vs_flash(lengths, seed=count)
 
 
+@needs_cudnn_op
 def test_cudnn_softmax_statistics_and_full_attention():
     from hasten.ops.attention import varlen_attention as cudnn_op  # noqa: F401  (registers the fakes)
 
@@ -75,6 +83,7 @@ def test_cudnn_softmax_statistics_and_full_attention():
         torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=2e-2, rtol=0)
 
 
+@needs_cudnn_op
 def test_cudnn_is_the_default_backend_on_this_gpu():
     q = torch.zeros(8, 4, 128, device="cuda", dtype=torch.bfloat16)
     assert varlen.select_backend(q) == "cudnn", varlen._cudnn_unavailable(q)
