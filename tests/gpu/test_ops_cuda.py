@@ -11,7 +11,9 @@ from tests.reference import random_packed_position_ids
 def test_every_op_has_a_cuda_kernel():
     names = op_names()
     assert {"varlen_meta", "moe_group", "moe_permute", "moe_combine", "swiglu"} <= set(names)
-    assert [op for op in names if not has_cuda_kernel(op)] == []
+    # the cuDNN attention ops are an opt-in build (HASTEN_CUDNN_ATTENTION=1, docs/design.md)
+    optional = {"varlen_attention", "varlen_attention_backward"}
+    assert [op for op in names if not has_cuda_kernel(op) and op not in optional] == []
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
