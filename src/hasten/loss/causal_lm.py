@@ -11,6 +11,8 @@ forward, the last with a one-time notice.
 
 from __future__ import annotations
 
+import dataclasses
+
 import types
 
 import torch
@@ -72,7 +74,11 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
             from transformers.modeling_outputs import CausalLMOutputWithPast
 
             output_class = CausalLMOutputWithPast
-        return output_class(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+        # transformers >= 5.24 names the cache `cache` (reading `past_key_values` logs a deprecation)
+        cache_field = "cache" if "cache" in {f.name for f in dataclasses.fields(output_class)} else "past_key_values"
+        model_cache_field = ("cache" if "cache" in {f.name for f in dataclasses.fields(outputs)}
+                             else "past_key_values")
+        return output_class(loss=loss, logits=None, **{cache_field: outputs.get(model_cache_field)},
                             hidden_states=getattr(outputs, "hidden_states", None),
                             attentions=getattr(outputs, "attentions", None))
 
