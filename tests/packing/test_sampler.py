@@ -75,3 +75,13 @@ def test_ranks_get_batches_of_similar_cost_at_each_step():
     assert [cost(b) for b, _ in pairs] != sorted(cost(b) for b, _ in pairs)
     ranks[0].set_epoch(0, skip=3)
     assert list(ranks[0]) == [a for a, _ in pairs][3:]
+
+
+def test_rank_imbalance_reports_the_balanced_split():
+    lengths = _long_tailed_lengths(1)
+    sampler = TokenBudgetBatchSampler(lengths, 4096, seed=5, rank=1, world_size=2)
+    assert TokenBudgetBatchSampler(lengths, 4096, seed=5).rank_imbalance() == 1.0
+    assert 1.0 <= sampler.rank_imbalance() < 1.03
+    # one sample far longer than the rest cannot be matched by any other batch
+    skewed = [4000] + [50] * 400
+    assert TokenBudgetBatchSampler(skewed, 4096, seed=0, rank=0, world_size=2).rank_imbalance() > 1.1

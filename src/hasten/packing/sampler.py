@@ -76,6 +76,21 @@ class TokenBudgetBatchSampler:
         lengths = [min(self.lengths[i], self.max_tokens) for i in batch]
         return sum(n * n for n in lengths) + self.LINEAR_COST_PER_TOKEN * sum(lengths)
 
+    def rank_imbalance(self) -> float:
+        """Over this epoch: the sum over steps of the costliest rank's batch cost, over the sum of
+        the mean batch cost (1.0: every rank does the same work at every step). Any rank may call it."""
+        if self.world_size == 1:
+            return 1.0
+        per_rank = [TokenBudgetBatchSampler(self.lengths, self.max_tokens, shuffle=self.shuffle, seed=self.seed,
+                                            window=self.window, rank=r, world_size=self.world_size)
+                    for r in range(self.world_size)]
+        for sampler in per_rank:
+            sampler.set_epoch(self.epoch)
+        steps = list(zip(*(sampler.batches() for sampler in per_rank)))
+        slowest = sum(max(self.batch_cost(b) for b in step) for step in steps)
+        mean = sum(self.batch_cost(b) for step in steps for b in step) / self.world_size
+        return slowest / mean if mean else 1.0
+
     def _balanced_for_ranks(self, batches: list[list[int]], gen: torch.Generator) -> list[list[int]]:
         """Order batches so that each run of world_size batches (one per rank, same step) costs alike.
 

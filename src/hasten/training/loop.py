@@ -220,6 +220,10 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     if len(sampler) == 0:
         raise DataError(f"the data set makes fewer packed batches than there are processes ({ctx.world_size}) at "
                         f"training.max_tokens={t.max_tokens}; use more data or a smaller max_tokens")
+    if ctx.world_size > 1 and ctx.is_main:
+        # every collective waits for the slowest rank: say how even the work is (sampler balances it)
+        logger.info("hasten: rank balance over an epoch: the busiest rank's compute is %.2fx the mean "
+                    "(1.00 is even; long outlier samples raise it)", sampler.rank_imbalance())
     collator = PackingCollator(t.max_tokens, overlong=t.overlong, pad_token_id=pad_id)
     collate = collator if t.packed_sequence else _pad_collate(collator, pad_id)
     loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
