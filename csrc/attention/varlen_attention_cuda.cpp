@@ -29,6 +29,22 @@ struct RaggedIndex {
   at::Tensor seq_len, offsets_q, offsets_kv, offsets_lse;  // (B), (B+1) x 3, int32
 };
 
+// The pointers forward and backward share; the backward adds grad_out and the three grads.
+cudnn_sdpa::Pointers shared_pointers(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& out, const at::Tensor& lse, const RaggedIndex& index) {
+  cudnn_sdpa::Pointers ptr;
+  ptr.q = q.data_ptr();
+  ptr.k = k.data_ptr();
+  ptr.v = v.data_ptr();
+  ptr.out = out.data_ptr();
+  ptr.lse = lse.data_ptr<float>();
+  ptr.seq_len = index.seq_len.data_ptr<int32_t>();
+  ptr.offsets_q = index.offsets_q.data_ptr<int32_t>();
+  ptr.offsets_kv = index.offsets_kv.data_ptr<int32_t>();
+  ptr.offsets_lse = index.offsets_lse.data_ptr<int32_t>();
+  return ptr;
+}
+
 // cu_seqlens (N+1) padded to (B+1) by repeating its last entry: sequences N..B-1 have length 0.
 RaggedIndex ragged_index(const at::Tensor& cu_seqlens, int64_t batch, int64_t q_heads, int64_t kv_heads,
                          int64_t head_dim) {
@@ -129,17 +145,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cuda(const at::Tensor& q_in,
   if (q.size(0) == 0 || cu_seqlens.numel() < 2) return {out, lse};
   const auto p = problem_of(q, k, cu_seqlens, max_seqlen, scale, causal, op);
   const auto index = ragged_index(cu_seqlens, p.batch, p.q_heads, p.kv_heads, p.head_dim);
-  cudnn_sdpa::Pointers ptr;
-  ptr.q = q.data_ptr();
-  ptr.k = k.data_ptr();
-  ptr.v = v.data_ptr();
-  ptr.out = out.data_ptr();
-  ptr.lse = lse.data_ptr<float>();
-  ptr.seq_len = index.seq_len.data_ptr<int32_t>();
-  ptr.offsets_q = index.offsets_q.data_ptr<int32_t>();
-  ptr.offsets_kv = index.offsets_kv.data_ptr<int32_t>();
-  ptr.offsets_lse = index.offsets_lse.data_ptr<int32_t>();
-  run_graph(false, p, ptr, q, op);
+  run_graph(false, p, shared_pointers(q, k, v, out, lse, index), q, op);
   return {out, lse};
 }
 
@@ -157,20 +163,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
   if (q.size(0) == 0 || cu_seqlens.numel() < 2) return {grad_q.zero_(), grad_k.zero_(), grad_v.zero_()};
   const auto p = problem_of(q, k, cu_seqlens, max_seqlen, scale, causal, op);
   const auto index = ragged_index(cu_seqlens, p.batch, p.q_heads, p.kv_heads, p.head_dim);
-  cudnn_sdpa::Pointers ptr;
-  ptr.q = q.data_ptr();
-  ptr.k = k.data_ptr();
-  ptr.v = v.data_ptr();
-  ptr.out = out.data_ptr();
-  ptr.lse = lse.data_ptr<float>();
+  auto ptr = shared_pointers(q, k, v, out, lse, index);
   ptr.grad_out = grad_out.data_ptr();
   ptr.grad_q = grad_q.data_ptr();
   ptr.grad_k = grad_k.data_ptr();
   ptr.grad_v = grad_v.data_ptr();
-  ptr.seq_len = index.seq_len.data_ptr<int32_t>();
-  ptr.offsets_q = index.offsets_q.data_ptr<int32_t>();
-  ptr.offsets_kv = index.offsets_kv.data_ptr<int32_t>();
-  ptr.offsets_lse = index.offsets_lse.data_ptr<int32_t>();
   run_graph(true, p, ptr, q, op);
   return {grad_q, grad_k, grad_v};
 }

@@ -60,9 +60,9 @@ _MIN_CUDNN = 90600
 
 def _cudnn_unavailable(q: torch.Tensor) -> str | None:
     """Why hasten's cuDNN attention op cannot run these inputs (None: it can)."""
-    from hasten.ops._lib import is_loaded, _has_kernel
+    from hasten.ops import has_cuda_kernel
 
-    if not is_loaded() or not _has_kernel("varlen_attention", "CUDA"):
+    if not has_cuda_kernel("varlen_attention"):
         return ("hasten was built without its cuDNN attention op (an opt-in build: pip install --no-deps "
                 "nvidia-cudnn-frontend, then HASTEN_CUDNN_ATTENTION=1 pip install --no-build-isolation -e .)")
     version = torch.backends.cudnn.version() or 0

@@ -46,10 +46,11 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
     original = model.forward
     softcap = getattr(model.config, "final_logit_softcapping", None)
     output_class = None
+    cache_fields = None  # (field of the model's output, field of ours): `cache` from transformers 5.24
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        nonlocal output_class
+        nonlocal output_class, cache_fields
         if past_key_values is not None:  # passed on only when given: transformers >= 5.24 calls it `cache`
             kwargs["past_key_values"] = past_key_values
         if labels is None or not self.training or not torch.is_grad_enabled():
@@ -74,11 +75,10 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
             from transformers.modeling_outputs import CausalLMOutputWithPast
 
             output_class = CausalLMOutputWithPast
-        # transformers >= 5.24 names the cache `cache` (reading `past_key_values` logs a deprecation)
-        cache_field = "cache" if "cache" in {f.name for f in dataclasses.fields(output_class)} else "past_key_values"
-        model_cache_field = ("cache" if "cache" in {f.name for f in dataclasses.fields(outputs)}
-                             else "past_key_values")
-        return output_class(loss=loss, logits=None, **{cache_field: outputs.get(model_cache_field)},
+        if cache_fields is None:  # reading `past_key_values` on transformers >= 5.24 logs a deprecation
+            cache_fields = tuple("cache" if "cache" in {f.name for f in dataclasses.fields(c)} else "past_key_values"
+                                 for c in (outputs, output_class))
+        return output_class(loss=loss, logits=None, **{cache_fields[1]: outputs.get(cache_fields[0])},
                             hidden_states=getattr(outputs, "hidden_states", None),
                             attentions=getattr(outputs, "attentions", None))
 

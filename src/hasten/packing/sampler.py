@@ -39,6 +39,12 @@ class TokenBudgetBatchSampler:
         self.skip = skip
 
     def batches(self) -> list[list[int]]:
+        """This rank's batches of the epoch."""
+        return self._epoch_batches()[self.rank::self.world_size]
+
+    def _epoch_batches(self) -> list[list[int]]:
+        """Every rank's batches of the epoch; under data parallelism in groups of world_size (one
+        step: batch r of each group goes to rank r)."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(len(self.lengths), generator=gen).tolist() if self.shuffle else list(
             range(len(self.lengths)))
@@ -63,7 +69,7 @@ class TokenBudgetBatchSampler:
             batches = [batches[p] for p in perm]
         if self.world_size > 1:
             usable = len(batches) - len(batches) % self.world_size
-            batches = self._balanced_for_ranks(batches[:usable], gen)[self.rank::self.world_size]
+            batches = self._balanced_for_ranks(batches[:usable], gen)
         return batches
 
     # Per-token cost of the linear layers in units of one token pair of attention: about hidden
@@ -81,14 +87,10 @@ class TokenBudgetBatchSampler:
         the mean batch cost (1.0: every rank does the same work at every step). Any rank may call it."""
         if self.world_size == 1:
             return 1.0
-        per_rank = [TokenBudgetBatchSampler(self.lengths, self.max_tokens, shuffle=self.shuffle, seed=self.seed,
-                                            window=self.window, rank=r, world_size=self.world_size)
-                    for r in range(self.world_size)]
-        for sampler in per_rank:
-            sampler.set_epoch(self.epoch)
-        steps = list(zip(*(sampler.batches() for sampler in per_rank)))
-        slowest = sum(max(self.batch_cost(b) for b in step) for step in steps)
-        mean = sum(self.batch_cost(b) for step in steps for b in step) / self.world_size
+        costs = [self.batch_cost(b) for b in self._epoch_batches()]
+        steps = [costs[g: g + self.world_size] for g in range(0, len(costs), self.world_size)]
+        slowest = sum(max(step) for step in steps)
+        mean = sum(costs) / self.world_size
         return slowest / mean if mean else 1.0
 
     def _balanced_for_ranks(self, batches: list[list[int]], gen: torch.Generator) -> list[list[int]]:
