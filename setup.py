@@ -8,6 +8,9 @@ forces the CPU-only build.
 
 import glob
 import os
+import shlex
+import subprocess
+import sys
 
 from setuptools import setup
 
@@ -47,6 +50,28 @@ def _package_dir(module: str) -> str | None:
         return None
     locations = list(spec.submodule_search_locations or []) if spec else []
     return locations[0] if locations else None
+
+
+def _shared_libstdcxx() -> list[str]:
+    """Link arguments that make the extensions use the process's shared libstdc++.
+
+    A compiler whose private library folder holds only libstdc++.a (the H200 image's
+    /opt/gcc/bin/g++ wrapper: `-B/opt/gcc/lib/gcc/...`) links libstdc++ statically into each
+    extension. Python's LDSHARED adds -Bsymbolic-functions, so that copy's functions bind inside
+    the extension while its data (locale facet ids, the classic locale) bind to the libstdc++.so.6
+    torch already loaded: the first `ostream << long` (cudnn-frontend's engine tags, error messages
+    with numbers) crashed. Naming the shared library first on the link line satisfies every
+    libstdc++ symbol from it, so nothing is pulled from the archive.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    compiler = shlex.split(os.environ.get("CXX", "c++"))
+    try:
+        found = subprocess.run(compiler + ["-print-file-name=libstdc++.so.6"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [os.path.realpath(found)] if os.path.isabs(found) and os.path.exists(found) else []
 
 
 def _cudnn_attention() -> tuple[dict, str]:
@@ -94,11 +119,12 @@ def _extensions() -> list:
                    + _sources("csrc/offload/*.cpp"))
     include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
     cxx_flags = ["-O3", "-std=c++17"]
+    libstdcxx = _shared_libstdcxx()
     with_cuda, why_not = _want_cuda()
     if not with_cuda:
         print(f"hasten: building the CPU ops only ({why_not}); CUDA kernels are not compiled.")
         return [CppExtension("hasten._C", cpu_sources, include_dirs=include_dirs,
-                             extra_compile_args={"cxx": cxx_flags})]
+                             extra_compile_args={"cxx": cxx_flags}, extra_link_args=libstdcxx)]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     print(f"hasten: building CPU and CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     # Torch-facing glue (*_cuda.cpp) is host C++ for the host compiler; nvcc compiles only the
@@ -112,7 +138,7 @@ def _extensions() -> list:
         # its own shared object, opened by _C.so at first use (csrc/attention/cudnn_sdpa.h says why)
         extensions.append(CUDAExtension("hasten._cudnn_sdpa", ["csrc/attention/cudnn_sdpa.cpp"],
                                         include_dirs=include_dirs + cudnn["include_dirs"],
-                                        extra_compile_args={"cxx": cxx_flags}, extra_link_args=cudnn["extra_link_args"]))
+                                        extra_compile_args={"cxx": cxx_flags}, extra_link_args=libstdcxx + cudnn["extra_link_args"]))
         print("hasten: building the cuDNN attention op")
     else:
         cuda_sources.remove("csrc/attention/varlen_attention_cuda.cpp")
@@ -124,7 +150,7 @@ def _extensions() -> list:
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags + ["-DHASTEN_WITH_CUDA"],
                             "nvcc": ["-O3", "-std=c++17", "-lineinfo", "-DHASTEN_WITH_CUDA"]},
-        extra_link_args=["-ldl"],
+        extra_link_args=libstdcxx + ["-ldl"],
     )] + extensions
 
 
