@@ -77,15 +77,15 @@ def _shared_libstdcxx() -> list[str]:
 def _cudnn_attention() -> tuple[dict, str]:
     """Compiler settings for the cuDNN attention op, or why it is not built.
 
-    Needs the cudnn-frontend headers (pip package nvidia-cudnn-frontend, or
+    Built by default on CUDA builds. Needs the cudnn-frontend headers (pip package
+    nvidia-cudnn-frontend, which `make install` adds for a CUDA torch, or
     HASTEN_CUDNN_FRONTEND_INCLUDE) and the cuDNN that torch loads (nvidia-cudnn-cu*): the op links
-    against that very libcudnn.so.9, so there is no second copy.
+    against that very libcudnn.so.9, so there is no second copy. HASTEN_CUDNN_ATTENTION=0 skips it.
     """
     from importlib import metadata
 
-    if os.environ.get("HASTEN_CUDNN_ATTENTION") != "1":
-        return {}, ("it is off unless HASTEN_CUDNN_ATTENTION=1: on torch 2.11+cu130 (H200) the cuDNN frontend "
-                    "segfaulted in its first `ostream << long` inside hasten's libraries (docs/design.md)")
+    if os.environ.get("HASTEN_CUDNN_ATTENTION") == "0":
+        return {}, "HASTEN_CUDNN_ATTENTION=0 is set"
     frontend = os.environ.get("HASTEN_CUDNN_FRONTEND_INCLUDE")
     if frontend is None:
         try:

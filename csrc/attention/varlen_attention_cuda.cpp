@@ -1,5 +1,6 @@
 // CUDA glue of hasten::varlen_attention and its backward: checks, the ragged-offset index tensors
-// (a few tiny ATen ops, no host sync), and cuDNN's fused SDPA (cudnn_sdpa.cpp).
+// (a few tiny ATen ops once per batch, no host sync), and cuDNN's fused SDPA (cudnn_sdpa.cpp).
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -8,6 +9,7 @@
 #include <dlfcn.h>
 #include <glob.h>
 
+#include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -46,13 +48,50 @@ cudnn_sdpa::Pointers shared_pointers(const at::Tensor& q, const at::Tensor& k, c
 }
 
 // cu_seqlens (N+1) padded to (B+1) by repeating its last entry: sequences N..B-1 have length 0.
-RaggedIndex ragged_index(const at::Tensor& cu_seqlens, int64_t batch, int64_t q_heads, int64_t kv_heads,
-                         int64_t head_dim) {
+RaggedIndex build_ragged_index(const at::Tensor& cu_seqlens, int64_t batch, int64_t q_heads, int64_t kv_heads,
+                               int64_t head_dim) {
   const int64_t n = cu_seqlens.numel() - 1;
   auto cu = cu_seqlens.contiguous();
   if (batch > n) cu = at::cat({cu, cu.slice(0, n, n + 1).expand({batch - n})});
   return {(cu.slice(0, 1) - cu.slice(0, 0, batch)).contiguous(), cu * (q_heads * head_dim),
           cu * (kv_heads * head_dim), cu * q_heads};
+}
+
+// Every layer's forward and backward of one batch share one cu_seqlens tensor (packing metadata is
+// built once per batch), so the index is built once per batch instead of twice per layer. The
+// entry holds cu_seqlens itself: while it lives its memory cannot be reused by another batch's
+// tensor, and the version counter catches in-place edits, so a hit is never stale. One entry per
+// device, shared by the forward thread and autograd's backward thread; not used while a CUDA graph
+// is being captured (the entry's tensors would belong to the graph's pool).
+struct RaggedIndexEntry {
+  at::Tensor cu_seqlens;
+  uint32_t version = 0;
+  c10::StreamId stream = 0;
+  int64_t batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  RaggedIndex index;
+};
+
+RaggedIndex ragged_index(const at::Tensor& cu_seqlens, int64_t batch, int64_t q_heads, int64_t kv_heads,
+                         int64_t head_dim) {
+  if (cu_seqlens.is_inference() ||  // no version counter to check
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return build_ragged_index(cu_seqlens, batch, q_heads, kv_heads, head_dim);
+  }
+  static std::mutex mutex;
+  // never destroyed: freeing CUDA tensors from a static destructor can run after the driver is gone
+  static auto* entries = new std::map<c10::DeviceIndex, RaggedIndexEntry>();
+  const auto stream = c10::cuda::getCurrentCUDAStream().id();
+  const auto version = cu_seqlens._version();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& entry = (*entries)[cu_seqlens.get_device()];
+  const bool hit = entry.cu_seqlens.defined() && entry.cu_seqlens.is_same(cu_seqlens) && entry.version == version &&
+                   entry.stream == stream && entry.batch == batch && entry.q_heads == q_heads &&
+                   entry.kv_heads == kv_heads && entry.head_dim == head_dim;
+  if (!hit) {
+    entry = {cu_seqlens, version, stream, batch, q_heads, kv_heads, head_dim,
+             build_ragged_index(cu_seqlens, batch, q_heads, kv_heads, head_dim)};
+  }
+  return entry.index;
 }
 
 cudnn_sdpa::Problem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cu_seqlens,
