@@ -47,6 +47,17 @@ def test_given_labels_are_kept_except_the_first():
     assert batch["labels"].tolist() == [[-100, -100, 3, -100, 5]]
 
 
+def test_samples_are_never_written():
+    """The packed tensors are copies: marking boundaries in the labels leaves the caller's arrays alone."""
+    ids_np, ids_torch = np.array([4, 5, 6]), torch.tensor([7, 8])
+    samples = [{"input_ids": ids_np}, {"input_ids": ids_torch}, {"input_ids": [9, 10], "labels": np.array([9, 10])}]
+    batch = PackingCollator(max_tokens=8)(samples)
+    assert batch["labels"].tolist() == [[-100, 5, 6, -100, 8, -100, 10]]
+    batch["input_ids"].fill_(0)
+    assert ids_np.tolist() == [4, 5, 6] and ids_torch.tolist() == [7, 8]
+    assert samples[2]["labels"].tolist() == [9, 10]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_samples_multi_row(seed):
     gen = torch.Generator().manual_seed(seed)
@@ -92,6 +103,14 @@ def test_empty_samples_dropped_and_counted_and_all_empty_batch():
     ({"labels": [1]}, r"sample 1: has no `input_ids`"),
     ({"input_ids": "hello"}, r"sample 1: `input_ids` must be a list of token ids"),
     ({"input_ids": [1, 2.5]}, r"sample 1: `input_ids`\[1\] is 2.5"),
+    ({"input_ids": [3, None]}, r"sample 1: `input_ids`\[1\] is None"),
+    ({"input_ids": [True, False]}, r"sample 1: `input_ids`\[0\] is True"),
+    ({"input_ids": [[1, 2], [3, 4]]}, r"sample 1: `input_ids`\[0\] is \[1, 2\]"),
+    ({"input_ids": [1, [2, 3]]}, r"sample 1: `input_ids`\[1\] is \[2, 3\]"),
+    ({"input_ids": ["7"]}, r"sample 1: `input_ids`\[0\] is '7'"),
+    ({"input_ids": [2**70]}, r"sample 1: `input_ids` holds token ids outside the int64 range"),
+    ({"input_ids": [1, 2], "labels": [1, 0.5]}, r"sample 1: `labels`\[1\] is 0.5"),
+    ({"input_ids": np.array([1.0, 2.0])}, r"sample 1: `input_ids` must be a 1-D integer array"),
     ({"input_ids": [1, 2], "labels": [1]}, r"sample 1: `labels` has 1 tokens but `input_ids` has 2"),
     ({"input_ids": torch.zeros(2, 2, dtype=torch.long)}, r"sample 1: `input_ids` must be a 1-D integer tensor"),
     ({"input_ids": [-1]}, r"sample 1: `input_ids` holds a negative token id"),

@@ -110,8 +110,8 @@ def _pad_collate(collator: PackingCollator, pad_token_id: int):
         mask = torch.zeros_like(ids)
         for row, (sample_ids, sample_labels) in enumerate(prepared):
             n = len(sample_ids)
-            ids[row, :n] = torch.tensor(sample_ids)
-            labels[row, :n] = torch.tensor(sample_labels)
+            ids[row, :n] = torch.from_numpy(sample_ids)
+            labels[row, :n] = torch.from_numpy(sample_labels)
             mask[row, :n] = 1
         return {"input_ids": ids, "labels": labels, "attention_mask": mask, "num_samples": len(prepared)}
 
