@@ -58,14 +58,17 @@ def _flash_attn_fn():
 _MIN_CUDNN = 90600
 
 
+# How to get the cuDNN attention op into a build (doctor gives the same fix).
+BUILD_CUDNN_OP = ("pip install --no-deps nvidia-cudnn-frontend, then rebuild: make install "
+                  "(or pip install --no-build-isolation -e .)")
+
+
 def _cudnn_unavailable(q: torch.Tensor) -> str | None:
     """Why hasten's cuDNN attention op cannot run these inputs (None: it can)."""
     from hasten.ops import has_cuda_kernel
 
     if not has_cuda_kernel("varlen_attention"):
-        return ("hasten was built without its cuDNN attention op (the cudnn-frontend headers were missing: "
-                "pip install --no-deps nvidia-cudnn-frontend, then rebuild with `make install` or "
-                "pip install --no-build-isolation -e .)")
+        return f"hasten was built without its cuDNN attention op (no cudnn-frontend headers at install): {BUILD_CUDNN_OP}"
     version = torch.backends.cudnn.version() or 0
     if version < _MIN_CUDNN:
         return f"cuDNN {version} is older than {_MIN_CUDNN} (ragged attention with grouped K/V heads)"
@@ -93,7 +96,6 @@ def select_backend(q: torch.Tensor, requested: str = "auto") -> Backend:
         if why_not is None:
             return "cudnn"
         if requested in ("auto", "cudnn"):
-            # FlashAttention-2 is correct but slower (W1 on an H200: 101k against 110k tokens/s)
             record_fallback("cudnn_attention", f"cuDNN packed attention cannot run: {why_not}; FlashAttention-2 "
                             "runs instead (about 8% slower training on W1)")
         if requested in ("auto", "flash_attn") and _flash_attn_fn() is not None:

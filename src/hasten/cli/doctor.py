@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hasten import compat
+from hasten.attention.varlen import BUILD_CUDNN_OP
 from hasten.compat import Finding
 from hasten.ops import extension_error, has_cuda_kernel, is_loaded, op_names
 
@@ -233,9 +234,7 @@ def op_library_findings(gpu_present: bool) -> list[Finding]:
             findings.append(Finding(name, "ok", "CUDA kernel built"))
         elif gpu_present and op.startswith("varlen_attention"):  # FlashAttention-2 stands in, slower
             findings.append(Finding(name, "warn", "not built (the cudnn-frontend headers were missing at install); "
-                                    "packed attention runs FlashAttention-2, slower",
-                                    "pip install --no-deps nvidia-cudnn-frontend, then rebuild: make install "
-                                    "(or pip install --no-build-isolation -e .)"))
+                                    "packed attention runs FlashAttention-2, slower", BUILD_CUDNN_OP))
         elif gpu_present:
             findings.append(Finding(name, "blocker", "no CUDA kernel in this build", REBUILD_WITH_CUDA))
         else:

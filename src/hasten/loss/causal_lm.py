@@ -12,7 +12,6 @@ forward, the last with a one-time notice.
 from __future__ import annotations
 
 import dataclasses
-
 import types
 
 import torch

@@ -193,16 +193,16 @@ class PackingCollator:
 
         # (rows * row_len,) flat; concatenate copies, so the samples' own arrays are never written
         lens = np.asarray(seq_lens, dtype=np.int64)
-        starts = np.cumsum(lens) - lens
+        bounds = np.zeros(len(lens) + 1, dtype=np.int64)  # cu_seqlens: (sequences + 1,)
+        np.cumsum(lens, out=bounds[1:])
+        starts = bounds[:-1]
         input_ids = np.concatenate(id_parts) if id_parts else np.empty(0, dtype=np.int64)
         labels = np.concatenate(label_parts) if label_parts else np.empty(0, dtype=np.int64)
         labels[starts] = IGNORE_INDEX  # the first token is never a target across a boundary
         position_ids = np.arange(len(input_ids), dtype=np.int64) - np.repeat(starts, lens)
 
         shape = (len(rows), row_len)
-        cu_seqlens = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        if seq_lens:
-            torch.cumsum(torch.from_numpy(lens), 0, out=cu_seqlens[1:])
+        cu_seqlens = torch.from_numpy(bounds.astype(np.int32))
         seq_idx = torch.from_numpy(np.repeat(np.arange(len(seq_lens), dtype=np.int32), lens))
         meta = PackedMeta(cu_seqlens, max(seq_lens, default=0), seq_idx)
         batch = {
