@@ -17,14 +17,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _torchrun(tmp_path, name, training, *extra):
+def _torchrun(tmp_path, name, training, *extra, nproc=2):
     config = tmp_path / f"{name}.yaml"
     config.write_text(json.dumps({"model": {"default_size": "tiny"},
                                   "training": {"max_tokens": 256, "learning_rate": 0.003, "warmup_steps": 1,
                                                "logging_steps": 1, **training},
                                   "logging": {"tensorboard": "false"}}))
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
            "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out), "--no_progress", *extra]
     # its own process group, so a hang cannot leave worker processes behind
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -50,6 +50,23 @@ def test_two_processes_train_and_report_once(tmp_path, strategy, extra):
     assert summary["tokens"] == sum(r["tokens"] for r in rows) > 256  # both ranks' tokens
     assert (out / "checkpoints" / "checkpoint-000002" / "manifest.json").is_file()
     assert (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_one_process_under_torchrun_runs_the_named_strategy(tmp_path, strategy):
+    """torchrun --nproc_per_node 1 keeps the config's strategy (a group of one), so a multi-GPU
+    config can be tried on one GPU; its losses are the plain run's."""
+    out, rows = _torchrun(tmp_path, strategy, {"distributed": strategy, "max_steps": 2,
+                                               "checkpoint": {"interval_steps": 2}}, nproc=1)
+    summary = json.loads((out / "logs" / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["distributed"] == strategy
+    assert (out / "checkpoints" / "checkpoint-000002" / "manifest.json").is_file()
+    _, plain_rows = _torchrun(tmp_path, f"{strategy}-auto", {"distributed": "auto", "max_steps": 2,
+                                                             "checkpoint": {"interval_steps": 2}}, nproc=1)
+    plain_summary = json.loads((tmp_path / f"{strategy}-auto" / "logs" / "summary.json").read_text())
+    assert plain_summary["distributed"] == "none"
+    for got, want in zip(rows, plain_rows, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-4)
 
 
 def test_fsdp2_resume_continues_the_same_losses(tmp_path):
@@ -79,7 +96,7 @@ def test_elastic_restart_after_a_worker_dies_resumes_the_same_losses(tmp_path):
                                                "logging_steps": 1, **training},
                                   "logging": {"tensorboard": "false"}}))
     out = tmp_path / "elastic"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
            "--max-restarts", "1", "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out),
            "--resume", "auto", "--no_progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -34,6 +34,9 @@ def test_embedded_default_trains_and_logs(tmp_path):
     on_cpu = summary["device"] == "cpu"
     for r in rows:  # the CPU path is a fallback, and the metrics say so; on a GPU there is none
         assert (r["fallbacks"].get("attention_per_sequence", 0) > 0) == on_cpu
+        assert (r["host_lead_ms"] is None) == on_cpu  # measured with CUDA events
+        if not on_cpu:
+            assert 0 <= r["host_lead_ms"] == r["host_lead_ms_max"]  # one rank: its own lead both ways
     assert ("attention_per_sequence" in summary["fallback_reasons"]) == on_cpu
     assert (out / "final" / "model.safetensors").is_file()
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hasten.config import ConfigError
+from hasten.observability import logger
 
 
 @dataclass
@@ -34,13 +35,22 @@ class DistContext:
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        """A process group and a wrapped model, also for one process under torchrun with ddp/fsdp2."""
+        return self.strategy != "none"
 
 
 def from_environment(strategy: str) -> DistContext:
-    """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK); one process otherwise."""
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK); one process otherwise.
+
+    `torchrun --nproc_per_node 1` with ddp or fsdp2 named in the config runs that strategy over a
+    group of one: the same code path and checkpoints as N processes, for trying a multi-GPU config
+    on one GPU (and for measuring the wrapper's own cost). `auto` there, or no torchrun, is plain."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+    under_launcher = "RANK" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+    if world_size <= 1 and not (under_launcher and strategy in ("ddp", "fsdp2")):
+        if strategy in ("ddp", "fsdp2"):
+            logger.info("hasten: one process, not under torchrun: training.distributed %s is not used "
+                        "(launch with torchrun to use it)", strategy)
         return DistContext()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():

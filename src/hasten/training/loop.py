@@ -25,7 +25,7 @@ from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_va
                                        save_final_model, verify)
 from hasten.training.defaults import embedded_model_config
 from hasten.training.distributed import all_reduce_sum, from_environment, gradient_sync, shutdown, wrap_model
-from hasten.training.metrics import MetricsLog, format_row, peak_memory_gib, profiled_step
+from hasten.training.metrics import HostLeadMeter, MetricsLog, format_row, peak_memory_gib, profiled_step
 from hasten.training.prefetch import NextBatchPrefetcher
 from hasten.training.telemetry import GpuMonitor, TensorBoardSink, redact, version_record
 
@@ -253,8 +253,11 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     window_syncs = 0  # host syncs of the window's first step
     sync_sites_reported = False
     last_checkpoint: Path | None = resume_from
+    host_lead = HostLeadMeter(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)  # the first window's anchor needs an idle GPU
+    host_lead.start_window()
     window_start = time.perf_counter()
     bar = tqdm(total=t.max_steps, initial=state.step, desc="hasten train", unit="step",
                disable=None if progress and ctx.is_main else True,  # None: no bar off a terminal
@@ -276,12 +279,15 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                                          else host_batch["attention_mask"].sum())
                     with gradient_sync(model, ctx, last_micro_batch=micro == t.gradient_accumulation_steps - 1):
                         loss = model(**batch).loss / t.gradient_accumulation_steps
+                        host_lead.mark(step_start=micro == 0)
                         loss.backward()
+                        host_lead.mark()
                     window_loss += loss.detach()
                     window_micro += 1
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                host_lead.mark()
             if probed is not None:
                 window_syncs = probed.count
                 if probed.sites and not sync_sites_reported and ctx.is_main:
@@ -295,8 +301,13 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
             if state.step % t.logging_steps == 0 or state.step == t.max_steps or stopping:
                 # one read-back (and, under torchrun, one small all-reduce) per logging step
                 signalled = float(stop.signal_name is not None)
-                tokens_all, loss_all, micro_all, stop_all = all_reduce_sum(
-                    [window_tokens, float(window_loss), window_micro, signalled], ctx, device)
+                window_loss_sum = float(window_loss)  # waits for the GPU: the window's events are done
+                # each rank's host lead in its own slot: the sum over ranks gathers them
+                lead_slots = [0.0] * ctx.world_size if host_lead.enabled else []
+                if host_lead.enabled:
+                    lead_slots[ctx.rank] = host_lead.margin_ms()
+                tokens_all, loss_all, micro_all, stop_all, *leads = all_reduce_sum(
+                    [window_tokens, window_loss_sum, window_micro, signalled, *lead_slots], ctx, device)
                 stopping = stopping or stop_all > 0
                 mean_loss = loss_all * t.gradient_accumulation_steps / micro_all
                 elapsed = time.perf_counter() - window_start - window_checkpoint_s
@@ -305,6 +316,9 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                        "step_s": elapsed / (window_micro // t.gradient_accumulation_steps),
                        "checkpoint_s": window_checkpoint_s, "host_syncs_per_step": window_syncs,
                        "peak_gib": peak_memory_gib(device),
+                       # the most host-bound rank's margin, and the least (see HostLeadMeter)
+                       "host_lead_ms": min(leads) if leads else None,
+                       "host_lead_ms_max": max(leads) if leads else None,
                        "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
                        "fallbacks": fallback_counts()}
                 if handle.moe_stats is not None:
@@ -323,6 +337,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                 state.losses.append(mean_loss)
                 window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
                 window_checkpoint_s = 0.0
+                host_lead.start_window()
                 window_start = time.perf_counter()
             if not ctx.enabled:  # a signal that came during this step's logging still stops here
                 stopping = stopping or stop.signal_name is not None

@@ -39,12 +39,59 @@ class MetricsLog:
         self._file.close()
 
 
+class HostLeadMeter:
+    """How far the host runs ahead of the GPU, from CUDA events: no profiler, so no distortion.
+
+    At marks in each step (each micro-batch's forward end and backward end, the optimizer step's
+    end) the host records a timed event on the compute stream and its own clock. After the window's
+    read-back (a sync), each event's GPU time, put on the host clock through an anchor event
+    recorded while the GPU was idle, says how long after the host passed the mark the GPU did: the
+    lead. A step's smallest lead is its margin. Near 0 ms, the GPU had drained its queue and waited
+    for the host somewhere in the step: the step is host-bound (less Python or fewer kernel launches
+    per step help; a faster GPU does not). Tens of ms: the host stayed ahead and the GPU is the limit.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cuda"
+        self._anchor: tuple[torch.cuda.Event, float] | None = None
+        self._steps: list[list[tuple[torch.cuda.Event, float]]] = []  # per step: (event, host seconds)
+
+    def _record(self) -> tuple[torch.cuda.Event, float]:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event, time.perf_counter()
+
+    def start_window(self) -> None:
+        """Call right after a sync, while the GPU has nothing queued."""
+        if self.enabled:
+            self._anchor = self._record()
+            self._steps = []
+
+    def mark(self, step_start: bool = False) -> None:
+        if self.enabled and self._anchor is not None:
+            if step_start or not self._steps:
+                self._steps.append([])
+            self._steps[-1].append(self._record())
+
+    def margin_ms(self) -> float | None:
+        """Median over the window's steps of each step's smallest lead (ms); None without CUDA.
+        Call after a sync (every event recorded so far has completed)."""
+        if not self.enabled or self._anchor is None or not self._steps:
+            return None
+        anchor, anchor_host = self._anchor
+        margins = [min(max(0.0, anchor_host + anchor.elapsed_time(event) / 1e3 - host) for event, host in marks)
+                   for marks in self._steps if marks]
+        return statistics.median(margins) * 1e3
+
+
 def format_row(row: dict[str, Any]) -> str:
     text = (f"step {row['step']:>5} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
             f"{row['tokens_per_s']:,.0f} tok/s | step {row['step_s'] * 1000:.1f} ms | "
             f"peak {row['peak_gib']:.2f} GiB")
     if row.get("host_syncs_per_step"):
         text += f" | host syncs {row['host_syncs_per_step']}/step"
+    if row.get("host_lead_ms") is not None:
+        text += f" | host lead {row['host_lead_ms']:.1f} ms"
     if row.get("checkpoint_s"):
         text += f" | checkpoint {row['checkpoint_s']:.1f} s"
     if row.get("fallbacks"):
