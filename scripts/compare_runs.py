@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from hasten.training.metrics import median_rates, read_metrics
@@ -25,8 +26,10 @@ def read_rows(log_dir: Path) -> list[dict]:
 def summarise(name: str, rows: list[dict], skip: int) -> dict:
     tokens_per_s, step_s = median_rates(rows, warmup_rows=skip)
     gpu = [r.get("gpu") for r in rows if r.get("gpu")]
+    leads = [r["host_lead_ms"] for r in rows[skip:] or rows if r.get("host_lead_ms") is not None]
     return {"run": name, "steps": [rows[0]["step"], rows[-1]["step"]], "tokens_per_s": tokens_per_s,
             "step_s": step_s, "peak_gib": max(r["peak_gib"] for r in rows),
+            "host_lead_ms": statistics.median(leads) if leads else None,
             "losses": {r["step"]: r["loss"] for r in rows}, "gpu_last": gpu[-1] if gpu else None}
 
 
@@ -47,7 +50,8 @@ def main() -> None:
         print(f"{run['run']:>14}: steps {run['steps'][0]}-{run['steps'][1]}  {run['tokens_per_s']:>10,.0f} tok/s  "
               f"step {run['step_s'] * 1000:7.1f} ms  peak {run['peak_gib']:6.1f} GiB  "
               f"x{run['speedup_vs_first']:.3f} vs {reference['run']}  "
-              f"max |loss diff| on {len(shared)} shared steps: {run['max_loss_diff_vs_first']}")
+              f"max |loss diff| on {len(shared)} shared steps: {run['max_loss_diff_vs_first']}"
+              + (f"  host lead {run['host_lead_ms']:.1f} ms" if run["host_lead_ms"] is not None else ""))
         if run["gpu_last"]:
             print(f"{'':>16}NVML at the last step: {run['gpu_last']}")
     if args.json:

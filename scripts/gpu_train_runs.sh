@@ -2,6 +2,8 @@
 # On the GPU machine, after the extension is built: the production-training runs of the closing
 # notes. Results go to $OUT (or ./gpu-out).
 #   bench    hasten bench (hasten off vs on) on the Qwen3-0.6B-shaped job, one GPU
+#   wrapper  (1 GPU, not in the default PARTS) the plain loop vs FSDP2 over one process under torchrun:
+#            the wrapper's own cost, and each run's host lead
 #   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two, same config, tokens/s and losses over
 #            SCALE_STEPS (80) steps of ACCUM (1) micro-batches; the collectives' bandwidth first
 #   resume   (2+ GPUs) FSDP2 killed (SIGKILL, whole job) after a checkpoint, then --resume auto;
@@ -25,12 +27,11 @@ if [[ " ${PARTS:-bench scaling resume elastic} " == *" bench "* ]]; then
   cp "$RUNS"/bench/bench.json "$RUNS"/bench/bench.png "$OUT/" 2>/dev/null
 fi
 
-if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scaling "* ]]; then
+SCALE_STEPS=${SCALE_STEPS:-80} ACCUM=${ACCUM:-1}
+scaling_configs() {
   # Steady state: a row every 10 steps (a per-step row costs each step a host sync), checkpoints every
   # 50 (their writing time is reported apart from the step rate), the first row left out as warm-up.
   # ACCUM micro-batches per optimizer step (gradients reduced once per step), the same on one GPU.
-  SCALE_STEPS=${SCALE_STEPS:-80} ACCUM=${ACCUM:-1}
-  torchrun --nproc_per_node 2 benchmarks/collective_bandwidth.py 2>&1 | grep -vE "^W1|\*\*\*|OMP_NUM" | tee "$OUT/collectives.txt"
   python3 - "$CONFIG" "$RUNS" "$ACCUM" "${LOG_EVERY:-10}" "${PROFILE_STEP:-0}" <<'PY'
 import sys, yaml
 config = yaml.safe_load(open(sys.argv[1]))
@@ -44,6 +45,32 @@ yaml.safe_dump(config, open(f"{sys.argv[2]}/scaling.yaml", "w"))
 training["fsdp2_reshard_after_forward"] = False  # each layer's gathered weights kept from forward to backward
 yaml.safe_dump(config, open(f"{sys.argv[2]}/keep_gathered.yaml", "w"))
 PY
+}
+
+if [[ " ${PARTS:-bench scaling resume elastic} " == *" wrapper "* ]]; then
+  # One GPU: the plain loop against the same config under torchrun --nproc_per_node 1 (FSDP2 over a
+  # group of one: its hooks, copies and host work without a second rank or a link), with each run's
+  # host lead (near 0 ms: the GPU waits for the host).
+  scaling_configs
+  CUDA_VISIBLE_DEVICES=0 python3 -m hasten train --config "$RUNS/scaling.yaml" --max_steps "$SCALE_STEPS" \
+    --output_dir "$RUNS/w_plain" --no_progress > "$OUT/wrapper_plain.log" 2>&1; echo "plain exit $?"
+  CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node 1 -m hasten train --config "$RUNS/scaling.yaml" \
+    --max_steps "$SCALE_STEPS" --output_dir "$RUNS/w_fsdp2" --no_progress > "$OUT/wrapper_fsdp2.log" 2>&1
+  echo "fsdp2 (one process) exit $?"
+  CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node 1 -m hasten train --config "$RUNS/keep_gathered.yaml" \
+    --max_steps "$SCALE_STEPS" --output_dir "$RUNS/w_keep" --no_progress > "$OUT/wrapper_keep.log" 2>&1
+  echo "fsdp2 kept gathered (one process) exit $?"
+  python3 scripts/compare_runs.py plain="$RUNS/w_plain/logs" fsdp2_one_process="$RUNS/w_fsdp2/logs" \
+    fsdp2_kept_one_process="$RUNS/w_keep/logs" --skip 1 --json "$OUT/wrapper.json" | tee "$OUT/wrapper.txt"
+  if [ "${PROFILE_STEP:-0}" != 0 ]; then
+    python3 scripts/trace_gaps.py "$RUNS"/w_{plain,fsdp2,keep}/logs/profile_step*.trace.json | tee -a "$OUT/wrapper.txt"
+    tar czf "$OUT/wrapper_profiles.tgz" -C "$RUNS" $(cd "$RUNS" && ls w_{plain,fsdp2,keep}/logs/profile_step*.txt)
+  fi
+fi
+
+if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scaling "* ]]; then
+  torchrun --nproc_per_node 2 benchmarks/collective_bandwidth.py 2>&1 | grep -vE "^W1|\*\*\*|OMP_NUM" | tee "$OUT/collectives.txt"
+  scaling_configs
   CUDA_VISIBLE_DEVICES=0 python3 -m hasten train --config "$RUNS/scaling.yaml" --max_steps "$SCALE_STEPS" \
     --output_dir "$RUNS/one" --no_progress > "$OUT/one_gpu.log" 2>&1; echo "one gpu exit $?"
   torchrun --nproc_per_node 2 -m hasten train --config "$RUNS/scaling.yaml" --max_steps "$SCALE_STEPS" \
@@ -52,8 +79,10 @@ PY
     --output_dir "$RUNS/two_keep" --no_progress > "$OUT/two_gpu_keep.log" 2>&1; echo "two gpu (kept gathered) exit $?"
   python3 scripts/compare_runs.py one_gpu="$RUNS/one/logs" fsdp2_two_gpu="$RUNS/two/logs" \
     fsdp2_kept_gathered="$RUNS/two_keep/logs" --skip 1 --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
-  [ "${PROFILE_STEP:-0}" != 0 ] && tar czf "$OUT/profiles.tgz" -C "$RUNS" \
-    $(cd "$RUNS" && ls {one,two,two_keep}/logs/profile_step*.txt 2>/dev/null)
+  if [ "${PROFILE_STEP:-0}" != 0 ]; then
+    python3 scripts/trace_gaps.py "$RUNS"/{one,two,two_keep}/logs/profile_step*.trace.json | tee -a "$OUT/scaling.txt"
+    tar czf "$OUT/profiles.tgz" -C "$RUNS" $(cd "$RUNS" && ls {one,two,two_keep}/logs/profile_step*.txt)
+  fi
 fi
 
 wait_for() {  # wait_for PATH SECONDS: until PATH exists
