@@ -2,8 +2,8 @@
 # On the GPU machine, after the extension is built: the production-training runs of the closing
 # notes. Results go to $OUT (or ./gpu-out).
 #   bench    hasten bench (hasten off vs on) on the Qwen3-0.6B-shaped job, one GPU
-#   wrapper  (1 GPU, not in the default PARTS) the plain loop vs FSDP2 over one process under torchrun:
-#            the wrapper's own cost, and each run's host lead
+#   wrapper  (1 GPU, not in the default PARTS) the plain loop vs FSDP2 (UNITS layers per unit) and DDP
+#            over one process under torchrun: the wrappers' own cost, and each run's host lead
 #   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two, same config, tokens/s and losses over
 #            SCALE_STEPS (80) steps of ACCUM (1) micro-batches; the collectives' bandwidth first
 #   resume   (2+ GPUs) FSDP2 killed (SIGKILL, whole job) after a checkpoint, then --resume auto;
@@ -48,23 +48,33 @@ PY
 }
 
 if [[ " ${PARTS:-bench scaling resume elastic} " == *" wrapper "* ]]; then
-  # One GPU: the plain loop against the same config under torchrun --nproc_per_node 1 (FSDP2 over a
-  # group of one: its hooks, copies and host work without a second rank or a link), with each run's
-  # host lead (near 0 ms: the GPU waits for the host).
+  # One GPU: the plain loop against the same config under torchrun --nproc_per_node 1 (a group of
+  # one: the wrapper's hooks, copies and host work without a second rank or a link), FSDP2 with
+  # UNITS layers per unit each, and DDP; each run's host lead (near 0 ms: the GPU waits for the host).
   scaling_configs
   CUDA_VISIBLE_DEVICES=0 python3 -m hasten train --config "$RUNS/scaling.yaml" --max_steps "$SCALE_STEPS" \
     --output_dir "$RUNS/w_plain" --no_progress > "$OUT/wrapper_plain.log" 2>&1; echo "plain exit $?"
-  CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node 1 -m hasten train --config "$RUNS/scaling.yaml" \
-    --max_steps "$SCALE_STEPS" --output_dir "$RUNS/w_fsdp2" --no_progress > "$OUT/wrapper_fsdp2.log" 2>&1
-  echo "fsdp2 (one process) exit $?"
-  CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node 1 -m hasten train --config "$RUNS/keep_gathered.yaml" \
-    --max_steps "$SCALE_STEPS" --output_dir "$RUNS/w_keep" --no_progress > "$OUT/wrapper_keep.log" 2>&1
-  echo "fsdp2 kept gathered (one process) exit $?"
-  python3 scripts/compare_runs.py plain="$RUNS/w_plain/logs" fsdp2_one_process="$RUNS/w_fsdp2/logs" \
-    fsdp2_kept_one_process="$RUNS/w_keep/logs" --skip 1 --json "$OUT/wrapper.json" | tee "$OUT/wrapper.txt"
+  compared=(plain="$RUNS/w_plain/logs")
+  for variant in ${UNITS:-1 4} ddp; do
+    python3 - "$RUNS/scaling.yaml" "$RUNS/w_$variant.yaml" "$variant" <<'PY'
+import sys, yaml
+config = yaml.safe_load(open(sys.argv[1]))
+if sys.argv[3] == "ddp":
+    config["training"]["distributed"] = "ddp"
+else:
+    config["training"]["fsdp2_layers_per_unit"] = int(sys.argv[3])
+yaml.safe_dump(config, open(sys.argv[2], "w"))
+PY
+    CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node 1 -m hasten train --config "$RUNS/w_$variant.yaml" \
+      --max_steps "$SCALE_STEPS" --output_dir "$RUNS/w_$variant" --no_progress > "$OUT/wrapper_$variant.log" 2>&1
+    echo "$variant (one process) exit $?"
+    [[ $variant == ddp ]] && compared+=(ddp_one_process="$RUNS/w_ddp/logs") \
+      || compared+=(fsdp2_${variant}_per_unit="$RUNS/w_$variant/logs")
+  done
+  python3 scripts/compare_runs.py "${compared[@]}" --skip 1 --json "$OUT/wrapper.json" | tee "$OUT/wrapper.txt"
   if [ "${PROFILE_STEP:-0}" != 0 ]; then
-    python3 scripts/trace_gaps.py "$RUNS"/w_{plain,fsdp2,keep}/logs/profile_step*.trace.json | tee -a "$OUT/wrapper.txt"
-    tar czf "$OUT/wrapper_profiles.tgz" -C "$RUNS" $(cd "$RUNS" && ls w_{plain,fsdp2,keep}/logs/profile_step*.txt)
+    python3 scripts/trace_gaps.py "$RUNS"/w_*/logs/profile_step*.trace.json | tee -a "$OUT/wrapper.txt"
+    tar czf "$OUT/wrapper_profiles.tgz" -C "$RUNS" $(cd "$RUNS" && ls w_*/logs/profile_step*.txt)
   fi
 fi
 

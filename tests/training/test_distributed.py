@@ -52,6 +52,18 @@ def test_two_processes_train_and_report_once(tmp_path, strategy, extra):
     assert (out / "final" / "model.safetensors").is_file()
 
 
+def test_fsdp2_layers_grouped_into_one_unit_train_like_one_per_layer(tmp_path):
+    """training.fsdp2_layers_per_unit 2 (both tiny layers in one unit: one gather, one reduce) keeps
+    the per-layer run's losses; a unit count that does not divide the layers is covered by 3."""
+    training = {"distributed": "fsdp2", "max_steps": 3, "checkpoint": {"interval_steps": 3}}
+    _, per_layer = _torchrun(tmp_path, "per_layer", training)
+    for layers_per_unit in (2, 3):
+        _, grouped = _torchrun(tmp_path, f"grouped{layers_per_unit}",
+                               {**training, "fsdp2_layers_per_unit": layers_per_unit})
+        for got, want in zip(grouped, per_layer, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), layers_per_unit
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_one_process_under_torchrun_runs_the_named_strategy(tmp_path, strategy):
     """torchrun --nproc_per_node 1 keeps the config's strategy (a group of one), so a multi-GPU

@@ -101,7 +101,7 @@ def tied_parameter_names(model: torch.nn.Module) -> set[str]:
 
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
-               reshard_after_forward: bool = True) -> torch.nn.Module:
+               reshard_after_forward: bool = True, layers_per_unit: int = 1) -> torch.nn.Module:
     if not ctx.enabled:
         return model
     ctx.tied_names = tied_parameter_names(model)
@@ -118,18 +118,20 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
         if layers is None:
             raise ConfigError("training.distributed fsdp2 shards per decoder layer and this model has no "
                               "model.layers; use ddp")
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh)
-        # Each layer asks for its neighbour's all-gather when it starts (the next layer's in forward,
-        # the previous layer's in backward), so the copy overlaps this layer's compute even when the
-        # host is not running ahead of the GPU.
         layers = list(layers)
-        for i, layer in enumerate(layers):
-            if i + 1 < len(layers):
-                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        # a unit is `layers_per_unit` consecutive layers; a unit is named by its first layer
+        units = [layers[i:i + layers_per_unit] for i in range(0, len(layers), layers_per_unit)]
+        for unit in units:
+            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh)
+        # Each unit asks for its neighbour's all-gather when it starts (the next unit's in forward,
+        # the previous unit's in backward), so the copy overlaps this unit's compute even when the
+        # host is not running ahead of the GPU.
+        for i, unit in enumerate(units):
+            if i + 1 < len(units):
+                unit[0].set_modules_to_forward_prefetch([units[i + 1][0]])
             if i > 0:
-                layer.set_modules_to_backward_prefetch([layers[i - 1]])
+                unit[0].set_modules_to_backward_prefetch([units[i - 1][0]])
         return model
     raise ConfigError(f"unknown training.distributed strategy {ctx.strategy!r}")
 

@@ -203,7 +203,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     if config.lora.enabled:
         model = _with_lora(model, config, ctx)
     hf_model = model
-    model = wrap_model(model, ctx, device, reshard_after_forward=t.fsdp2_reshard_after_forward)
+    model = wrap_model(model, ctx, device, reshard_after_forward=t.fsdp2_reshard_after_forward,
+                       layers_per_unit=t.fsdp2_layers_per_unit)
     if ctx.enabled and ctx.is_main:
         logger.info("hasten: %s over %d processes", ctx.strategy, ctx.world_size)
 
