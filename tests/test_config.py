@@ -37,6 +37,7 @@ def test_unknown_key_names_key_and_nearest(tmp_path):
     ({"training": {"overlong": "wrap"}}, r"`training.overlong` must be one of 'truncate', 'drop'; got 'wrap'"),
     ({"training": {"max_tokens": 0}}, r"`training.max_tokens` must be at least 1"),
     ({"training": {"learning_rate": -1}}, r"`training.learning_rate` must be positive"),
+    ({"training": {"fsdp2_layers_per_unit": -2}}, r"`training.fsdp2_layers_per_unit` must be 0 \(auto\)"),
     ({"training": 3}, r"`training` must be a mapping"),
     ({"model": {"path": 5}}, r"`model.path` must be a string"),
 ])

@@ -56,12 +56,32 @@ def test_fsdp2_layers_grouped_into_one_unit_train_like_one_per_layer(tmp_path):
     """training.fsdp2_layers_per_unit 2 (both tiny layers in one unit: one gather, one reduce) keeps
     the per-layer run's losses; a unit count that does not divide the layers is covered by 3."""
     training = {"distributed": "fsdp2", "max_steps": 3, "checkpoint": {"interval_steps": 3}}
-    _, per_layer = _torchrun(tmp_path, "per_layer", training)
+    _, per_layer = _torchrun(tmp_path, "per_layer", {**training, "fsdp2_layers_per_unit": 1})
     for layers_per_unit in (2, 3):
         _, grouped = _torchrun(tmp_path, f"grouped{layers_per_unit}",
                                {**training, "fsdp2_layers_per_unit": layers_per_unit})
         for got, want in zip(grouped, per_layer, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), layers_per_unit
+
+
+def test_auto_fsdp2_units_group_small_layers_only():
+    """auto: 50M parameters per unit: Qwen3-0.6B's 15.7M-parameter layers 4 to a unit, 7B-sized
+    layers (200M+) one each, a model smaller than one unit in one unit; a number is taken as given."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hasten.training.defaults import embedded_model_config
+    from hasten.training.distributed import layers_per_fsdp2_unit
+
+    with torch.device("meta"):
+        small = list(Qwen3ForCausalLM(embedded_model_config("qwen3-0.6b")).model.layers)
+        large = list(Qwen3ForCausalLM(Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=2,
+                                                  num_attention_heads=32, num_key_value_heads=8,
+                                                  head_dim=128)).model.layers)
+        tiny = list(Qwen3ForCausalLM(embedded_model_config("tiny")).model.layers)
+    assert layers_per_fsdp2_unit(small, 0) == 4
+    assert layers_per_fsdp2_unit(large, 0) == 1
+    assert layers_per_fsdp2_unit(tiny, 0) == len(tiny) == 2
+    assert layers_per_fsdp2_unit(small, 3) == 3
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
