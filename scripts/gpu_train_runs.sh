@@ -50,12 +50,12 @@ PY
 if [[ " ${PARTS:-bench scaling resume elastic} " == *" wrapper "* ]]; then
   # One GPU: the plain loop against the same config under torchrun --nproc_per_node 1 (a group of
   # one: the wrapper's hooks, copies and host work without a second rank or a link), FSDP2 with
-  # UNITS layers per unit each, and DDP; each run's host lead (near 0 ms: the GPU waits for the host).
+  # UNITS layers per unit each (0: auto), and DDP; each run's host lead (near 0 ms: the GPU waits for the host).
   scaling_configs
   CUDA_VISIBLE_DEVICES=0 python3 -m hasten train --config "$RUNS/scaling.yaml" --max_steps "$SCALE_STEPS" \
     --output_dir "$RUNS/w_plain" --no_progress > "$OUT/wrapper_plain.log" 2>&1; echo "plain exit $?"
   compared=(plain="$RUNS/w_plain/logs")
-  for variant in ${UNITS:-1 4} ddp; do
+  for variant in ${UNITS:-1 4 ddp}; do  # a number of layers per FSDP2 unit (0: auto), or ddp
     python3 - "$RUNS/scaling.yaml" "$RUNS/w_$variant.yaml" "$variant" <<'PY'
 import sys, yaml
 config = yaml.safe_load(open(sys.argv[1]))
