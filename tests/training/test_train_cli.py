@@ -124,3 +124,40 @@ def test_profile_step_must_not_be_negative(tmp_path, capsys):
     config.write_text("logging:\n  profile_step: -1\n")
     assert main(["train", "--config", str(config), "--output_dir", str(tmp_path / "o"), "--no_progress"]) == 2
     assert "logging.profile_step" in capsys.readouterr().err
+
+
+def test_a_host_bound_run_says_so_once_after_warm_up(tmp_path, monkeypatch, capsys):
+    """The host lead needs CUDA events; a stand-in meter that reports 0.2 ms (the GPU always
+    waiting) drives the loop's report on the CPU: in the rows, and one warning, not for the
+    first (warm-up) window."""
+    import hasten.training.loop as loop
+    from hasten.training.metrics import HostLeadMeter
+
+    class WaitingGpu(HostLeadMeter):
+        def __init__(self, device):
+            self.enabled = True
+
+        def start_window(self):
+            pass
+
+        def mark(self, step_start=False):
+            pass
+
+        def margin_ms(self):
+            return 0.2
+
+    monkeypatch.setattr(loop, "HostLeadMeter", WaitingGpu)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.replace("max_steps: 4", "max_steps: 6"))
+    logs = tmp_path / "logs"
+    assert main(["train", "--config", str(config), "--output_dir", str(tmp_path / "out"), "--log_dir", str(logs),
+                 "--no_progress"]) == 0
+    rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert [r["host_lead_ms"] for r in rows] == [0.2, 0.2, 0.2]
+    err = capsys.readouterr().err
+    assert err.count("the step is host-bound") == 1
+    assert "training.fsdp2_layers_per_unit" in err
+    config.write_text(TINY.replace("max_steps: 4", "max_steps: 2"))  # one window: warm-up only
+    assert main(["train", "--config", str(config), "--output_dir", str(tmp_path / "out2"), "--log_dir",
+                 str(tmp_path / "logs2"), "--no_progress"]) == 0
+    assert "host-bound" not in capsys.readouterr().err

@@ -253,6 +253,7 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     window_checkpoint_s = 0.0  # checkpoint writing inside the window: reported apart from the step rate
     window_syncs = 0  # host syncs of the window's first step
     sync_sites_reported = False
+    windows_logged, host_bound_reported = 0, False
     last_checkpoint: Path | None = resume_from
     host_lead = HostLeadMeter(device)
     if device.type == "cuda":
@@ -328,6 +329,16 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                     row["offload"] = handle.offload.summary()
                 if gpu_monitor is not None and (gpu := gpu_monitor.read()) is not None:
                     row["gpu"] = gpu
+                windows_logged += 1
+                lead = row["host_lead_ms"]
+                if (ctx.is_main and lead is not None and lead < HostLeadMeter.HOST_BOUND_MS and windows_logged > 1
+                        and not host_bound_reported):  # the first window is warm-up
+                    host_bound_reported = True
+                    logger.warning(
+                        "hasten: the step is host-bound: the GPU waits for Python in most steps (host lead %.1f ms; "
+                        "tens of ms when the GPU is the limit). More tokens per step (training.max_tokens), larger "
+                        "FSDP2 units (training.fsdp2_layers_per_unit) or DDP for a model that fits on one GPU give the "
+                        "host more GPU work to hide behind; see 'Several GPUs' in docs/deployment.md", lead)
                 if ctx.is_main:
                     metrics.write(row)
                     tensorboard.write(row)

@@ -51,6 +51,10 @@ class HostLeadMeter:
     per step help; a faster GPU does not). Tens of ms: the host stayed ahead and the GPU is the limit.
     """
 
+    # Margins seen on one H200 (Qwen3-0.6B shape): 0-4 ms with FSDP2 units of one layer (host-bound,
+    # 0.65x the plain loop), 20-50 ms for the plain loop. Under this, the run says it is host-bound.
+    HOST_BOUND_MS = 1.0
+
     def __init__(self, device: torch.device) -> None:
         self.enabled = device.type == "cuda"
         self._anchor: tuple[torch.cuda.Event, float] | None = None
