@@ -100,10 +100,11 @@ def tied_parameter_names(model: torch.nn.Module) -> set[str]:
     return tied
 
 
-# FSDP2 spends host time on each unit every step (hooks, parameter swaps, DTensor gradients): about
-# 3.4 ms per unit and step on the H200 machine's host (Qwen3-0.6B shape, 4406d10). One 0.6B layer
-# (15.7M parameters) computes for less than that at 16k tokens, so one unit per layer left the GPU
-# waiting for the host (0.65x the plain loop, one process); 4 layers per unit: 0.91x.
+# FSDP2 spends host time on each unit every step (hooks, parameter swaps, DTensor gradients): each
+# unit added about 3.4 ms to the step on the H200 machine (Qwen3-0.6B shape, 4406d10), whose host
+# already spends most of a plain step launching each 15.7M-parameter layer's ~4.6 ms of kernels. One
+# unit per layer left the GPU waiting for the host (0.65x the plain loop, one process); 4 layers per
+# unit (63M parameters): 0.91-0.93x.
 AUTO_UNIT_PARAMETERS = 50_000_000
 
 
