@@ -24,8 +24,8 @@ def _torchrun(tmp_path, name, training, *extra, nproc=2):
                                                "logging_steps": 1, **training},
                                   "logging": {"tensorboard": "false"}}))
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
-           "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out), "--no_progress", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_free_port()), "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out), "--no_progress", *extra]
     # its own process group, so a hang cannot leave worker processes behind
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -128,7 +128,7 @@ def test_elastic_restart_after_a_worker_dies_resumes_the_same_losses(tmp_path):
                                                "logging_steps": 1, **training},
                                   "logging": {"tensorboard": "false"}}))
     out = tmp_path / "elastic"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            "--max-restarts", "1", "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out),
            "--resume", "auto", "--no_progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
