@@ -25,7 +25,8 @@ def _torchrun(tmp_path, name, training, *extra, nproc=2):
                                   "logging": {"tensorboard": "false"}}))
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out), "--no_progress", *extra]
+           "--master_port", str(_free_port()), "-m", "hasten", "train", "--config", str(config),
+           "--output_dir", str(out), "--no_progress", *extra]
     # its own process group, so a hang cannot leave worker processes behind
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
