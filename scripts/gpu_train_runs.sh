@@ -4,8 +4,9 @@
 #   bench    hasten bench (hasten off vs on) on the Qwen3-0.6B-shaped job, one GPU
 #   wrapper  (1 GPU, not in the default PARTS) the plain loop vs FSDP2 (UNITS layers per unit) and DDP
 #            over one process under torchrun: the wrappers' own cost, and each run's host lead
-#   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two, same config, tokens/s and losses over
-#            SCALE_STEPS (80) steps of ACCUM (1) micro-batches; the collectives' bandwidth first
+#   scaling  (2+ GPUs) one GPU vs torchrun FSDP2 on two (default units, kept gathered, a unit per
+#            layer), same config, tokens/s and losses over SCALE_STEPS (80) steps of ACCUM (1)
+#            micro-batches; the collectives' bandwidth first
 #   resume   (2+ GPUs) FSDP2 killed (SIGKILL, whole job) after a checkpoint, then --resume auto;
 #   elastic  (2+ GPUs) one worker killed under torchrun --max-restarts 1; the restarted workers
 #            resume from the latest checkpoint
@@ -42,8 +43,11 @@ training["gradient_accumulation_steps"] = int(sys.argv[3])
 training["logging_steps"] = int(sys.argv[4])
 training.setdefault("checkpoint", {})["interval_steps"] = 50
 yaml.safe_dump(config, open(f"{sys.argv[2]}/scaling.yaml", "w"))
-training["fsdp2_reshard_after_forward"] = False  # each layer's gathered weights kept from forward to backward
+training["fsdp2_reshard_after_forward"] = False  # each unit's gathered weights kept from forward to backward
 yaml.safe_dump(config, open(f"{sys.argv[2]}/keep_gathered.yaml", "w"))
+training["fsdp2_reshard_after_forward"] = True
+training["fsdp2_layers_per_unit"] = 1  # the earlier default: a unit per decoder layer
+yaml.safe_dump(config, open(f"{sys.argv[2]}/unit_per_layer.yaml", "w"))
 PY
 }
 
@@ -87,11 +91,15 @@ if (( GPUS >= 2 )) && [[ " ${PARTS:-bench scaling resume elastic} " == *" scalin
     --output_dir "$RUNS/two" --no_progress > "$OUT/two_gpu.log" 2>&1; echo "two gpu exit $?"
   torchrun --nproc_per_node 2 -m hasten train --config "$RUNS/keep_gathered.yaml" --max_steps "$SCALE_STEPS" \
     --output_dir "$RUNS/two_keep" --no_progress > "$OUT/two_gpu_keep.log" 2>&1; echo "two gpu (kept gathered) exit $?"
+  torchrun --nproc_per_node 2 -m hasten train --config "$RUNS/unit_per_layer.yaml" --max_steps "$SCALE_STEPS" \
+    --output_dir "$RUNS/two_per_layer" --no_progress > "$OUT/two_gpu_per_layer.log" 2>&1
+  echo "two gpu (a unit per layer) exit $?"
   python3 scripts/compare_runs.py one_gpu="$RUNS/one/logs" fsdp2_two_gpu="$RUNS/two/logs" \
-    fsdp2_kept_gathered="$RUNS/two_keep/logs" --skip 1 --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
+    fsdp2_kept_gathered="$RUNS/two_keep/logs" fsdp2_unit_per_layer="$RUNS/two_per_layer/logs" --skip 1 \
+    --json "$OUT/scaling.json" | tee "$OUT/scaling.txt"
   if [ "${PROFILE_STEP:-0}" != 0 ]; then
-    python3 scripts/trace_gaps.py "$RUNS"/{one,two,two_keep}/logs/profile_step*.trace.json | tee -a "$OUT/scaling.txt"
-    tar czf "$OUT/profiles.tgz" -C "$RUNS" $(cd "$RUNS" && ls {one,two,two_keep}/logs/profile_step*.txt)
+    python3 scripts/trace_gaps.py "$RUNS"/{one,two,two_keep,two_per_layer}/logs/profile_step*.trace.json | tee -a "$OUT/scaling.txt"
+    tar czf "$OUT/profiles.tgz" -C "$RUNS" $(cd "$RUNS" && ls {one,two,two_keep,two_per_layer}/logs/profile_step*.txt)
   fi
 fi
 
