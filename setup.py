@@ -138,7 +138,8 @@ def _extensions() -> list:
         # its own shared object, opened by _C.so at first use (csrc/attention/cudnn_sdpa.h says why)
         extensions.append(CUDAExtension("hasten._cudnn_sdpa", ["csrc/attention/cudnn_sdpa.cpp"],
                                         include_dirs=include_dirs + cudnn["include_dirs"],
-                                        extra_compile_args={"cxx": cxx_flags}, extra_link_args=libstdcxx + cudnn["extra_link_args"]))
+                                        extra_compile_args={"cxx": cxx_flags},
+                                        extra_link_args=libstdcxx + cudnn["extra_link_args"]))
         print("hasten: building the cuDNN attention op")
     else:
         cuda_sources.remove("csrc/attention/varlen_attention_cuda.cpp")

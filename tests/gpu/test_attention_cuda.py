@@ -7,7 +7,8 @@ import torch
 from hasten.ops import has_cuda_kernel
 
 needs_cudnn_op = pytest.mark.skipif(not has_cuda_kernel("varlen_attention"),
-                                    reason="hasten was built without the cuDNN attention op (no cudnn-frontend headers)")
+                                    reason="hasten was built without the cuDNN attention op "
+                                           "(no cudnn-frontend headers)")
 
 from hasten.attention import varlen
 from hasten.observability import fallback_counts, reset_fallbacks

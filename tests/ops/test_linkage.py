@@ -35,5 +35,6 @@ def test_extension_links_the_shared_libstdcxx(library):
     # a static copy shows as libstdc++'s own locale machinery defined inside the extension
     defined = subprocess.run(["nm", "-D", "-C", "--defined-only", str(library)], capture_output=True, text=True,
                              check=True).stdout
-    copies = [line for line in defined.splitlines() if "std::locale::classic()" in line or "std::ios_base::Init::" in line]
+    copies = [line for line in defined.splitlines()
+              if "std::locale::classic()" in line or "std::ios_base::Init::" in line]
     assert copies == [], f"{library.name} carries its own libstdc++: {copies[:3]}"

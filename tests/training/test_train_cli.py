@@ -135,6 +135,7 @@ def test_a_host_bound_run_says_so_once_after_warm_up(tmp_path, monkeypatch, caps
 
     class WaitingGpu(HostLeadMeter):
         def __init__(self, device):
+            super().__init__(device)
             self.enabled = True
 
         def start_window(self):

@@ -68,7 +68,8 @@ def _cudnn_unavailable(q: torch.Tensor) -> str | None:
     from hasten.ops import has_cuda_kernel
 
     if not has_cuda_kernel("varlen_attention"):
-        return f"hasten was built without its cuDNN attention op (no cudnn-frontend headers at install): {BUILD_CUDNN_OP}"
+        return ("hasten was built without its cuDNN attention op (no cudnn-frontend headers at install): "
+                + BUILD_CUDNN_OP)
     version = torch.backends.cudnn.version() or 0
     if version < _MIN_CUDNN:
         return f"cuDNN {version} is older than {_MIN_CUDNN} (ragged attention with grouped K/V heads)"

@@ -253,7 +253,6 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     window_checkpoint_s = 0.0  # checkpoint writing inside the window: reported apart from the step rate
     window_syncs = 0  # host syncs of the window's first step
     sync_sites_reported = False
-    windows_logged, host_bound_reported = 0, False
     last_checkpoint: Path | None = resume_from
     host_lead = HostLeadMeter(device)
     if device.type == "cuda":
@@ -304,12 +303,9 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                 # one read-back (and, under torchrun, one small all-reduce) per logging step
                 signalled = float(stop.signal_name is not None)
                 window_loss_sum = float(window_loss)  # waits for the GPU: the window's events are done
-                # each rank's host lead in its own slot: the sum over ranks gathers them
-                lead_slots = [0.0] * ctx.world_size if host_lead.enabled else []
-                if host_lead.enabled:
-                    lead_slots[ctx.rank] = host_lead.margin_ms()
                 tokens_all, loss_all, micro_all, stop_all, *leads = all_reduce_sum(
-                    [window_tokens, window_loss_sum, window_micro, signalled, *lead_slots], ctx, device)
+                    [window_tokens, window_loss_sum, window_micro, signalled,
+                     *host_lead.rank_slots(ctx.rank, ctx.world_size)], ctx, device)
                 stopping = stopping or stop_all > 0
                 mean_loss = loss_all * t.gradient_accumulation_steps / micro_all
                 elapsed = time.perf_counter() - window_start - window_checkpoint_s
@@ -329,17 +325,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                     row["offload"] = handle.offload.summary()
                 if gpu_monitor is not None and (gpu := gpu_monitor.read()) is not None:
                     row["gpu"] = gpu
-                windows_logged += 1
-                lead = row["host_lead_ms"]
-                if (ctx.is_main and lead is not None and lead < HostLeadMeter.HOST_BOUND_MS and windows_logged > 1
-                        and not host_bound_reported):  # the first window is warm-up
-                    host_bound_reported = True
-                    logger.warning(
-                        "hasten: the step is host-bound: the GPU waits for Python in most steps (host lead %.1f ms; "
-                        "tens of ms when the GPU is the limit). More tokens per step (training.max_tokens), larger "
-                        "FSDP2 units (training.fsdp2_layers_per_unit) or DDP for a model that fits on one GPU give the "
-                        "host more GPU work to hide behind; see 'Several GPUs' in docs/deployment.md", lead)
                 if ctx.is_main:
+                    host_lead.report(row["host_lead_ms"])
                     metrics.write(row)
                     tensorboard.write(row)
                     bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from hasten.observability import logger
+
 
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
@@ -59,6 +61,8 @@ class HostLeadMeter:
         self.enabled = device.type == "cuda"
         self._anchor: tuple[torch.cuda.Event, float] | None = None
         self._steps: list[list[tuple[torch.cuda.Event, float]]] = []  # per step: (event, host seconds)
+        self._windows_reported = 0
+        self._host_bound_said = False
 
     def _record(self) -> tuple[torch.cuda.Event, float]:
         event = torch.cuda.Event(enable_timing=True)
@@ -84,8 +88,31 @@ class HostLeadMeter:
             return None
         anchor, anchor_host = self._anchor
         margins = [min(max(0.0, anchor_host + anchor.elapsed_time(event) / 1e3 - host) for event, host in marks)
-                   for marks in self._steps if marks]
+                   for marks in self._steps]
         return statistics.median(margins) * 1e3
+
+    def rank_slots(self, rank: int, world_size: int) -> list[float]:
+        """This rank's margin in its own slot of a world_size list (summed over ranks by the logging
+        all-reduce, which gathers every rank's margin); [] without CUDA."""
+        if not self.enabled:
+            return []
+        slots = [0.0] * world_size
+        slots[rank] = self.margin_ms()
+        return slots
+
+    def report(self, lead_ms: float | None) -> None:
+        """Say once per run that the step is host-bound: a window after the first (warm-up) whose
+        lead, the most host-bound rank's, is under HOST_BOUND_MS."""
+        self._windows_reported += 1
+        if (lead_ms is None or lead_ms >= self.HOST_BOUND_MS or self._windows_reported == 1
+                or self._host_bound_said):
+            return
+        self._host_bound_said = True
+        logger.warning(
+            "hasten: the step is host-bound: the GPU waits for Python in most steps (host lead %.1f ms; tens of ms "
+            "when the GPU is the limit). More tokens per step (training.max_tokens), larger FSDP2 units "
+            "(training.fsdp2_layers_per_unit) or DDP for a model that fits on one GPU give the host more GPU work "
+            "to hide behind; see 'Several GPUs' in docs/deployment.md", lead_ms)
 
 
 def format_row(row: dict[str, Any]) -> str:
