@@ -1,6 +1,7 @@
 """Fused RMSNorm, SwiGLU and RoPE inside transformers models: same loss and gradients as the
 unfused model, switchable per kernel, undone cleanly."""
 
+import gc
 import sys
 
 import pytest
@@ -49,14 +50,27 @@ def test_each_kernel_switches_alone():
 
 
 def test_rope_patch_is_shared_and_restored_with_the_last_model():
+    gc.collect()  # models of earlier tests that were dropped without undo() restore it when collected
     modeling = sys.modules[Qwen3ForCausalLM.__module__]
     original = modeling.apply_rotary_pos_emb
+    assert original.__module__ == modeling.__name__
     _, first, _, _ = _run("qwen3", ALL_ON)
     _, second, _, _ = _run("qwen3", ALL_ON)
     assert modeling.apply_rotary_pos_emb is not original
     first.undo()
     assert modeling.apply_rotary_pos_emb is not original  # the second model still uses it
     second.undo()
+    assert modeling.apply_rotary_pos_emb is original
+
+
+def test_rope_patch_of_a_dropped_model_is_restored():
+    gc.collect()
+    modeling = sys.modules[Qwen3ForCausalLM.__module__]
+    original = modeling.apply_rotary_pos_emb
+    model, handle, _, _ = _run("qwen3", ALL_ON)
+    assert modeling.apply_rotary_pos_emb is not original
+    del model, handle
+    gc.collect()
     assert modeling.apply_rotary_pos_emb is original
 
 

@@ -177,4 +177,4 @@ def test_packed_forward_skips_transformers_packed_row_search(monkeypatch):
     handle.undo()
     model(**plain, use_cache=False)  # (with a cache transformers skips the search anyway)
     assert len(calls) == 1  # transformers' own search is back for an unpatched model
-    assert integration._packed_forward_stack() == []  # every hooked forward left its entry
+    assert integration._forward_stack() == []  # every hooked forward left its entry

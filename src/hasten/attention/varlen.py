@@ -182,6 +182,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """Attention of every packed sequence to itself only. Returns (T, Hq, D)."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if sliding_window is not None and not causal:  # no backend below takes a two-sided window
+        raise NotImplementedError(f"hasten's varlen attention has no bidirectional sliding window "
+                                  f"(sliding_window={sliding_window}, causal=False)")
     # sliding_window W (transformers' meaning): a query sees itself and the W - 1 tokens before it.
     left = sliding_window - 1 if sliding_window is not None else -1
     chosen = select_backend(q, backend)

@@ -14,6 +14,7 @@ The returned handle undoes all of it.
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +23,12 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel, masking_utils
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
 from hasten.attention.varlen import varlen_attention
+from hasten.integrations.contract import (attention_features_not_implemented, check_attention_kwargs,
+                                         logit_features_not_implemented, stateful_layers)
+from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.config import Config
 from hasten.memory import apply_activation_checkpointing
 from hasten.dense import install_fused_mlp, install_fused_rms_norm, install_fused_rope
@@ -32,9 +36,11 @@ from hasten.loss import FusedLossUnsupported, install_fused_cross_entropy
 from hasten.memory.offload import OffloadError, OffloadManager
 from hasten.moe import MoeLoadStats, fused_experts_forward, unsupported_reason
 from hasten.observability import logger, record_fallback
+from hasten.packing.collator import PackingError
 from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
 
 ATTN_NAME = "hasten_varlen"
+DENSE_NAME = "hasten_dense_packed"  # the model's own attention, packed rows kept apart by hasten's mask
 EXPERTS_NAME = "hasten_fused"
 
 
@@ -63,41 +69,71 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 @dataclass
 class _AttentionSettings:
+    """hasten's attention settings for one patched model, set on each of its attention modules."""
+
     metadata_cache: bool
     backend: str
     gqa: str
     verify: bool
 
 
-# Settings per patched model, found from an attention module through `module.config`
-# (transformers' configs are unhashable, hence the id).
-_SETTINGS: dict[int, _AttentionSettings] = {}
-_DEFAULT_SETTINGS = _AttentionSettings(True, "auto", "auto", False)
+# The attribute accelerate() sets on every attention module it inspected (removed by undo()).
+_TAG = "_hasten_attention"
 
 
-def _settings_for(module: torch.nn.Module) -> _AttentionSettings:
-    return _SETTINGS.get(id(getattr(module, "config", None)), _DEFAULT_SETTINGS)
+def _effective_window(window: int | None, length: int) -> int | None:
+    # a window at least as long as the row changes nothing
+    return None if window is None or window >= length else int(window)
 
 
 def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                             sliding_window: int | None = None, **kwargs: Any):
-    """transformers attention function. query (B, Hq, L, D), key/value (B, Hkv, S, D) -> (B, L, Hq, D)."""
-    settings = _settings_for(module)
-    cu_seqlens, max_seqlen = kwargs.get(CU_Q), kwargs.get(MAX_Q)
-    position_ids = kwargs.get("position_ids")
+                             attention_mask: torch.Tensor | BandMask | None, scaling: float | None = None,
+                             dropout: float = 0.0, sliding_window: int | None = None, **kwargs: Any):
+    """transformers attention function. query (B, Hq, L, D), key/value (B, Hkv, S, D) -> (B, L, Hq, D).
+
+    `attention_mask` is what hasten_mask returned: a BandMask (the mask's causality and window,
+    no padding), a dense mask (padding, or a decoding step), or None (the model built no mask)."""
+    settings: _AttentionSettings | None = getattr(module, _TAG, None)
+    if settings is None:
+        raise RuntimeError(f"hasten's attention was called from {type(module).__name__}, a module accelerate() did "
+                           "not inspect (its model's config was switched to hasten's attention elsewhere); call "
+                           "hasten.accelerate() on the model that owns this module")
+    is_causal = kwargs.pop("is_causal", None)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    caller_causal = {} if is_causal is None else {"is_causal": is_causal}  # for the dense fallbacks, as given
+    check_attention_kwargs(kwargs, module)
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(f"hasten's varlen attention takes one head size for queries, keys and values; "
+                                  f"{type(module).__name__} has {query.shape[-1]} and {value.shape[-1]}: leave this "
+                                  "model's attention to transformers (training.packed_sequence: false)")
     batch, _, q_len, _ = query.shape
 
+    if isinstance(attention_mask, BandMask):
+        if attention_mask.causal != causal:
+            raise NotImplementedError(f"{type(module).__name__}: the model's mask is "
+                                      f"{'causal' if attention_mask.causal else 'bidirectional'} but the attention "
+                                      f"call is {'causal' if causal else 'bidirectional'}; hasten cannot tell which "
+                                      "the model computes")
+        mask_window = _effective_window(attention_mask.window, q_len)
+        if sliding_window is not None and _effective_window(sliding_window, q_len) != mask_window:
+            raise NotImplementedError(f"{type(module).__name__} passes sliding_window={sliding_window} but its mask "
+                                      f"has {'no window' if mask_window is None else f'a window of {mask_window}'}; "
+                                      "transformers' own attention would apply one or the other depending on its "
+                                      "backend, so hasten refuses to pick")
+        sliding_window, attention_mask = mask_window, None
+
+    cu_seqlens, max_seqlen = kwargs.get(CU_Q), kwargs.get(MAX_Q)
+    position_ids = kwargs.get("position_ids")
     if q_len != key.shape[2]:  # decoding against a KV cache: not a training path, never packed
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      sliding_window=sliding_window, **_without_packing(kwargs))
+                                      **_without_packing(kwargs), **caller_causal)
     if cu_seqlens is None:
         if attention_mask is not None:
             record_fallback("attention_padded_batch", "a batch came with a padding attention_mask, so attention ran "
                             "through transformers' sdpa with a dense mask; pack the batch with "
                             "hasten.PackingCollator (or pass position_ids without attention_mask) for the varlen path")
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                          sliding_window=sliding_window, **kwargs)
+                                          **kwargs, **caller_causal)
         if position_ids is not None:
             # metadata_cache off (or a caller that bypassed the model hook): derive in this layer.
             meta = PackedMeta.from_position_ids(position_ids)
@@ -113,7 +149,7 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     # (B, H, L, D) -> (B * L, H, D): the packed token layout of the varlen kernels.
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
     out = varlen_attention(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), int(max_seqlen),
-                           scale=scaling, causal=getattr(module, "is_causal", True), sliding_window=sliding_window,
+                           scale=scaling, causal=causal, sliding_window=sliding_window,
                            dropout=dropout, backend=settings.backend, gqa=settings.gqa)
     return out.view(batch, q_len, out.shape[1], out.shape[2]), None
 
@@ -122,37 +158,116 @@ def _without_packing(kwargs: dict) -> dict:
     return {name: value for name, value in kwargs.items() if name not in (CU_Q, CU_K, MAX_Q, MAX_K)}
 
 
-def hasten_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-    """No mask for packed or plain causal batches (attention reads cu_seqlens). A real
-    padding mask is honoured by building transformers' sdpa mask, and the attention
-    function reports that fallback."""
-    if attention_mask is None:
-        return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+def hasten_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """transformers mask interface. Without padding: a BandMask, the mask function's causality and
+    window read back (attention reads cu_seqlens for the boundaries; no dense mask). With padding,
+    or for a decoding step against a cache: transformers' own sdpa mask, which the attention
+    function serves through its (reported) dense fallback."""
+    plain = (attention_mask is None and q_length == kv_length and isinstance(q_offset, int) and q_offset == 0
+             and isinstance(kv_offset, int) and kv_offset == 0)
+    if not plain:
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+    try:
+        return read_band(mask_function, q_length, kwargs.get("device"))
+    except MaskNotSupported as exc:
+        raise MaskNotSupported(f"hasten: {exc}; hasten's varlen attention cannot compute it, and accelerate() should "
+                               "have left this model's attention to transformers: please report the model type. "
+                               "Until then, train without hasten's attention (training.packed_sequence: false)") from exc
+
+
+@dataclass
+class _ForwardState:
+    """What the packing hook decided for one forward of a hooked model (innermost last)."""
+
+    hasten_packed: bool = False  # hasten's varlen attention keeps the samples apart
+    # dense mode, packed batch: the sample index of every token, (rows, L); None otherwise
+    sample_ids: torch.Tensor | None = None
+    base_mask: Any = None  # dense mode: transformers' mask interface of the model's own attention
+    masks: list = field(default_factory=list)  # dense mode: the masks hasten built in this forward
+
+
+_forwards = threading.local()
+
+
+def _forward_stack() -> list[_ForwardState]:
+    if not hasattr(_forwards, "stack"):
+        _forwards.stack = []
+    return _forwards.stack
+
+
+def _current_forward() -> _ForwardState | None:
+    stack = _forward_stack()
+    return stack[-1] if stack else None
+
+
+# --- dense mode: the model's own attention, packed rows kept apart by a mask hasten builds -------
+
+_DENSE_TAG = "_hasten_dense_attention"  # on each attention module: the model's own attention function
+
+
+def hasten_dense_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                   value: torch.Tensor, attention_mask, **kwargs: Any):
+    """The model's own attention function (eager or sdpa, unchanged), after checking that a packed
+    batch's attention gets the mask hasten built to keep its samples apart."""
+    original = getattr(module, _DENSE_TAG, None)
+    if original is None:
+        raise RuntimeError(f"hasten's packed-mask attention was called from {type(module).__name__}, a module "
+                           "accelerate() did not inspect; call hasten.accelerate() on the model that owns it")
+    if original is sdpa_attention_forward:
+        dropped = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
+        if dropped:  # transformers < 5.24 picks sdpa for Gemma-2 and its sdpa ignores the softcap
+            raise NotImplementedError(f"{type(module).__name__} passes {', '.join(dropped)} to transformers' sdpa "
+                                      "attention, which does not apply it; load the model with "
+                                      "attn_implementation='eager' (or upgrade transformers)")
+    state = _current_forward()
+    if state is not None and state.sample_ids is not None and not any(attention_mask is m for m in state.masks):
+        raise PackedBatchRefused(f"hasten: {type(module).__name__} of a packed batch received an attention mask that "
+                                 "hasten did not build for the batch, so nothing would keep its samples apart. Train "
+                                 "this model with padded batches (training.packed_sequence: false) and please report "
+                                 "the model type.")
+    return original(module, query, key, value, attention_mask, **kwargs)
+
+
+def hasten_dense_mask(*args, mask_function=None, **kwargs: Any):
+    """transformers' mask of the model's own attention, with the packed batch's sample boundaries
+    added (a query sees keys of its own sample only)."""
+    state = _current_forward()
+    base = state.base_mask if state is not None and state.base_mask is not None else sdpa_mask
+    if state is None or state.sample_ids is None:
+        return base(*args, mask_function=mask_function, **kwargs)
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+    rows, length = state.sample_ids.shape
+    if q_length != length or kv_length != length:
+        raise PackedBatchRefused(f"hasten: a mask of {q_length} x {kv_length} for a packed batch of rows of {length} "
+                                 "tokens; train this model with padded batches (training.packed_sequence: false)")
+    sample_ids = state.sample_ids
+
+    def same_sample(batch_idx, head_idx, q_idx, kv_idx):
+        return sample_ids[batch_idx, q_idx] == sample_ids[batch_idx, kv_idx]
+
+    kwargs["allow_is_causal_skip"] = False  # sdpa would otherwise return None for "plain causal"
+    mask = base(*args, mask_function=masking_utils.and_masks(mask_function, same_sample), **kwargs)
+    state.masks.append(mask)
+    return mask
 
 
 AttentionInterface.register(ATTN_NAME, hasten_attention_forward)
 AttentionMaskInterface.register(ATTN_NAME, hasten_mask)
+AttentionInterface.register(DENSE_NAME, hasten_dense_attention_forward)
+AttentionMaskInterface.register(DENSE_NAME, hasten_dense_mask)
 
 # transformers' mask preparation looks for packed rows in position_ids and ends with a Python-level
 # `.all()` on a device tensor: a host sync in every forward, for a result hasten_mask throws away
 # (packed batches carry no attention_mask; attention reads cu_seqlens). Inside a forward that
-# hasten prepared as packed, that search is skipped. One entry per hooked forward, innermost last.
-_packed_forwards = threading.local()
+# hasten prepared as packed, that search is skipped.
 _find_packed_sequence_indices = masking_utils.find_packed_sequence_indices
 
 
-def _packed_forward_stack() -> list[bool]:
-    if not hasattr(_packed_forwards, "stack"):
-        _packed_forwards.stack = []
-    return _packed_forwards.stack
-
-
 def _find_packed_sequence_indices_unless_hasten(position_ids: torch.Tensor) -> torch.Tensor | None:
-    stack = _packed_forward_stack()
-    if stack and stack[-1]:
+    state = _current_forward()
+    if state is not None and state.hasten_packed:
         return None
     return _find_packed_sequence_indices(position_ids)
 
@@ -161,17 +276,34 @@ masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices_unles
 
 
 def _leave_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    stack = _packed_forward_stack()
+    stack = _forward_stack()
     if stack:
         stack.pop()
+
+
 ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, fused_experts_forward)
 
 
-class _PackingPreHook:
-    """Once per forward: packing metadata from position_ids, shared by all layers."""
+class PackedBatchRefused(PackingError):
+    """A packed batch reached a model whose layers cannot keep packed samples apart."""
 
-    def __init__(self, model: PreTrainedModel, settings: _AttentionSettings) -> None:
-        self.settings = settings
+
+class _PackingPreHook:
+    """Once per forward, before the model runs: what a packed batch needs, by who runs attention.
+
+    mode "hasten": hasten's varlen attention. Packing metadata from position_ids (once, shared by
+        every layer) when the batch has none; transformers' own packed-row search is skipped.
+    mode "dense": the model's own attention (a feature hasten's kernels do not compute), with a
+        mask hasten builds from the batch's sample boundaries (`hasten_dense_mask`), checked at
+        every attention call. Correct for any model whose masks go through transformers'
+        masking_utils; a dense mask per row, so slower than the varlen path.
+    mode "refuse": a layer would carry state from one packed sample into the next (or nothing
+        keeps samples apart); a packed batch raises PackedBatchRefused naming `refusal`.
+    A packed batch never builds a KV cache (transformers would, and hold every layer's K/V)."""
+
+    def __init__(self, model: PreTrainedModel, settings: _AttentionSettings | None, mode: str,
+                 refusal: str | None = None, base_mask=None) -> None:
+        self.settings, self.mode, self.refusal, self.base_mask = settings, mode, refusal, base_mask
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -182,11 +314,11 @@ class _PackingPreHook:
         return bound
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
-        prepared = self._prepare(args, kwargs)
-        _packed_forward_stack().append(prepared is not None)  # popped by _leave_forward
-        return prepared
+        state = _ForwardState(base_mask=self.base_mask)
+        _forward_stack().append(state)  # popped by _leave_forward
+        return self._prepare(args, kwargs, state)
 
-    def _prepare(self, args: tuple, kwargs: dict):
+    def _prepare(self, args: tuple, kwargs: dict, state: _ForwardState):
         bound = self._arguments(args, kwargs)
         # generation with a cache: leave it alone (transformers >= 5.24 names it `cache`)
         if bound.get("past_key_values") is not None or bound.get("cache") is not None:
@@ -196,10 +328,11 @@ class _PackingPreHook:
         mask = bound.get("attention_mask")
         # position_ids alone describe a packed (or plain) batch; with a padding mask the batch is a
         # padded one, which the attention function serves through its (reported) fallback.
-        if cu_seqlens is None and position_ids is not None and mask is None and self.settings.metadata_cache:
-            kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
-            cu_seqlens = kwargs[CU_Q]
-        if cu_seqlens is None:
+        packed_by_position = cu_seqlens is None and position_ids is not None and mask is None
+        if self.mode == "refuse":
+            self._refuse_if_packed(bound, cu_seqlens, position_ids if packed_by_position else None)
+            return None
+        if cu_seqlens is None and not packed_by_position:
             return None
         if position_ids is None:  # transformers would number the whole row 0..L-1: wrong rotary phases
             raise ValueError("hasten: this batch has packing metadata (cu_seq_lens) but no position_ids; packed "
@@ -210,12 +343,42 @@ class _PackingPreHook:
                                  "padding; packed batches carry their boundaries in cu_seq_lens. Drop attention_mask "
                                  "from the batch (hasten.PackingCollator emits none).")
             args, kwargs = _without(args, kwargs, "attention_mask", self.signature)
-        # A packed batch never generates: no KV cache (transformers builds one by default, which
-        # would also hold every layer's K/V for the whole forward).
+        if self.mode == "hasten":
+            state.hasten_packed = True
+            if cu_seqlens is None and self.settings.metadata_cache:
+                kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
+        else:  # dense: every token's sample, row by row (a sample never spans rows)
+            state.sample_ids = _sample_ids(cu_seqlens, position_ids)
         if bound.get("use_cache") is not False:
             args, kwargs = _without(args, kwargs, "use_cache", self.signature)
             kwargs["use_cache"] = False
         return args, kwargs
+
+    def _refuse_if_packed(self, bound: dict, cu_seqlens, position_ids) -> None:
+        rows = next((x.shape[0] for x in (bound.get("input_ids"), bound.get("inputs_embeds"))
+                     if isinstance(x, torch.Tensor)), 1)
+        if cu_seqlens is not None:
+            samples = cu_seqlens.numel() - 1  # host-side shape, no sync
+        elif position_ids is not None:
+            samples = PackedMeta.from_position_ids(position_ids).num_seqs  # one read-back; this model is not fast-pathed
+        else:
+            return
+        if samples > rows:
+            raise PackedBatchRefused(
+                f"hasten: a packed batch ({samples} samples in {rows} row(s)) reached a model that cannot keep packed "
+                f"samples apart: {self.refusal}. Train it with padded batches (hasten train: training.packed_sequence: "
+                "false; in your own script: one sample per row with an attention_mask), or pack one sample per row.")
+
+
+def _sample_ids(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+    """(rows, L) index of each token's sample, from the batch's cu_seqlens or its position_ids."""
+    rows, length = position_ids.shape[0], position_ids.shape[-1]
+    if cu_seqlens is None:
+        return PackedMeta.from_position_ids(position_ids).seq_idx.view(rows, length).long()
+    counts = cu_seqlens.diff().long()
+    ids = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                  output_size=rows * length)  # output_size: no host sync
+    return ids.view(rows, length).to(position_ids.device)
 
 
 def _without(args: tuple, kwargs: dict, name: str, signature: inspect.Signature) -> tuple[tuple, dict]:
@@ -230,7 +393,11 @@ def _without(args: tuple, kwargs: dict, name: str, signature: inspect.Signature)
 
 @dataclass
 class AccelerationHandle:
-    """What `accelerate` changed on one model; `undo()` restores it."""
+    """What `accelerate` changed on one model; `undo()` restores it.
+
+    active / inactive: one line per piece (attention, packing, norm, MLP, rotary, loss, experts,
+    memory), the inactive ones with the feature or setting that stopped them. packing_refusal:
+    why packed batches are refused for this model (None: they are kept apart correctly)."""
 
     model: PreTrainedModel
     config: Config
@@ -238,6 +405,7 @@ class AccelerationHandle:
     inactive: list[str] = field(default_factory=list)
     moe_stats: MoeLoadStats | None = None
     offload: OffloadManager | None = None
+    packing_refusal: str | None = None
     _undo_steps: list = field(default_factory=list)
 
     def undo(self) -> None:
@@ -255,38 +423,109 @@ def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated")]
 
 
-def _patch_attention(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
-    training = config.training
-    if not training.packed_sequence:
-        handle.inactive.append("training.packed_sequence is false: attention left as transformers configured it")
-        return
-    model_type = getattr(model.config, "model_type", "?")
-    if model_type not in ARCHITECTURES:
-        if not getattr(model, "_supports_attention_backend", False):
-            record_fallback("unsupported_architecture", f"model type '{model_type}' does not use transformers' "
-                            "attention interface, so hasten cannot route its attention; attention is unchanged")
-            handle.inactive.append(f"varlen attention (model type '{model_type}' not supported)")
-            return
-        logger.warning("hasten: model type '%s' is not in hasten's tested table (%s); patching it through "
-                       "transformers' standard attention interface", model_type, ", ".join(sorted(ARCHITECTURES)))
-    settings = _AttentionSettings(training.metadata_cache, config.attention.backend, config.attention.gqa,
-                                  config.attention.verify)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
-    _SETTINGS[id(model.config)] = settings
-    hook = model.register_forward_pre_hook(_PackingPreHook(model, settings), with_kwargs=True)
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    # transformers' attention modules carry their layer index or causality; tagging a module that
+    # never calls attention is harmless, and a call from an untagged one raises
+    return [m for m in model.modules() if hasattr(m, "is_causal") or hasattr(m, "layer_idx")]
+
+
+def _install_packing_hook(model: PreTrainedModel, handle: AccelerationHandle, hook: _PackingPreHook) -> None:
+    pre = model.register_forward_pre_hook(hook, with_kwargs=True)
     leave = model.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
 
     def undo() -> None:
-        hook.remove()
+        pre.remove()
         leave.remove()
-        _SETTINGS.pop(id(model.config), None)
+
+    handle._undo_steps.append(undo)
+
+
+def _refuse_packing(model: PreTrainedModel, handle: AccelerationHandle, refusal: str, key: str) -> None:
+    handle.packing_refusal = refusal
+    _install_packing_hook(model, handle, _PackingPreHook(model, None, "refuse", refusal))
+    record_fallback(key, f"packed batches are refused for this model: {refusal}; padded batches run as transformers "
+                    "wrote the model")
+    handle.inactive.append(f"varlen attention and packed batches ({refusal}; padded batches are correct)")
+
+
+def _patch_attention(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    training = config.training
+    model_type = getattr(model.config, "model_type", "?")
+    stateful = stateful_layers(model)
+    if stateful:  # whatever the config says: a packed batch from the user's own script is refused too
+        _refuse_packing(model, handle, f"its {', '.join(stateful)} carry state along the sequence, from one packed "
+                        "sample into the next, and hasten has no varlen kernels for them yet",
+                        "packing_refused_stateful_layers")
+        return
+    if not training.packed_sequence:
+        handle.inactive.append("training.packed_sequence is false: attention left as transformers configured it")
+        return
+    if not getattr(model, "_supports_attention_backend", False):
+        _refuse_packing(model, handle, f"model type '{model_type}' does not use transformers' attention interface, "
+                        "so neither hasten nor transformers keeps packed samples apart", "unsupported_architecture")
+        return
+    missing = attention_features_not_implemented(model)
+    if missing:
+        _patch_dense_packing(model, handle, "; ".join(missing))
+        return
+    settings = _AttentionSettings(training.metadata_cache, config.attention.backend, config.attention.gqa,
+                                  config.attention.verify)
+    tagged = _attention_modules(model)
+    for module in tagged:
+        setattr(module, _TAG, settings)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    _install_packing_hook(model, handle, _PackingPreHook(model, settings, "hasten"))
+
+    def undo() -> None:
+        for module in tagged:
+            module.__dict__.pop(_TAG, None)
         model.set_attn_implementation(previous or "sdpa")
 
     handle._undo_steps.append(undo)
     handle.active.append("varlen attention (packed sequences, no mask)")
     handle.active.append("metadata cache (once per batch)" if training.metadata_cache
                          else "metadata derived per layer (training.metadata_cache is false)")
+
+
+def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, features: str) -> None:
+    """Attention stays the model's own (it has `features`); packed rows get hasten's mask."""
+    model_type = getattr(model.config, "model_type", "?")
+    implementation = model.config._attn_implementation
+    if "chunked attention" in features or implementation not in ("eager", "sdpa"):
+        why = ("chunked attention counts its chunks along the packed row" if "chunked attention" in features
+               else f"its attention implementation '{implementation}' does not take hasten's packed mask")
+        _refuse_packing(model, handle, f"its attention has {features}, which hasten's kernels do not compute, and "
+                        f"{why}", "attention_feature_not_implemented")
+        return
+    originals = {}
+    for module in _attention_modules(model):
+        if implementation == "sdpa":
+            originals[module] = sdpa_attention_forward
+        elif (own := getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)) is not None:
+            originals[module] = own  # the modeling file's own eager attention (sinks, softcap...)
+    if not originals:
+        _refuse_packing(model, handle, f"its attention has {features}, which hasten's kernels do not compute, and "
+                        "hasten found no eager attention function to run it with", "attention_feature_not_implemented")
+        return
+    for module, original in originals.items():
+        setattr(module, _DENSE_TAG, original)
+    model.set_attn_implementation(DENSE_NAME)
+    base_mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+    _install_packing_hook(model, handle, _PackingPreHook(model, None, "dense", base_mask=base_mask))
+
+    def undo() -> None:
+        for module in originals:
+            module.__dict__.pop(_DENSE_TAG, None)
+        model.set_attn_implementation(implementation)
+
+    handle._undo_steps.append(undo)
+    record_fallback("attention_feature_not_implemented", f"model type '{model_type}': its attention has {features}, "
+                    f"which hasten's varlen attention does not compute; the model's own '{implementation}' attention "
+                    "runs, and hasten keeps packed samples apart with a block-diagonal mask per row (correct; slower "
+                    "than varlen)")
+    handle.inactive.append(f"varlen attention ({features}: the model's own '{implementation}' attention runs; packed "
+                           "rows kept apart by hasten's block-diagonal mask)")
 
 
 def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
@@ -304,10 +543,6 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
                         + "; ".join(sorted(reasons)) + "); transformers' experts implementation is used")
         handle.inactive.append("fused MoE experts (" + "; ".join(sorted(reasons)) + ")")
         return
-    model_type = getattr(model.config, "model_type", "?")
-    if ARCHITECTURES.get(model_type, ArchSpec("")).family != "moe":
-        logger.warning("hasten: MoE model type '%s' is not in hasten's tested table; its experts match the fused "
-                       "path's layout, so they are patched", model_type)
     previous = model.config._experts_implementation
     model.set_experts_implementation(EXPERTS_NAME)
     stats = MoeLoadStats()
@@ -376,6 +611,12 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
                         "transformers' own loss path runs (logits materialised)")
         handle.inactive.append(f"fused cross-entropy (model type '{model_type}' not supported)")
         return
+    missing = logit_features_not_implemented(model)
+    if missing:
+        reason = "; ".join(missing) + " (the fused loss applies only final_logit_softcapping)"
+        record_fallback("fused_cross_entropy", f"{reason}; transformers' own loss path runs (logits materialised)")
+        handle.inactive.append(f"fused cross-entropy ({reason})")
+        return
     try:
         handle._undo_steps.append(install_fused_cross_entropy(model))
     except FusedLossUnsupported as exc:
@@ -398,28 +639,32 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
         return
     done = []
     if kernels.rms_norm:
-        undo, count = install_fused_rms_norm(model)
+        undo, count, refused = install_fused_rms_norm(model)
         handle._undo_steps.append(undo)
         if count:
             done.append(f"RMSNorm x{count}")
-        else:
+        for reason in refused:
+            handle.inactive.append(f"fused RMSNorm ({reason})")
+        if not count and not refused:
             handle.inactive.append("fused RMSNorm (no Llama/Qwen-style RMSNorm modules, with `variance_epsilon`, "
                                    "in this model)")
     if kernels.swiglu:
-        undo, count = install_fused_mlp(model)
+        undo, count, refused = install_fused_mlp(model)
         handle._undo_steps.append(undo)
         if count:
             done.append(f"SwiGLU MLP x{count}")
-        else:
+        for reason in refused:
+            handle.inactive.append(f"fused SwiGLU ({reason})")
+        if not count and not refused:
             handle.inactive.append("fused SwiGLU (no SiLU-gated MLP modules in this model)")
     if kernels.rope:
-        undo, found = install_fused_rope(model)
+        undo, refused = install_fused_rope(model)
         handle._undo_steps.append(undo)
-        if found:
+        if refused is None:
             done.append("RoPE")
         else:
-            record_fallback("fused_rope", f"{type(model).__module__} has no apply_rotary_pos_emb to replace")
-            handle.inactive.append("fused RoPE (the modeling module has no apply_rotary_pos_emb)")
+            record_fallback("fused_rope", f"{type(model).__module__}: {refused}; transformers' rotary code runs")
+            handle.inactive.append(f"fused RoPE ({refused})")
     if done:
         handle.active.append("fused kernels (" + ", ".join(done) + ")")
 
@@ -436,4 +681,11 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     _patch_memory(model, config, handle)
     _patch_loss(model, config, handle)
     _patch_dense_kernels(model, config, handle)
+    model_type = getattr(model.config, "model_type", "?")
+    if model_type not in ARCHITECTURES:
+        # said once per type: what runs on hasten's kernels and what stays transformers', piece by piece
+        record_fallback(f"model_type_not_in_table:{model_type}", f"model type '{model_type}' is not in hasten's "
+                        f"tested table ({', '.join(sorted(ARCHITECTURES))}); each piece was checked against what "
+                        "hasten's kernels compute.\n  accelerated: " + ("; ".join(handle.active) or "nothing")
+                        + "\n  left to transformers: " + ("; ".join(handle.inactive) or "nothing"))
     return handle

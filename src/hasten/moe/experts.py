@@ -18,6 +18,14 @@ from hasten.ops import moe as moe_ops
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
+def _transformers_default_gate():
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # a transformers without it has no per-class gate either
+        return None
+    return _default_apply_gate
+
+
 def unsupported_reason(experts: torch.nn.Module) -> str | None:
     """Why this experts module cannot take the fused path, or None when it can."""
     if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")):
@@ -28,6 +36,14 @@ def unsupported_reason(experts: torch.nn.Module) -> str | None:
         return "its projections have biases"
     if getattr(experts, "is_transposed", False):
         return "its weights are stored transposed"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "it normalises each expert's output"
+    if getattr(experts, "_is_expert_parallel", False):
+        return "its experts are sharded across ranks (expert parallelism)"
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if apply_gate is not None and apply_gate is not _transformers_default_gate():
+        # transformers' default is act(gate) * up over [gate | up]; gpt-oss, for one, clamps it
+        return f"{type(experts).__name__} computes its own gated activation ({type(experts).__name__}._apply_gate)"
     act = getattr(getattr(experts, "config", None), "hidden_act", None)
     if act not in ("silu", "swish") and not isinstance(getattr(experts, "act_fn", None), torch.nn.SiLU):
         return f"its activation is {act or type(getattr(experts, 'act_fn', None)).__name__}, not SiLU (SwiGLU)"

@@ -1,0 +1,135 @@
+"""The contract between hasten and a transformers model: what may be patched, read from the model.
+
+hasten patches a piece (attention, RMSNorm, MLP, rotary, loss, experts) only when what the
+model's piece computes is exactly what hasten's kernel computes. This module reads the config and
+the modules at `accelerate()` time and names, for each piece that must stay as transformers wrote
+it, the feature that stops it. At call time the attention function refuses any argument it does
+not implement (`check_attention_kwargs`), so a feature this module does not know yet raises
+instead of being dropped.
+
+Packing is part of the contract: a layer that carries state along the sequence (linear
+attention, a state-space scan, a short causal convolution) would carry it from one packed sample
+into the next; such models get a clear error when a packed batch reaches them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q
+
+# Layer types (config.layer_types) whose layers carry state along the sequence.
+STATEFUL_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent",
+                                  "rwkv", "short_conv"})
+# Layer types hasten's attention computes (with the window the mask gives).
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Module classes of such layers, for models without layer_types.
+_STATEFUL_CLASS = re.compile(r"Mamba|DeltaNet|LinearAttention|ShortConv|Lightning|Rwkv|RWKV|Recurrent|SSM|Ssm[A-Z]|"
+                             r"Retention|Hyena")
+
+def text_config(model: nn.Module):
+    config = model.config
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def stateful_layers(model: nn.Module) -> list[str]:
+    """Descriptions of the layers that carry state along the sequence (empty: none)."""
+    config = text_config(model)
+    found: dict[str, int] = {}
+    for layer_type in getattr(config, "layer_types", None) or []:
+        if layer_type in STATEFUL_LAYER_TYPES:
+            found[f"'{layer_type}' layers"] = found.get(f"'{layer_type}' layers", 0) + 1
+    if not found:
+        for module in model.modules():
+            name = type(module).__name__
+            depthwise = (isinstance(module, nn.Conv1d) and module.groups > 1
+                         and module.groups == module.in_channels)
+            if _STATEFUL_CLASS.search(name) or depthwise:
+                label = f"{name} layers" if not depthwise else "depthwise causal convolutions (nn.Conv1d)"
+                found[label] = found.get(label, 0) + 1
+    return [f"{count} {label}" for label, count in found.items()]
+
+
+def _nonzero(value) -> bool:
+    return value is not None and value is not False and value != 0
+
+
+def attention_features_not_implemented(model: nn.Module) -> list[str]:
+    """Attention features of this model that hasten's varlen attention does not compute."""
+    config = text_config(model)
+    missing = []
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if _nonzero(softcap):
+        missing.append(f"attention logit softcapping (attn_logit_softcapping={softcap})")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        missing.append("attention sinks (a learned per-head logit in the softmax denominator)")
+    qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)
+    if qk_dim is not None and v_dim is not None and qk_dim != v_dim:
+        missing.append(f"a value head size ({v_dim}) other than the query/key head size ({qk_dim}) "
+                       "(multi-head latent attention)")
+    if _nonzero(getattr(config, "attention_chunk_size", None)):
+        missing.append(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
+    if getattr(config, "use_bidirectional_attention", False):
+        missing.append("bidirectional attention (use_bidirectional_attention)")
+    if _nonzero(getattr(config, "alibi", None)):
+        missing.append("ALiBi position biases")
+    other = sorted({t for t in getattr(config, "layer_types", None) or []
+                    if t not in ATTENTION_LAYER_TYPES and t not in STATEFUL_LAYER_TYPES})
+    if other:
+        missing.append(f"attention layer types {', '.join(other)}")
+    root = model.config
+    for sub in ("vision_config", "audio_config", "speech_config"):
+        if getattr(root, sub, None) is not None:
+            missing.append(f"a multimodal model ({sub}: image or audio tokens can attend bidirectionally)")
+            break
+    return missing
+
+
+def logit_features_not_implemented(model: nn.Module) -> list[str]:
+    """Output-logit transforms the fused loss does not apply (it applies final_logit_softcapping)."""
+    config = text_config(model)
+    missing = []
+    for key in ("logits_scaling", "logit_scale", "output_multiplier_scale", "logit_multiplier"):
+        value = getattr(config, key, None)
+        if value is not None and value != 1:
+            missing.append(f"logit scaling ({key}={value})")
+    return missing
+
+
+# Arguments hasten's attention reads, or that carry nothing attention computes with (each named
+# with why it may be ignored).
+ATTENTION_KWARGS_READ = frozenset({"position_ids", "is_causal", CU_Q, CU_K, MAX_Q, MAX_K})
+ATTENTION_KWARGS_INERT = frozenset({
+    "cache_position", "use_cache", "past_key_values", "cache",  # cache bookkeeping, updated before the call
+    "num_items_in_batch", "output_hidden_states", "output_router_logits",  # read by the model, not attention
+    "seq_idx",  # read by state-space layers (packing into those is refused)
+    "position_embeddings",  # rotary already applied to q and k
+    "layer_idx", "target_dtype",  # flash bookkeeping
+    "num_samples",  # hasten.PackingCollator's sample count, passed along with the batch
+})
+# Falsy values of these mean "off"; a true value asks for something hasten does not compute.
+ATTENTION_KWARGS_OFF_WHEN_FALSY = frozenset({"output_attentions", "softcap", "s_aux", "sinks", "deterministic",
+                                            "position_bias", "indices", "block_indices", "attn_weights"})
+
+
+def check_attention_kwargs(kwargs: dict, module: nn.Module) -> None:
+    """Raise on any argument hasten's attention would otherwise drop."""
+    for name, value in kwargs.items():
+        if name in ATTENTION_KWARGS_READ or name in ATTENTION_KWARGS_INERT:
+            continue
+        if name in ATTENTION_KWARGS_OFF_WHEN_FALSY:
+            if value is None or value is False or (isinstance(value, (int, float)) and value == 0):
+                continue
+        elif value is None:
+            continue
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        raise NotImplementedError(
+            f"hasten's varlen attention does not implement the argument `{name}` ({shown}) that reached "
+            f"{type(module).__name__}'s attention call; rather than drop it, hasten stops. If `{name}` is a column "
+            "of your batch that is not a model input, remove it from the batch. If it is an attention feature of this "
+            "model, accelerate() should have left the model's attention to transformers: please report the model "
+            "type, and until then train without hasten's attention (training.packed_sequence: false).")

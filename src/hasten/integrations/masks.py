@@ -1,0 +1,86 @@
+"""What a transformers mask function says, read back so hasten's varlen attention computes it.
+
+transformers builds each layer's mask from a `mask_function(batch_idx, head_idx, q_idx, kv_idx)
+-> bool` (masking_utils). Under hasten no dense mask is materialised, so the mask interface
+hasten registers must turn that function into what the attention kernel takes: causal or not,
+and a sliding window. It does so by evaluating the function on sample rows of the (q, kv) grid
+and requiring that the rows are exactly a causal band of one width (or exactly full); any other
+pattern (chunked attention, bidirectional image tokens, a padding or packed-sequence overlay)
+is refused with an error rather than approximated.
+
+Why read the mask instead of the `sliding_window` argument: transformers 5.24's Qwen2-MoE (and
+any model run through sdpa or eager) expresses its window only in the mask; the attention call
+gets none. Reading the mask makes the window hasten applies the one the model's own path applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class MaskNotSupported(NotImplementedError):
+    """The model's mask is not a causal band (or full): hasten's varlen attention cannot express it."""
+
+
+@dataclass(frozen=True)
+class BandMask:
+    """What hasten's mask interface returns in place of a dense mask when there is no padding.
+
+    causal: a query sees no later key. window: a query sees itself and the window - 1 keys before
+    it (transformers' `sliding_window`), None for no window. The attention function reads it;
+    anything else that looks at it sees an object, not a tensor, and fails loudly."""
+
+    causal: bool
+    window: int | None
+
+
+def _sample_rows(length: int) -> list[int]:
+    # the first rows, thirds, the middle and the last rows: a band of any width shows its edge in
+    # a row past the width, and a chunked pattern breaks the band's constant width between rows
+    rows = {0, 1, 2, 3, length // 4, length // 3, length // 2, (2 * length) // 3, length - 3, length - 2, length - 1}
+    return sorted(r for r in rows if 0 <= r < length)
+
+
+def _evaluate(mask_function, rows: list[int], length: int, device) -> torch.Tensor:
+    q = torch.tensor(rows, device=device)[:, None]
+    kv = torch.arange(length, device=device)[None, :]
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    allowed = mask_function(zero, zero, q, kv)
+    return torch.as_tensor(allowed).to(torch.bool).expand(len(rows), length).cpu()
+
+
+def read_band(mask_function, length: int, device: torch.device | None = None) -> BandMask:
+    """The band that `mask_function` draws on a length x length grid; raises MaskNotSupported.
+
+    Evaluated on the CPU (no host sync): transformers' causal, sliding-window and bidirectional
+    functions are index arithmetic. A function that reads device tensors is evaluated there."""
+    if mask_function is None or length == 0:
+        return BandMask(True, None)
+    rows = _sample_rows(length)
+    try:
+        allowed = _evaluate(mask_function, rows, length, torch.device("cpu"))
+    except (RuntimeError, IndexError, TypeError):
+        try:
+            allowed = _evaluate(mask_function, rows, length, device)
+        except Exception as exc:  # a vmap-only or otherwise unreadable custom mask function
+            raise MaskNotSupported(f"hasten cannot read this model's mask function ({type(exc).__name__}: {exc})") \
+                from exc
+    q = torch.tensor(rows)[:, None]
+    kv = torch.arange(length)[None, :]
+    if bool(allowed.all()):  # full; a 1-token grid is also causal, which is what a decoder means by it
+        return BandMask(length == 1, None)
+    if bool(allowed[kv.expand_as(allowed) > q].any()):
+        raise MaskNotSupported("the model's mask lets queries see later keys in part, not as a full bidirectional "
+                               "mask")
+    seen = allowed.sum(dim=1)  # keys each sampled row sees
+    truncated = seen < q.squeeze(1) + 1
+    window = int(seen[truncated][0]) if bool(truncated.any()) else None
+    expected = kv <= q
+    if window is not None:
+        expected = expected & (kv > q - window)
+    if not torch.equal(allowed, expected):
+        raise MaskNotSupported("the model's mask is not causal within one sliding window (a chunked, blockwise or "
+                               "token-dependent pattern)")
+    return BandMask(True, window)

@@ -1,0 +1,149 @@
+"""The per-piece contract: mask reading, attention arguments, and the checks that decide whether a
+norm, MLP or rotary function is exactly what hasten's kernel computes."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import masking_utils
+
+from hasten.dense.patch import rms_norm_mismatch, rope_mismatch, swiglu_mlp_mismatch
+from hasten.integrations.contract import check_attention_kwargs, stateful_layers
+from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 64, 301])
+def test_causal_mask_reads_as_causal_without_window(length):
+    assert read_band(masking_utils.causal_mask_function, length) == BandMask(True, None)
+
+
+@pytest.mark.parametrize("window,length", [(1, 9), (5, 64), (63, 64), (64, 64), (500, 64), (4096, 8191)])
+def test_sliding_window_mask_reads_as_its_window(window, length):
+    band = read_band(masking_utils.sliding_window_causal_mask_function(window), length)
+    assert band == BandMask(True, window if window < length else None)
+
+
+def test_bidirectional_mask_reads_as_not_causal():
+    assert read_band(masking_utils.bidirectional_mask_function, 40) == BandMask(False, None)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: masking_utils.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)),
+    lambda: masking_utils.sliding_window_bidirectional_mask_function(4),
+    lambda: masking_utils.and_masks(masking_utils.causal_mask_function,
+                                    masking_utils.packed_sequence_mask_function(
+                                        torch.tensor([[0] * 20 + [1] * 20]))),
+    lambda: masking_utils.or_masks(masking_utils.causal_mask_function,
+                                   lambda b, h, q, kv: (q < 4) & (kv < 4)),  # a bidirectional image prefix
+])
+def test_other_masks_are_refused_not_approximated(make):
+    with pytest.raises(MaskNotSupported):
+        read_band(make(), 40)
+
+
+class _Attention(nn.Module):
+    pass
+
+
+@pytest.mark.parametrize("name,value", [("softcap", 50.0), ("s_aux", torch.zeros(4)), ("sinks", torch.ones(2)),
+                                        ("output_attentions", True), ("position_bias", torch.zeros(1)),
+                                        ("token_type_ids", torch.zeros(3)), ("deterministic", True)])
+def test_attention_refuses_any_argument_it_would_drop(name, value):
+    with pytest.raises(NotImplementedError, match=f"`{name}`"):
+        check_attention_kwargs({name: value}, _Attention())
+
+
+def test_attention_accepts_what_it_reads_or_what_computes_nothing():
+    check_attention_kwargs({"position_ids": torch.zeros(3), "softcap": None, "s_aux": None, "output_attentions": False,
+                            "use_cache": False, "cache_position": torch.arange(3), "num_items_in_batch": 7,
+                            "num_samples": 2, "cu_seq_lens_q": torch.zeros(2), "max_length_q": 3}, _Attention())
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-6, offset=0.0, centred=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon, self.offset, self.centred = eps, offset, centred
+
+    def forward(self, x):
+        x32 = x.float()
+        if self.centred:
+            x32 = x32 - x32.mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight + self.offset) * x32.to(x.dtype)
+
+
+class NoEpsRMSNorm(LlamaStyleRMSNorm):
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-12)
+
+
+def test_rms_norm_check_passes_the_llama_norm_and_refuses_look_alikes():
+    assert rms_norm_mismatch(LlamaStyleRMSNorm(48)) is None
+    for norm in (LlamaStyleRMSNorm(48, offset=1.0), LlamaStyleRMSNorm(48, centred=True), NoEpsRMSNorm(48, eps=1e-2)):
+        assert "computes something other" in rms_norm_mismatch(norm)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, act=nn.SiLU(), dropout=0.0, extra_scale=1.0):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(24, 40), nn.Linear(24, 40), nn.Linear(40, 24)
+        self.act_fn, self.dropout, self.extra_scale = act, nn.Dropout(dropout), extra_scale
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x))) * self.extra_scale
+
+
+def test_mlp_check_passes_swiglu_and_refuses_other_gates_dropout_and_scaling():
+    assert swiglu_mlp_mismatch(GatedMLP()) is None
+    assert "computes something other" in swiglu_mlp_mismatch(GatedMLP(act=nn.GELU(approximate="tanh")))
+    assert "computes something other" in swiglu_mlp_mismatch(GatedMLP(extra_scale=1.5))
+    assert "dropout" in swiglu_mlp_mismatch(GatedMLP(dropout=0.1))
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_half_rope(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+
+    def rotate_pairs(x):
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
+
+
+def test_rope_check_passes_rotate_half_and_refuses_interleaved_pairs():
+    assert rope_mismatch(rotate_half_rope, 16) is None
+    assert "computes something other" in rope_mismatch(interleaved_rope, 16)
+    assert "could not be checked" in rope_mismatch(lambda q, k, cos, sin, position_ids: (q, k), 16)
+
+
+def test_stateful_layers_are_found_by_layer_type_or_module():
+    class Cfg:
+        layer_types = ["linear_attention", "full_attention"]
+
+    class M(nn.Module):
+        config = Cfg()
+
+    assert stateful_layers(M()) == ["1 'linear_attention' layers"]
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1d = nn.Conv1d(8, 8, 4, groups=8, padding=3)
+
+    class N(nn.Module):
+        config = type("C", (), {})()
+
+        def __init__(self):
+            super().__init__()
+            self.mixer = Mixer()
+
+    assert stateful_layers(N()) == ["1 depthwise causal convolutions (nn.Conv1d)"]

@@ -1,0 +1,183 @@
+"""Tiny random models of many transformers model types, each with its family's features switched on
+at values where an omission shows, and the parity check every type must pass under hasten.
+
+The check (issue "Never silently wrong"): a packed batch with one-token and long samples through
+the hasten-accelerated model gives the loss and every gradient of the unpatched model run one
+sample at a time in float32 -- or hasten refuses the batch with a message. Never a silent
+difference. `ENTRIES` says which of the two each type must do, and what hasten's attention does
+for it, so a contract that starts refusing everything fails too.
+
+Shared by tests/integrations/test_model_parity.py (CPU, float32: the noise is rounding alone) and
+tests/gpu/test_model_parity_cuda.py (bf16 with hasten's kernels, against the bf16 noise of the
+unpatched model).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hasten
+from hasten.config import Config
+
+VOCAB = 211
+WINDOW = 5  # shorter than the long samples below, so a lost window shows
+LENGTHS = (7, 1, 19, 12, 1, 33)  # one-token samples, and samples longer than the window
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.08,
+            tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SLIDING_3 = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    model_type: str
+    config: dict[str, Any]
+    # what hasten's attention must do: "hasten" (its varlen kernels), "transformers" (a feature
+    # hasten does not compute: transformers' attention runs, packed rows kept apart by its mask),
+    # "refused" (packed batches raise: layers that carry state along the sequence)
+    attention: str
+    # config changes that switch the family's feature off: the reference must change by far more
+    # than the tolerance, or the test could not see the feature dropped
+    feature_off: dict[str, Any] = field(default_factory=dict)
+    tensor_feature_off: Callable[[torch.nn.Module], None] | None = None
+    notes: str = ""
+    attn_implementation: str | None = None  # None: what transformers picks
+
+
+def _zero_sinks(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            module.sinks.data.fill_(-1e4)  # exp(-1e4) = 0: no sink
+
+
+ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
+    Entry("llama", dict(attention_bias=True), "hasten"),
+    Entry("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), "hasten",
+          feature_off=dict(use_sliding_window=False)),
+    Entry("qwen3", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), "hasten",
+          feature_off=dict(use_sliding_window=False)),
+    Entry("mistral", dict(sliding_window=WINDOW), "hasten", feature_off=dict(sliding_window=None)),
+    Entry("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                            mlp_only_layers=[0], use_sliding_window=True, sliding_window=WINDOW,
+                            max_window_layers=1), "hasten", feature_off=dict(use_sliding_window=False)),
+    Entry("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=32, use_sliding_window=True, sliding_window=WINDOW,
+                            max_window_layers=1), "hasten", feature_off=dict(use_sliding_window=False),
+          notes="transformers 5.24 gives its window to the mask only"),
+    Entry("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW), "hasten",
+          feature_off=dict(sliding_window=None)),
+    Entry("olmoe", dict(num_experts=4, num_experts_per_tok=2), "hasten"),
+    Entry("gemma3_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, query_pre_attn_scalar=24,
+                              final_logit_softcapping=2.0), "hasten", feature_off=dict(final_logit_softcapping=None)),
+    Entry("phi3", dict(sliding_window=WINDOW), "hasten", feature_off=dict(sliding_window=None)),
+    Entry("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                          logits_scaling=4.0), "hasten", feature_off=dict(logits_scaling=1.0)),
+    Entry("olmo2", dict(), "hasten"),
+    Entry("glm4", dict(), "hasten"),
+    Entry("cohere", dict(logit_scale=0.5, use_qk_norm=True), "hasten", feature_off=dict(logit_scale=1.0)),
+    Entry("starcoder2", dict(sliding_window=WINDOW, use_bias=True, residual_dropout=0.0, embedding_dropout=0.0),
+          "hasten", feature_off=dict(sliding_window=None)),
+    Entry("smollm3", dict(no_rope_layer_interval=2), "hasten"),
+    Entry("gemma2", dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0, sliding_window=WINDOW,
+                         query_pre_attn_scalar=24), "transformers", feature_off=dict(attn_logit_softcapping=None),
+          attn_implementation="eager", notes="transformers 5.17 picks sdpa for it, which drops the softcap"),
+    Entry("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                          layer_types=SLIDING_3, rope_parameters=dict(rope_type="default", rope_theta=10000.0)), "transformers", tensor_feature_off=_zero_sinks),
+    Entry("deepseek_v3", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                              v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                              moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
+                              routed_scaling_factor=2.5, num_key_value_heads=4, head_dim=8), "transformers"),
+    Entry("qwen3_next", dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
+                             linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                             linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=32), "refused"),
+    Entry("lfm2", dict(layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5), "refused"),
+    Entry("granitemoehybrid", dict(layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
+                                   num_experts_per_tok=2, shared_intermediate_size=32, mamba_n_heads=4,
+                                   mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=8), "refused"),
+]}
+
+
+def build(entry: Entry, **override) -> torch.nn.Module:
+    """The entry's tiny model in float32, seeded; 1-D parameters (norm weights, biases, sinks) are
+    moved off their initial 0 or 1 so that an offset or a missing bias shows."""
+    values = {**BASE, **entry.config, **override}
+    config = AutoConfig.for_model(entry.model_type, **values)
+    torch.manual_seed(0)
+    extra = {"attn_implementation": entry.attn_implementation} if entry.attn_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    return model.train()
+
+
+def samples(seed: int = 0, lengths=LENGTHS) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, VOCAB, (n,), generator=gen).tolist()} for n in lengths]
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def per_sample_reference(model: torch.nn.Module, batch_samples: list[dict], device=None, dtype=None):
+    """Loss (mean over every predicted token of every sample) and gradients of `model` run one
+    sample at a time, unpatched: what a packed batch must reproduce."""
+    model.zero_grad(set_to_none=True)
+    total, targets = 0.0, 0
+    for sample in batch_samples:
+        ids = torch.tensor([sample["input_ids"]], device=device)
+        if ids.shape[1] < 2:
+            continue  # nothing to predict; its presence in a pack must change nothing either
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        total = total + out.loss.float() * (ids.shape[1] - 1)
+        targets += ids.shape[1] - 1
+    loss = total / targets
+    loss.backward()
+    return loss.detach(), gradients(model)
+
+
+def packed_batch(batch_samples: list[dict], device=None) -> dict:
+    batch = hasten.PackingCollator(max_tokens=256)(batch_samples)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def packed_run(model: torch.nn.Module, batch_samples: list[dict], config: Config | None = None, device=None):
+    """(handle, loss, gradients) of the hasten-accelerated model on one packed row."""
+    handle = hasten.accelerate(model, config or Config())
+    model.zero_grad(set_to_none=True)
+    loss = model(**packed_batch(batch_samples, device)).loss
+    loss.backward()
+    return handle, loss.detach().float(), gradients(model)
+
+
+def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert set(got) == set(want), f"gradients for different parameters: {sorted(set(got) ^ set(want))}"
+    return {n: float((got[n].double() - want[n].double()).norm() / want[n].double().norm().clamp_min(1e-12))
+            for n in want}
+
+
+def padded_batch(batch_samples: list[dict], device=None) -> dict:
+    """One sample per row, right-padded, with an attention_mask and -100 labels on padding."""
+    width = max(len(s["input_ids"]) for s in batch_samples)
+    ids = torch.zeros(len(batch_samples), width, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for row, sample in enumerate(batch_samples):
+        n = len(sample["input_ids"])
+        ids[row, :n] = torch.tensor(sample["input_ids"])
+        labels[row, :n] = ids[row, :n]
+        mask[row, :n] = 1
+    return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+
+
+def clone(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
