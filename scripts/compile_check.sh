@@ -3,18 +3,47 @@
 # sm_80 and sm_90. 2) The torch-facing CUDA glue (csrc/*/*_cuda.cpp) syntax-checked by the host
 # compiler against the installed torch's headers (a CPU wheel lacks one generated header,
 # c10/cuda/impl/cuda_cmake_macros.h, which is stood in for here).
+#
+# nvcc is looked for where torch's extension build looks for the CUDA toolkit: $CUDA_HOME/bin
+# (or $CUDA_PATH/bin) when set, else PATH, else /usr/local/cuda/bin. Without nvcc the check is skipped with a NOTICE and exit 0 (`make test` on
+# a machine without the CUDA toolkit), unless HASTEN_REQUIRE_COMPILE_CHECK=1 (CI, .ci/run): then
+# a missing nvcc is an error, so the check cannot drop out of CI unnoticed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v nvcc >/dev/null 2>&1; then
-  echo "compile-check: nvcc not found; CUDA kernels NOT compile-checked" >&2
-  exit 1
+cuda_root=${CUDA_HOME:-${CUDA_PATH:-}}
+if [ -n "$cuda_root" ]; then
+  nvcc=$cuda_root/bin/nvcc
+  [ -x "$nvcc" ] || nvcc=""
+  looked="$cuda_root/bin (CUDA_HOME/CUDA_PATH)"
+else
+  nvcc=$(command -v nvcc 2>/dev/null || true)
+  if [ -z "$nvcc" ] && [ -x /usr/local/cuda/bin/nvcc ]; then nvcc=/usr/local/cuda/bin/nvcc; fi
+  looked="PATH and /usr/local/cuda/bin"
+fi
+case "${HASTEN_REQUIRE_COMPILE_CHECK:-0}" in
+  1 | true | yes | on) required=1 ;;
+  0 | false | no | off | "") required=0 ;;
+  *) echo "compile-check: HASTEN_REQUIRE_COMPILE_CHECK must be 1 or 0, got '$HASTEN_REQUIRE_COMPILE_CHECK'" >&2
+     exit 2 ;;
+esac
+if [ -z "$nvcc" ]; then
+  what="the CUDA kernels (csrc/kernels/*.cu, sm_80 and sm_90) and the CUDA glue (csrc/*/*_cuda.cpp)"
+  how="install the CUDA toolkit (nvcc on PATH, or set CUDA_HOME), then run: make compile-check"
+  if [ "$required" = 1 ]; then
+    echo "compile-check: FAILED: nvcc not found in $looked, and HASTEN_REQUIRE_COMPILE_CHECK=1 requires" \
+      "the check; $what were NOT compile-checked. Fix: $how" >&2
+    exit 1
+  fi
+  echo "NOTICE: compile-check SKIPPED: nvcc not found in $looked, so $what were NOT compile-checked" \
+    "(the CPU tests do not need it; CI requires it). To run it: $how" >&2
+  exit 0
 fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 n=0
 for src in csrc/kernels/*.cu; do
   for arch in 80 90; do
-    nvcc -std=c++17 -O3 -Xptxas -warn-spills -gencode "arch=compute_${arch},code=sm_${arch}" \
+    "$nvcc" -std=c++17 -O3 -Xptxas -warn-spills -gencode "arch=compute_${arch},code=sm_${arch}" \
       -Icsrc/include -c "$src" -o "$out/$(basename "$src").sm${arch}.o"
   done
   n=$((n + 1))
@@ -22,7 +51,7 @@ done
 echo "compile-check: $n CUDA kernel file(s) compiled for sm_80 and sm_90"
 
 cuda_include=""
-for dir in "${CUDA_HOME:-}/include" "$(dirname "$(dirname "$(command -v nvcc)")")/include" /usr/local/cuda/include; do
+for dir in "${cuda_root:+$cuda_root/include}" "$(dirname "$(dirname "$nvcc")")/include" /usr/local/cuda/include; do
   if [ -f "$dir/cuda_runtime.h" ]; then cuda_include=$dir; break; fi
 done
 if [ -z "$cuda_include" ]; then
