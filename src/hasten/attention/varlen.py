@@ -80,9 +80,14 @@ def _cudnn_unavailable(q: torch.Tensor) -> str | None:
     return None
 
 
-def select_backend(q: torch.Tensor, requested: str = "auto") -> Backend:
-    """The fastest backend that can run these inputs; a forced slower one is honoured silently,
-    an unavailable fast one is reported once with the reason."""
+_CHAIN: tuple[Backend, ...] = ("cudnn", "flash_attn", "torch_varlen")
+
+
+def select_backend(q: torch.Tensor, requested: str = "auto", *, report: bool = True) -> Backend:
+    """The first backend of cudnn -> flash_attn -> torch_varlen, starting at `requested` (auto:
+    at cudnn), that can run these inputs; per_sequence when none can. A forced slower backend is
+    honoured silently; a requested one that cannot run is reported once with the reason (unless
+    `report` is false: hasten's own redirects past cudnn), and the next one of the chain runs."""
     if requested == "per_sequence":
         return "per_sequence"
     reason = None
@@ -93,21 +98,29 @@ def select_backend(q: torch.Tensor, requested: str = "auto") -> Backend:
     elif q.shape[-1] > _MAX_HEAD_DIM:
         reason = f"head_dim {q.shape[-1]} is above the kernels' limit of {_MAX_HEAD_DIM}"
     if reason is None:
-        why_not = _cudnn_unavailable(q) if requested in ("auto", "cudnn") else "not requested"
-        if why_not is None:
-            return "cudnn"
-        if requested in ("auto", "cudnn"):
-            record_fallback("cudnn_attention", f"cuDNN packed attention cannot run: {why_not}; FlashAttention-2 "
-                            "runs instead (about 8% slower training on W1)")
-        if requested in ("auto", "flash_attn") and _flash_attn_fn() is not None:
-            return "flash_attn"
-        if requested in ("auto", "cudnn", "torch_varlen") and _torch_varlen_fn() is not None:
-            return "torch_varlen"
+        first = "cudnn" if requested == "auto" else requested
+        for backend in _CHAIN[_CHAIN.index(first):]:
+            why_not = _unavailable(backend, q)
+            if why_not is None:
+                return backend
+            if backend == first and report:
+                record_fallback(f"{backend}_attention" if backend == "cudnn" else f"{backend}_unavailable",
+                                f"{backend} packed attention cannot run: {why_not}; the next backend of "
+                                "cudnn -> flash_attn -> torch_varlen runs instead"
+                                + (" (about 8% slower training on W1)" if backend == "cudnn" else ""))
         reason = (f"torch {torch.__version__} has no torch.nn.attention.varlen and flash-attn is not installed "
                   "(upgrade to torch >= 2.10 or install flash-attn)")
     record_fallback("attention_per_sequence", f"packed attention runs one sequence at a time: {reason}. Results "
                     "are correct; speed is not.")
     return "per_sequence"
+
+
+def _unavailable(backend: Backend, q: torch.Tensor) -> str | None:
+    if backend == "cudnn":
+        return _cudnn_unavailable(q)
+    if backend == "flash_attn":
+        return None if _flash_attn_fn() is not None else "flash-attn is not installed"
+    return None if _torch_varlen_fn() is not None else f"torch {torch.__version__} has no torch.nn.attention.varlen"
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -190,8 +203,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     chosen = select_backend(q, backend)
     if chosen == "cudnn" and (dropout > 0.0 or sliding_window is not None):
         record_fallback("cudnn_attention_features", "cuDNN packed attention is not used for layers with "
-                        f"{'dropout' if dropout > 0.0 else 'a sliding window'}; FlashAttention-2 runs them")
-        chosen = select_backend(q, "torch_varlen")
+                        f"{'dropout' if dropout > 0.0 else 'a sliding window'}; FlashAttention-2 (flash-attn, else torch's "
+                        "varlen) runs them")
+        chosen = select_backend(q, "flash_attn", report=False)
     if chosen == "cudnn":
         from hasten.ops.attention import varlen_attention as cudnn_attention
 
@@ -199,7 +213,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
         except RuntimeError as exc:  # a shape cuDNN refuses (the op caches the refusal per bucket)
             record_fallback("cudnn_attention", f"cuDNN refused this batch ({exc}); FlashAttention-2 runs it")
-            chosen = select_backend(q, "torch_varlen")
+            chosen = select_backend(q, "flash_attn", report=False)
     if dropout > 0.0 and chosen == "torch_varlen":
         record_fallback("attention_dropout", "torch's varlen attention has no dropout; attention dropout "
                         f"{dropout} runs one sequence at a time (install flash-attn for the fast path)")
