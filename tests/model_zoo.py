@@ -28,7 +28,7 @@ VOCAB = 211
 WINDOW = 5  # shorter than the long samples below, so a lost window shows
 LENGTHS = (7, 1, 19, 12, 1, 33)  # one-token samples, and samples longer than the window
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.08,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.08,
             tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 SLIDING_3 = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -146,7 +146,9 @@ def per_sample_reference(model: torch.nn.Module, batch_samples: list[dict], devi
 
 
 def packed_batch(batch_samples: list[dict], device=None) -> dict:
-    batch = hasten.PackingCollator(max_tokens=256)(batch_samples)
+    """All samples in one packed row (none truncated)."""
+    batch = hasten.PackingCollator(max_tokens=sum(len(s["input_ids"]) for s in batch_samples))(batch_samples)
+    assert batch["input_ids"].shape[0] == 1
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
