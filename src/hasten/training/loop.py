@@ -208,7 +208,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     if ctx.enabled and ctx.is_main:
         logger.info("hasten: %s over %d processes", ctx.strategy, ctx.world_size)
 
-    samples = load_dataset(config.data.path, tokenizer, text_field=config.data.text_field)
+    samples = load_dataset(config.data.path, tokenizer, text_field=config.data.text_field,
+                           assistant_roles=config.data.assistant_roles)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sampler = TokenBudgetBatchSampler([len(s["input_ids"]) for s in samples], t.max_tokens, seed=t.seed,
                                       rank=ctx.rank, world_size=ctx.world_size)
