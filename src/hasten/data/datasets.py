@@ -97,8 +97,10 @@ def _assistant_roles(roles: Iterable[str]) -> tuple[str, ...]:
         raise ValueError("assistant_roles names no role; give at least one (default: assistant)")
     context = sorted(set(names) & set(CONTEXT_ROLES))
     if context:
-        raise ValueError(f"assistant_roles names {', '.join(map(repr, context))}, a context role that is never "
-                         "trained on; list only the roles of the replies to train on")
+        raise ValueError(
+            f"assistant_roles names {', '.join(map(repr, context))}, a context role that is "
+            "never trained on; list only the roles of the replies to train on"
+        )
     return names
 
 
@@ -249,7 +251,7 @@ def _tokenize(
             samples.append(_tokenize_text(tokenizer, _string_field(record, text_field, where)))
         elif "messages" in record:
             messages = _messages_field(record, where)
-            _check_roles(messages, where, assistant_roles, records)
+            _check_roles(messages, where, assistant_roles, records, text_field)
             samples.append(_tokenize_chat(tokenizer, messages, where, assistant_roles))
         elif "prompt" in record or "completion" in record:
             prompt = _string_field(record, "prompt", where)
@@ -312,6 +314,7 @@ def _check_roles(
     where: str,
     assistant_roles: tuple[str, ...],
     records: Sequence[Any],
+    text_field: str,
 ) -> None:
     """Every role is a context role or an assistant role, and some turn is an assistant turn."""
     if not messages:
@@ -323,7 +326,7 @@ def _check_roles(
         role = message["role"]
         if role in known:
             continue
-        users = _count_records(records, lambda roles: role in roles)
+        users = _count_chats(records, text_field, lambda roles: role in roles)
         if role == "model":
             fix = ("Gemma-style data names the replies 'model': set data.assistant_roles: [model] "
                    "(or rename the role to 'assistant' in the data)")
@@ -331,35 +334,43 @@ def _check_roles(
             near = difflib.get_close_matches(role, known, n=1, cutoff=0.6)
             fix = (f"did you mean {near[0]!r}? Correct the role in the data" if near
                    else f"rename the role to one of {', '.join(known)}")
+            wanted = ", ".join((*assistant_roles, role))
             fix += (f"; or, if the {role!r} turns are the replies to train on, add the role to "
-                    f"data.assistant_roles (data.assistant_roles: [{', '.join((*assistant_roles, role))}])")
+                    f"data.assistant_roles (data.assistant_roles: [{wanted}])")
         raise _record_error(
             where,
-            f"'messages[{position}]' has the role {role!r}, which is not a known role (known: {known_text}; "
-            f"records in the data with this role: {users})",
+            f"'messages[{position}]' has the role {role!r}, which is not a known role (known: "
+            f"{known_text}; records in the data with this role: {users})",
             fix,
         )
     if not any(message["role"] in assistant_roles for message in messages):
-        without = _count_records(records, lambda roles: not set(roles) & set(assistant_roles))
+        without = _count_chats(
+            records, text_field, lambda roles: not set(roles) & set(assistant_roles)
+        )
         found = ", ".join(dict.fromkeys(message["role"] for message in messages))
         raise _record_error(
             where,
             f"the conversation has no turn of the role{'s' if len(assistant_roles) > 1 else ''} "
-            f"{', '.join(assistant_roles)} (data.assistant_roles), so it would train on nothing (roles found: "
-            f"{found}; records in the data without such a turn: {without})",
-            "add the assistant's reply to the conversation, or remove the record; if the replies have another "
-            "role, add that role to data.assistant_roles",
+            f"{', '.join(assistant_roles)} (data.assistant_roles), so it would train on nothing "
+            f"(roles found: {found}; records in the data without such a turn: {without})",
+            "add the assistant's reply to the conversation, or remove the record; if the replies "
+            "have another role, add that role to data.assistant_roles",
         )
 
 
-def _count_records(records: Sequence[Any], matches: Callable[[list[str]], bool]) -> int:
-    """Chat records whose list of roles `matches` (records of other shapes are skipped)."""
+def _count_chats(
+    records: Sequence[Any], text_field: str, matches: Callable[[list[str]], bool]
+) -> int:
+    """Chat records whose list of roles `matches` (other and malformed records are skipped)."""
     count = 0
     for record in records:
-        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(record, dict) or text_field in record:
+            continue
+        messages = record.get("messages")
         if not isinstance(messages, list) or not messages:
             continue
         roles = [m.get("role") for m in messages if isinstance(m, dict)]
+        roles = [role for role in roles if isinstance(role, str)]
         count += bool(matches(roles))
     return count
 
@@ -424,7 +435,9 @@ def _tokenize_chat_with_template(
 
     Turns of the assistant roles reach the template with the role ``assistant``: the name chat
     templates (and their generation prompts) use for the model's replies; a template that calls
-    them otherwise (Gemma's ``model``) maps ``assistant`` itself. An assistant turn spans from the end of the conversation before it, rendered with the
+    them otherwise (Gemma's ``model``) maps ``assistant`` itself.
+
+    An assistant turn spans from the end of the conversation before it, rendered with the
     generation prompt (so the assistant header is masked), to the end of the conversation
     through it (so its end-of-turn tokens are trained). The rendered text is cut at those
     points and each piece tokenized apart, so the label boundaries are exact.
