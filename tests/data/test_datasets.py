@@ -478,3 +478,18 @@ def test_record_error_from_a_file_names_the_file_and_line(tmp_path, tokenizer):
 
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
+
+
+def test_unreadable_file_names_the_path_and_the_fix(tmp_path, monkeypatch):
+    import hasten.data.datasets as datasets
+
+    class Unreadable(type(Path())):
+        def read_bytes(self):
+            raise PermissionError(13, "Permission denied", str(self))
+
+    path = write_jsonl(tmp_path / "data.jsonl", [{"text": "a"}])
+    monkeypatch.setattr(datasets, "Path", Unreadable)
+    assert error_message(read_records, path) == (
+        f"{path}: cannot be read (Permission denied). Fix: make the file readable by this user, or copy it "
+        "to a place that is."
+    )

@@ -138,7 +138,13 @@ def _read(path: Path) -> _LoadedRecords:
 
 
 def _read_utf8(path: Path) -> str:
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise DataError(
+            f"{path}: cannot be read ({error.strerror or error}). Fix: make the file readable by "
+            "this user, or copy it to a place that is."
+        ) from None
     try:
         return raw.decode("utf-8-sig")  # tolerate the BOM some editors write
     except UnicodeDecodeError as error:
