@@ -199,7 +199,7 @@ class Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, *, source: str = "config") -> "Config":
         config = _build(cls, raw or {}, source, "")
-        validate(config)
+        validate(config, source=source)
         return config
 
     @classmethod
@@ -212,7 +212,8 @@ class Config:
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"{path} is not valid YAML: {exc}\nFix: correct the file at that place; it holds a "
+                              "mapping of sections, e.g. `training:` with `max_steps: 20` indented below it") from exc
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
@@ -328,13 +329,12 @@ def _coerce(hint: Any, value: Any, source: str, path: str) -> Any:
     raise AssertionError(f"config schema has an unsupported type at {path}: {hint}")  # schema bug
 
 
-def _at_least(key: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise ConfigError(f"`{key}` must be at least {minimum}; got {value}")
-
-
-def validate(config: Config) -> None:
+def validate(config: Config, *, source: str = "config") -> None:
     """Range checks that the types alone cannot express: each names the key, the value and the range."""
+
+    def refuse(message: str) -> ConfigError:
+        return ConfigError(f"{source}: {message}")
+
     t = config.training
     for key, value in {"training.max_tokens": t.max_tokens, "training.max_steps": t.max_steps,
                        "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
@@ -342,48 +342,46 @@ def validate(config: Config) -> None:
                        "training.checkpoint.interval_steps": t.checkpoint.interval_steps,
                        "training.checkpoint.keep_last": t.checkpoint.keep_last,
                        "lora.r": config.lora.r}.items():
-        _at_least(key, value, 1)
+        if value < 1:
+            raise refuse(f"`{key}` must be at least 1; got {value}")
     if t.learning_rate <= 0:
-        raise ConfigError(f"`training.learning_rate` must be positive (greater than 0, e.g. 3e-4); "
-                          f"got {t.learning_rate}")
+        raise refuse(f"`training.learning_rate` must be positive (greater than 0, e.g. 3e-4); got {t.learning_rate}")
     if t.weight_decay < 0:
-        raise ConfigError(f"`training.weight_decay` must be zero (none) or positive; got {t.weight_decay}")
+        raise refuse(f"`training.weight_decay` must be zero (none) or positive; got {t.weight_decay}")
     if not 0 <= t.seed <= MAX_SEED:
-        raise ConfigError(f"`training.seed` must be from 0 to {MAX_SEED}; got {t.seed}")
+        raise refuse(f"`training.seed` must be from 0 to {MAX_SEED}; got {t.seed}")
     if t.warmup_steps < 0:
-        raise ConfigError(f"`training.warmup_steps` must be zero or more; got {t.warmup_steps}")
+        raise refuse(f"`training.warmup_steps` must be zero or more; got {t.warmup_steps}")
     if t.fsdp2_layers_per_unit < 0:
-        raise ConfigError("`training.fsdp2_layers_per_unit` must be 0 (auto) or a number of layers; "
-                          f"got {t.fsdp2_layers_per_unit}")
+        raise refuse(f"`training.fsdp2_layers_per_unit` must be 0 (auto) or a number of layers; "
+                     f"got {t.fsdp2_layers_per_unit}")
     checkpoint = t.checkpoint
     if checkpoint.offload_mode() != "none" and checkpoint.activations != "none":
         which = f"offload: {checkpoint.offload}" if checkpoint.offload != "none" else "double_buffer: true"
-        raise ConfigError(f"`training.checkpoint.{which}` turns on activation offload, which plans per layer what "
-                          "is kept, offloaded or recomputed; it cannot combine with `training.checkpoint.activations: "
-                          f"{checkpoint.activations}`. Set activations: none (offload auto recomputes layers itself "
-                          "when that is cheaper), or turn offload off (offload: none, double_buffer: false).")
+        raise refuse(f"`training.checkpoint.{which}` turns on activation offload, which plans per layer what is kept, "
+                     "offloaded or recomputed; it cannot combine with `training.checkpoint.activations: "
+                     f"{checkpoint.activations}`. Set activations: none (offload auto recomputes layers itself when "
+                     "that is cheaper), or turn offload off (offload: none, double_buffer: false).")
     if checkpoint.max_memory_gib is not None and checkpoint.max_memory_gib <= 0:
-        raise ConfigError("`training.checkpoint.max_memory_gib` must be a positive number of GiB, or empty for the "
-                          f"lowest memory that costs no step time; got {checkpoint.max_memory_gib}")
+        raise refuse("`training.checkpoint.max_memory_gib` must be a positive number of GiB, or empty for the lowest "
+                     f"memory that costs no step time; got {checkpoint.max_memory_gib}")
     lora = config.lora
     if lora.alpha <= 0:
-        raise ConfigError(f"`lora.alpha` must be positive (the update is scaled by alpha / r; e.g. 2 * r); "
-                          f"got {lora.alpha}")
+        raise refuse(f"`lora.alpha` must be positive (the update is scaled by alpha / r; e.g. 2 * r); got {lora.alpha}")
     if not 0 <= lora.dropout < 1:
-        raise ConfigError(f"`lora.dropout` must be from 0 up to, not including, 1 (a probability; 0: none); "
-                          f"got {lora.dropout}")
+        raise refuse(f"`lora.dropout` must be from 0 up to, not including, 1 (a probability; 0: none); "
+                     f"got {lora.dropout}")
     if not config.data.text_field.strip():
-        raise ConfigError("`data.text_field` must name a field of the records (default: text); got an empty string")
+        raise refuse("`data.text_field` must name a field of the records (default: text); got an empty string")
     context = sorted(set(config.data.assistant_roles) & set(CONTEXT_ROLES))
     if context:
-        raise ConfigError(f"`data.assistant_roles` names {', '.join(map(repr, context))}, whose turns are context "
-                          "that is given to the model, not generated by it, so it is never trained on; list only "
-                          "the roles of the replies to train on (default: [assistant]; Gemma-style data: [model])")
+        raise refuse(f"`data.assistant_roles` names {', '.join(map(repr, context))}, whose turns are context that is "
+                     "given to the model, not generated by it, so it is never trained on; list only the roles of the "
+                     "replies to train on (default: [assistant]; Gemma-style data: [model])")
     profile_step = config.logging.profile_step
     if profile_step < 0:
-        raise ConfigError("`logging.profile_step` must be zero (off) or a step number; "
-                          f"got {profile_step}")
+        raise refuse(f"`logging.profile_step` must be zero (off) or a step number; got {profile_step}")
     if profile_step > t.max_steps:
-        raise ConfigError(f"`logging.profile_step` {profile_step} comes after the last step "
-                          f"(training.max_steps {t.max_steps}), so nothing would be profiled; choose a step from 1 "
-                          f"to {t.max_steps}, or 0 for none")
+        raise refuse(f"`logging.profile_step` {profile_step} comes after the last step (training.max_steps "
+                     f"{t.max_steps}), so nothing would be profiled; choose a step from 1 to {t.max_steps}, or 0 "
+                     "for none")
