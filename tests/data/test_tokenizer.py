@@ -239,3 +239,17 @@ def test_a_tokenizer_larger_than_the_embedding_is_an_error(tmp_path, tokenizer):
         check_tokenizer_fits(tokenizer, model, folder)
     larger = save_tiny_model(tmp_path / "large_vocab", vocab_size=300)
     check_tokenizer_fits(tokenizer, transformers.AutoModelForCausalLM.from_pretrained(larger), larger)  # fits
+
+
+def test_a_lora_adapter_folder_without_a_base_model_says_it_holds_adapters_only(tmp_path, tokenizer):
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"base_model_name_or_path": null}')
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(ConfigError, match=r"has no config.json \(it holds LoRA adapters only and names no base "
+                                          r"model.*merge_and_unload"):
+        load_model_tokenizer(folder)
+    # one that names its base model loads as transformers loads it (through the base)
+    (folder / "adapter_config.json").write_text('{"base_model_name_or_path": "/models/base"}')
+    assert isinstance(load_model_tokenizer(folder), ByteTokenizer)

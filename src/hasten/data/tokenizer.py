@@ -155,6 +155,17 @@ def _has_vocabulary(name: str) -> bool:
             or name == BYTE_TOKENIZER_FILE)
 
 
+def _adapter_base(folder: Path, names: list[str]) -> str | None:
+    """The base model a PEFT adapter folder names (transformers loads such a folder through it)."""
+    if "adapter_config.json" not in names:
+        return None
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return base if isinstance(base, str) and base.strip() else None
+
+
 def load_model_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The tokenizer of the transformers model folder `path` (`model.path`), checked.
 
@@ -169,10 +180,14 @@ def load_model_tokenizer(path: str | os.PathLike[str]) -> Any:
     except OSError as error:
         raise ConfigError(f"model.path {folder} cannot be read ({error.strerror}). Fix: make the folder readable "
                           "by this user, or copy the model to a folder that is") from None
-    if "config.json" not in names:
+    if "config.json" not in names and not _adapter_base(folder, names):
         saved = folder / "final"
         hint = (f" (did you mean {saved}? hasten train saves its model in OUTPUT_DIR/final)"
                 if (saved / "config.json").is_file() else "")
+        if "adapter_config.json" in names:
+            hint += (" (it holds LoRA adapters only and names no base model, as a lora.enabled run on the embedded "
+                     "default saves them: merge them into their base model and save that, e.g. with PEFT's "
+                     "merge_and_unload(), to train on)")
         raise ConfigError(f"model.path {folder} is not a transformers model folder: it has no config.json{hint}. "
                           "Fix: point model.path at a model folder (config.json, weights and tokenizer files), "
                           "e.g. the OUTPUT_DIR/final folder of an earlier hasten train, or leave it empty for the "

@@ -378,6 +378,18 @@ def test_output_dir_given_as_model_path_is_refused(capsys, tmp_path, saved_model
                            f"did you mean {run / 'final'}?")
 
 
+def test_lora_adapter_folder_without_its_base_is_refused(capsys, tmp_path):
+    from hasten.data import ByteTokenizer
+
+    folder = tmp_path / "lora_run" / "final"  # what a lora.enabled run on the embedded default saves
+    folder.mkdir(parents=True)
+    write(folder / "adapter_config.json", '{"base_model_name_or_path": null, "peft_type": "LORA"}')
+    write(folder / "adapter_model.safetensors", b"")
+    ByteTokenizer().save_pretrained(folder)
+    outcome = run_train(capsys, tmp_path, config=with_model(folder))
+    outcome.assert_refused("it holds lora adapters only and names no base model", "merge_and_unload()")
+
+
 def test_model_folder_without_weights_is_refused(capsys, tmp_path, saved_model):
     folder = model_folder(saved_model, tmp_path / "model", weights=False, tokenizer="byte")
     outcome = run_train(capsys, tmp_path, config=with_model(folder))
