@@ -2,14 +2,22 @@
 
 The schema is the dataclasses below; the YAML keys are their field names, nested
 by section. Unknown keys are an error that names the key and the nearest valid one;
-wrong types name the key and the expected type. Keys whose feature is not built yet
-are accepted and listed by `Config.inactive_features()`.
+wrong types name the key and the expected type; values out of range (NaN and infinity
+included) name the key, the value and the allowed range. Keys whose feature is not built
+yet are accepted and listed by `Config.inactive_features()`.
+
+What YAML 1.1 (PyYAML) reads differently from what was meant is taken as meant: a float
+key given a string that is a finite number (`1e-4`, which YAML 1.1 reads as a string for
+want of a dot) is that number; `true`/`false` for a key whose choices are the strings
+"true"/"false" is that string; an empty string for a nullable key is null; a list key
+takes a YAML list or a comma-separated string.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -111,12 +119,20 @@ class ModelConfig:
     default_size: Literal["tiny", "small", "qwen3-0.6b"] = "small"
 
 
+# Chat roles whose turns are context: masked, never trained on (the trained ones: data.assistant_roles).
+CONTEXT_ROLES = ("system", "user", "tool")
+
+
 @dataclass
 class DataConfig:
     # Local JSONL/JSON/Parquet file; empty means the embedded corpus.
     path: str | None = None
     # Field of plain-text records (records with prompt/completion or messages are detected).
     text_field: str = "text"
+    # Chat records: the roles whose turns are trained on (a YAML list or a comma-separated string),
+    # e.g. [model] for Gemma-style data. Turns of system, user and tool are context (masked); a
+    # record with any other role, or with no turn of these roles, is an error naming the record.
+    assistant_roles: list[str] = field(default_factory=lambda: ["assistant"])
 
 
 @dataclass
@@ -154,13 +170,14 @@ class LoraConfig:
     alpha: int = 32
     # Dropout on the adapter input.
     dropout: float = 0.0
-    # Comma-separated module names to adapt.
+    # Module names to adapt: a YAML list or a comma-separated string (kept as the latter).
     target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 @dataclass
 class LoggingConfig:
-    # TensorBoard scalars under LOG_DIR/tensorboard: auto = when tensorboard is installed.
+    # TensorBoard scalars under LOG_DIR/tensorboard: auto = when tensorboard is installed (YAML
+    # true / false work as "true" / "false").
     tensorboard: Literal["auto", "true", "false"] = "auto"
     # GPU utilisation, memory, temperature and power per logging step (NVML, nvidia-ml-py).
     gpu_monitor: bool = True
@@ -182,7 +199,7 @@ class Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, *, source: str = "config") -> "Config":
         config = _build(cls, raw or {}, source, "")
-        validate(config)
+        validate(config, source=source)
         return config
 
     @classmethod
@@ -195,7 +212,8 @@ class Config:
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"{path} is not valid YAML: {exc}\nFix: correct the file at that place; it holds a "
+                              "mapping of sections, e.g. `training:` with `max_steps: 20` indented below it") from exc
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
@@ -232,68 +250,138 @@ def _build(cls: type, raw: dict[str, Any], source: str, prefix: str):
     return cls(**values)
 
 
+# Keys of type str that hold a comma-separated list and also take a YAML list (normalised to
+# "a,b": the form the code reads).
+_COMMA_STRING_KEYS = {"lora.target_modules"}
+# Largest seed: torch's generators take 64-bit seeds and the batch sampler multiplies the seed
+# by about 2**20; 2**32 - 1 is the usual bound and leaves room.
+MAX_SEED = 2**32 - 1
+
+
+def _shown(value: Any) -> str:
+    return "nothing (an empty value)" if value is None else repr(value)
+
+
+def _names(value: Any, source: str, path: str) -> list[str]:
+    """A YAML list of names or a comma-separated string, as a list without blanks or repeats."""
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, list) and all(isinstance(item, str) for item in value):
+        items = value
+    else:
+        raise ConfigError(f"{source}: `{path}` must be a list of names (e.g. [a, b]) or a comma-separated "
+                          f"string (\"a,b\"); got {_shown(value)}")
+    names = list(dict.fromkeys(item.strip() for item in items if item.strip()))
+    if not names:
+        raise ConfigError(f"{source}: `{path}` names nothing (got {value!r}); give at least one name, or remove "
+                          "the key for its default")
+    return names
+
+
 def _coerce(hint: Any, value: Any, source: str, path: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, value if value is not None else {}, source, path + ".")
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if path in _COMMA_STRING_KEYS:
+        return ",".join(_names(value, source, path))
     if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{source}: `{path}` must be one of {', '.join(map(repr, args))}; got {value!r}")
+        if isinstance(value, bool) and ("true" in args or "false" in args):
+            value = "true" if value else "false"  # YAML reads an unquoted true/false as a boolean
+        if isinstance(value, bool) or value not in args:
+            raise ConfigError(f"{source}: `{path}` must be one of {', '.join(map(repr, args))}; got {_shown(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
+        if type(None) in args and (value is None or (isinstance(value, str) and not value.strip())):
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, source, path)
+    if origin is list and args == (str,):
+        return _names(value, source, path)
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{source}: `{path}` must be true or false; got {value!r}")
+            raise ConfigError(f"{source}: `{path}` must be true or false; got {_shown(value)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{source}: `{path}` must be an integer; got {value!r}")
+            raise ConfigError(f"{source}: `{path}` must be an integer; got {_shown(value)}")
         return value
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{source}: `{path}` must be a number; got {value!r}")
-        return float(value)
+        number = value
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                number = float(value.strip())
+            except ValueError:
+                number = None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ConfigError(f"{source}: `{path}` must be a number (e.g. 0.5 or 1e-4); got {_shown(value)}")
+        try:
+            number = float(number)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{source}: `{path}` must be a finite number; got {value!r}")
+        return number
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{source}: `{path}` must be a string; got {value!r}")
+            raise ConfigError(f"{source}: `{path}` must be a string; got {_shown(value)}")
         return value
     raise AssertionError(f"config schema has an unsupported type at {path}: {hint}")  # schema bug
 
 
-def validate(config: Config) -> None:
-    """Range checks that the types alone cannot express."""
+def validate(config: Config, *, source: str = "config") -> None:
+    """Range checks that the types alone cannot express: each names the key, the value and the range."""
+
+    def refuse(message: str) -> ConfigError:
+        return ConfigError(f"{source}: {message}")
+
     t = config.training
-    positive = {"training.max_tokens": t.max_tokens, "training.max_steps": t.max_steps,
-                "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
-                "training.logging_steps": t.logging_steps,
-                "training.checkpoint.interval_steps": t.checkpoint.interval_steps,
-                "training.checkpoint.keep_last": t.checkpoint.keep_last}
-    for key, value in positive.items():
+    for key, value in {"training.max_tokens": t.max_tokens, "training.max_steps": t.max_steps,
+                       "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
+                       "training.logging_steps": t.logging_steps,
+                       "training.checkpoint.interval_steps": t.checkpoint.interval_steps,
+                       "training.checkpoint.keep_last": t.checkpoint.keep_last,
+                       "lora.r": config.lora.r}.items():
         if value < 1:
-            raise ConfigError(f"`{key}` must be at least 1; got {value}")
-    if config.lora.enabled and config.lora.r < 1:
-        raise ConfigError(f"`lora.r` must be at least 1; got {config.lora.r}")
+            raise refuse(f"`{key}` must be at least 1; got {value}")
     if t.learning_rate <= 0:
-        raise ConfigError(f"`training.learning_rate` must be positive; got {t.learning_rate}")
+        raise refuse(f"`training.learning_rate` must be positive (greater than 0, e.g. 3e-4); got {t.learning_rate}")
+    if t.weight_decay < 0:
+        raise refuse(f"`training.weight_decay` must be zero (none) or positive; got {t.weight_decay}")
+    if not 0 <= t.seed <= MAX_SEED:
+        raise refuse(f"`training.seed` must be from 0 to {MAX_SEED}; got {t.seed}")
+    if t.warmup_steps < 0:
+        raise refuse(f"`training.warmup_steps` must be zero or more; got {t.warmup_steps}")
+    if t.fsdp2_layers_per_unit < 0:
+        raise refuse(f"`training.fsdp2_layers_per_unit` must be 0 (auto) or a number of layers; "
+                     f"got {t.fsdp2_layers_per_unit}")
     checkpoint = t.checkpoint
     if checkpoint.offload_mode() != "none" and checkpoint.activations != "none":
         which = f"offload: {checkpoint.offload}" if checkpoint.offload != "none" else "double_buffer: true"
-        raise ConfigError(f"`training.checkpoint.{which}` turns on activation offload, which plans per layer what "
-                          "is kept, offloaded or recomputed; it cannot combine with `training.checkpoint.activations: "
-                          f"{checkpoint.activations}`. Set activations: none (offload auto recomputes layers itself "
-                          "when that is cheaper), or turn offload off (offload: none, double_buffer: false).")
+        raise refuse(f"`training.checkpoint.{which}` turns on activation offload, which plans per layer what is kept, "
+                     "offloaded or recomputed; it cannot combine with `training.checkpoint.activations: "
+                     f"{checkpoint.activations}`. Set activations: none (offload auto recomputes layers itself when "
+                     "that is cheaper), or turn offload off (offload: none, double_buffer: false).")
     if checkpoint.max_memory_gib is not None and checkpoint.max_memory_gib <= 0:
-        raise ConfigError(f"`training.checkpoint.max_memory_gib` must be positive GiB; got {checkpoint.max_memory_gib}")
-    if t.fsdp2_layers_per_unit < 0:
-        raise ConfigError("`training.fsdp2_layers_per_unit` must be 0 (auto) or a number of layers; "
-                          f"got {t.fsdp2_layers_per_unit}")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"`training.warmup_steps` must be zero or more; got {t.warmup_steps}")
-    if config.logging.profile_step < 0:
-        raise ConfigError("`logging.profile_step` must be zero (off) or a step number; "
-                          f"got {config.logging.profile_step}")
+        raise refuse("`training.checkpoint.max_memory_gib` must be a positive number of GiB, or empty for the lowest "
+                     f"memory that costs no step time; got {checkpoint.max_memory_gib}")
+    lora = config.lora
+    if lora.alpha <= 0:
+        raise refuse(f"`lora.alpha` must be positive (the update is scaled by alpha / r; e.g. 2 * r); got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise refuse(f"`lora.dropout` must be from 0 up to, not including, 1 (a probability; 0: none); "
+                     f"got {lora.dropout}")
+    if not config.data.text_field.strip():
+        raise refuse("`data.text_field` must name a field of the records (default: text); got an empty string")
+    context = sorted(set(config.data.assistant_roles) & set(CONTEXT_ROLES))
+    if context:
+        raise refuse(f"`data.assistant_roles` names {', '.join(map(repr, context))}, whose turns are context that is "
+                     "given to the model, not generated by it, so it is never trained on; list only the roles of the "
+                     "replies to train on (default: [assistant]; Gemma-style data: [model])")
+    profile_step = config.logging.profile_step
+    if profile_step < 0:
+        raise refuse(f"`logging.profile_step` must be zero (off) or a step number; got {profile_step}")
+    if profile_step > t.max_steps:
+        raise refuse(f"`logging.profile_step` {profile_step} comes after the last step (training.max_steps "
+                     f"{t.max_steps}), so nothing would be profiled; choose a step from 1 to {t.max_steps}, or 0 "
+                     "for none")

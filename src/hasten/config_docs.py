@@ -101,6 +101,8 @@ def yaml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(yaml_value(item) for item in value) + "]"
     return repr(value)
 
 
@@ -111,6 +113,8 @@ def type_name(hint: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         names = [type_name(a) for a in args if a is not type(None)]
         return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin is list:
+        return "list of " + " or ".join(type_name(a) for a in args)
     if dataclasses.is_dataclass(hint):
         return "section"
     return getattr(hint, "__name__", str(hint))
@@ -139,7 +143,11 @@ def render_config_reference() -> str:
         "",
         "A config file is YAML with one mapping per section below (`hasten train --config FILE`). Every key is "
         "optional; a missing key takes its default. An unknown key is an error naming the nearest valid key, "
-        "and a value of the wrong type is an error naming the key and the expected type. Keys marked "
+        "a value of the wrong type is an error naming the key and the expected type, and a value out of range "
+        "(NaN and infinity included) is an error naming the key, the value and the allowed range. A float key "
+        "also takes a number that YAML 1.1 reads as a string (`1e-4`, written without a dot), a key whose choices "
+        "include `\"true\"` and `\"false\"` also takes YAML `true` and `false`, and a list key takes a YAML "
+        "list or a comma-separated string. Keys marked "
         "**accepted, not active yet** load without error, but their feature is not built in this version; "
         "`hasten train` lists them as not active at start-up and in `summary.json` (`hasten_inactive`).",
         "",

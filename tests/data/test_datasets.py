@@ -190,7 +190,7 @@ def test_hf_chat_uses_the_template_and_trains_on_assistant_turns(hf_tokenizer):
 
 def test_hf_chat_template_error_names_the_record():
     failing = build_hf_tokenizer("{{ raise_exception('roles must alternate') }}")
-    records = [{"messages": [{"role": "user", "content": "x"}]}]
+    records = [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}]
     message = error_message(tokenize_records, records, failing, source="chats")
     assert message.startswith("chats, record 1: the tokenizer's chat template failed: roles must alternate")
 
@@ -204,6 +204,121 @@ def test_hf_chat_template_that_rewrites_history_is_rejected():
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(DataError, match=r"record 1: the chat template does not render 'messages\[1\]'"):
         tokenize_records([{"messages": messages}], rewriting)
+
+
+# --- chat roles ---------------------------------------------------------------------------
+
+GEMMA_TEMPLATE = (  # Gemma's template, short: assistant turns are rendered as "model"
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = m.role %}{% endif %}<t>{{ role }}\n{{ m.content }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<t>model\n{% endif %}"
+)
+
+
+def chat(*turns: tuple[str, str]) -> dict:
+    return {"messages": [{"role": role, "content": content} for role, content in turns]}
+
+
+def test_tool_and_system_turns_are_context(tokenizer):
+    record = chat(("system", "s"), ("user", "u"), ("assistant", "call"), ("tool", "42"), ("assistant", "a"))
+    [sample] = tokenize_records([record], tokenizer)
+    rendered = "<|system|>\ns\n<|user|>\nu\n<|assistant|>\ncall\n<|tool|>\n42\n<|assistant|>\na\n"
+    assert sample["input_ids"] == [BOS, *byte_ids(rendered), EOS]
+    trained = bytes(label for label in sample["labels"] if 0 <= label < 256).decode()
+    assert trained == "call\na\n" and sample["labels"][-1] == EOS
+
+
+@pytest.mark.parametrize("role,hint", [
+    ("asistant", "did you mean 'assistant'? correct the role in the data; or, if the 'asistant' turns are the "
+                 "replies to train on, add the role to data.assistant_roles (data.assistant_roles: "
+                 "[assistant, asistant])"),
+    ("User", "did you mean 'user'?"),
+    ("model", "gemma-style data names the replies 'model': set data.assistant_roles: [model]"),
+    ("narrator", "rename the role to one of system, user, tool, assistant; or, if the 'narrator' turns"),
+])
+def test_unknown_role_names_the_line_the_role_the_known_roles_and_the_fix(tmp_path, tokenizer, role, hint):
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        chat(("user", "q"), ("assistant", "a")),
+        chat(("user", "q"), (role, "a")),
+        chat(("user", "q"), (role, "b")),
+    ])
+    message = error_message(load_dataset, path, tokenizer)
+    assert message.startswith(
+        f"{path}, line 2: 'messages[1]' has the role {role!r}, which is not a known role (known: system, user, "
+        "tool (context, not trained on) and assistant (trained on; data.assistant_roles); records in the data "
+        "with this role: 2). Fix: ")
+    assert hint in message.lower()
+
+
+def test_gemma_model_role_trains_like_assistant_when_named(tokenizer):
+    record = chat(("user", "hi"), ("model", "yo"))
+    [sample] = tokenize_records([record], tokenizer, assistant_roles=["model"])
+    rendered = "<|user|>\nhi\n<|model|>\nyo\n"
+    assert sample["input_ids"] == [BOS, *byte_ids(rendered), EOS]
+    answer = 1 + rendered.index("yo")
+    assert [i for i, label in enumerate(sample["labels"]) if label != M] == [answer, answer + 1, answer + 2,
+                                                                             len(rendered) + 1]
+    # with model named, 'assistant' is not known any more: only the roles given are trained
+    with pytest.raises(DataError, match=r"has the role 'assistant', which is not a known role \(known: system, "
+                                        r"user, tool \(context, not trained on\) and model \(trained on"):
+        tokenize_records([chat(("user", "q"), ("assistant", "a"))], tokenizer, assistant_roles=["model"])
+
+
+def test_several_assistant_roles_and_the_comma_string(tokenizer):
+    record = chat(("user", "q"), ("model", "m"), ("user", "q"), ("assistant", "a"))
+    [by_list] = tokenize_records([record], tokenizer, assistant_roles=["model", "assistant"])
+    [by_string] = tokenize_records([record], tokenizer, assistant_roles="model, assistant")
+    assert by_list == by_string
+    assert bytes(label for label in by_list["labels"] if 0 <= label < 256) == b"m\na\n"
+
+
+@pytest.mark.parametrize("roles", [[], "", ["user"], ("assistant", "tool")])
+def test_assistant_roles_argument_is_checked(tokenizer, roles):
+    with pytest.raises(ValueError, match="assistant_roles names"):
+        tokenize_records([{"text": "x"}], tokenizer, assistant_roles=roles)
+
+
+def test_hf_template_renders_assistant_roles_as_assistant(hf_tokenizer):
+    as_assistant = chat(("user", "hi"), ("assistant", "yo"), ("user", "ok"), ("assistant", "k"))
+    as_model = chat(("user", "hi"), ("model", "yo"), ("user", "ok"), ("model", "k"))
+    [expected] = tokenize_records([as_assistant], hf_tokenizer)
+    [sample] = tokenize_records([as_model], hf_tokenizer, assistant_roles=["model"])
+    assert sample == expected
+    with pytest.raises(DataError, match=r"record 1: 'messages\[1\]' has the role 'model'.*data.assistant_roles: "
+                                        r"\[model\]"):
+        tokenize_records([as_model], hf_tokenizer)
+
+
+def test_hf_gemma_template_trains_the_model_turns():
+    gemma = build_hf_tokenizer(GEMMA_TEMPLATE)
+    record = chat(("user", "hi"), ("model", "yo"))
+    [sample] = tokenize_records([record], gemma, assistant_roles=["model"])
+    rendered = "<s><t>user\nhi</s>\n<t>model\nyo</s>\n"
+    assert gemma.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                     tokenize=False) == rendered
+    assert len(sample["input_ids"]) == 26  # one token per character; <s> and </s> one each
+    trained = [index for index, label in enumerate(sample["labels"]) if label != M]
+    assert trained == [22, 23, 24, 25]  # "yo</s>\n"; the "<t>model\n" header stays masked
+    assert [sample["labels"][i] for i in trained] == [121, 111, 129, 127]
+
+
+@pytest.mark.parametrize("use_hf", [False, True])
+def test_conversation_without_an_assistant_turn_is_an_error(tmp_path, tokenizer, hf_tokenizer, use_hf):
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        chat(("user", "q"), ("assistant", "a")),
+        chat(("system", "s"), ("user", "q")),
+        chat(("user", "only a question")),
+    ])
+    message = error_message(load_dataset, path, hf_tokenizer if use_hf else tokenizer)
+    assert message == (
+        f"{path}, line 2: the conversation has no turn of the role assistant (data.assistant_roles), so it "
+        "would train on nothing (roles found: system, user; records in the data without such a turn: 2). Fix: add "
+        "the assistant's reply to the conversation, or remove the record; if the replies have another role, add "
+        "that role to data.assistant_roles.")
+
+
+def test_empty_conversation_stays_an_empty_sample(tokenizer):
+    assert tokenize_records([{"messages": []}], tokenizer) == [{"input_ids": [], "labels": []}]
 
 
 # --- reading files ------------------------------------------------------------------------
@@ -363,3 +478,18 @@ def test_record_error_from_a_file_names_the_file_and_line(tmp_path, tokenizer):
 
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
+
+
+def test_unreadable_file_names_the_path_and_the_fix(tmp_path, monkeypatch):
+    import hasten.data.datasets as datasets
+
+    class Unreadable(type(Path())):
+        def read_bytes(self):
+            raise PermissionError(13, "Permission denied", str(self))
+
+    path = write_jsonl(tmp_path / "data.jsonl", [{"text": "a"}])
+    monkeypatch.setattr(datasets, "Path", Unreadable)
+    assert error_message(read_records, path) == (
+        f"{path}: cannot be read (Permission denied). Fix: make the file readable by this user, or copy it "
+        "to a place that is."
+    )

@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from hasten.config import Config, ConfigError
 
@@ -28,6 +29,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_model_is_kept(config: Config, output_dir: str) -> None:
+    """A run that trains the model in OUTPUT_DIR/final would save over the model it started from."""
+    if not config.model.path:
+        return
+    final = Path(output_dir) / "final"
+    if final.resolve() == Path(config.model.path).resolve():
+        raise ConfigError(f"model.path {config.model.path} is the folder this run saves its model into "
+                          f"(--output_dir {output_dir}: {final}), so the model it starts from would be overwritten. "
+                          f"Fix: pass another --output_dir (e.g. {output_dir.rstrip('/')}-next)")
+
+
 def run(args: argparse.Namespace) -> int:
     from hasten.data import DataError
     from hasten.packing import PackingError
@@ -44,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             merged = config.to_dict()
             merged["training"].update(overrides)
             config = Config.from_dict(merged, source="command line")
+        _check_model_is_kept(config, args.output_dir)
         log_dir = args.log_dir or f"{args.output_dir}/logs"
         result = train(config, args.output_dir, log_dir, progress=not args.no_progress, resume=args.resume)
     except (ConfigError, DataError, PackingError) as exc:

@@ -5,7 +5,10 @@ JSONL) and ``.parquet`` (needs pyarrow). Supported record shapes:
 
 - plain text: ``{"text": "..."}`` (the key is ``text_field``); loss on every token;
 - prompt/completion: ``{"prompt": "...", "completion": "..."}``; loss on the completion only;
-- chat: ``{"messages": [{"role": "...", "content": "..."}, ...]}``; loss on assistant turns only.
+- chat: ``{"messages": [{"role": "...", "content": "..."}, ...]}``; loss on the assistant turns
+  only: those whose role is one of ``assistant_roles`` (default ``["assistant"]``; Gemma-style data
+  names them ``model``). ``system``, ``user`` and ``tool`` turns are context (masked). A role that
+  is neither, or a conversation without an assistant turn (it would train on nothing), is an error.
 
 Labels are aligned with ``input_ids`` (not shifted); ``-100`` marks tokens without loss.
 Every problem in the data raises :class:`DataError` naming the file, the position and the fix.
@@ -13,18 +16,21 @@ Every problem in the data raises :class:`DataError` naming the file, the positio
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hasten.config import CONTEXT_ROLES
 from hasten.data.tokenizer import ByteTokenizer
 
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and transformers) skip
 
 _SUPPORTED_SUFFIXES = ".jsonl, .json or .parquet"
+DEFAULT_ASSISTANT_ROLES = ("assistant",)
 
 Sample = dict[str, list[int]]
 
@@ -55,24 +61,47 @@ def tokenize_records(
     *,
     text_field: str = "text",
     source: str = "<records>",
+    assistant_roles: Iterable[str] = DEFAULT_ASSISTANT_ROLES,
 ) -> list[Sample]:
     """Tokenize each record into ``{"input_ids": [...], "labels": [...]}``.
 
-    ``tokenizer`` is a :class:`ByteTokenizer` or a transformers tokenizer. Errors name
-    ``source`` and the 1-based record number.
+    ``tokenizer`` is a :class:`ByteTokenizer` or a transformers tokenizer. Chat turns whose
+    role is in ``assistant_roles`` are trained on. Errors name ``source`` and the 1-based
+    record number.
     """
-    return _tokenize(records, tokenizer, text_field, source, lambda index: f"record {index + 1}")
+    return _tokenize(records, tokenizer, text_field, source, lambda index: f"record {index + 1}",
+                     _assistant_roles(assistant_roles))
 
 
 def load_dataset(
-    path: str | os.PathLike[str] | None, tokenizer: Any, *, text_field: str = "text"
+    path: str | os.PathLike[str] | None,
+    tokenizer: Any,
+    *,
+    text_field: str = "text",
+    assistant_roles: Iterable[str] = DEFAULT_ASSISTANT_ROLES,
 ) -> list[Sample]:
     """Read and tokenize a data file; ``path=None`` means the embedded corpus."""
     file_path = embedded_corpus_path() if path is None else Path(path)
     loaded = _read(file_path)
     return _tokenize(
-        loaded.records, tokenizer, text_field, str(file_path), loaded.describe_position
+        loaded.records, tokenizer, text_field, str(file_path), loaded.describe_position,
+        _assistant_roles(assistant_roles),
     )
+
+
+def _assistant_roles(roles: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(roles, str):
+        roles = roles.split(",")
+    names = tuple(dict.fromkeys(role.strip() for role in roles if role.strip()))
+    if not names:
+        raise ValueError("assistant_roles names no role; give at least one (default: assistant)")
+    context = sorted(set(names) & set(CONTEXT_ROLES))
+    if context:
+        raise ValueError(
+            f"assistant_roles names {', '.join(map(repr, context))}, a context role that is "
+            "never trained on; list only the roles of the replies to train on"
+        )
+    return names
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -109,7 +138,13 @@ def _read(path: Path) -> _LoadedRecords:
 
 
 def _read_utf8(path: Path) -> str:
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise DataError(
+            f"{path}: cannot be read ({error.strerror or error}). Fix: make the file readable by "
+            "this user, or copy it to a place that is."
+        ) from None
     try:
         return raw.decode("utf-8-sig")  # tolerate the BOM some editors write
     except UnicodeDecodeError as error:
@@ -205,6 +240,7 @@ def _tokenize(
     text_field: str,
     source: str,
     describe_position: Callable[[int], str],
+    assistant_roles: tuple[str, ...],
 ) -> list[Sample]:
     shapes_help = (
         f'use {{"{text_field}": "..."}}, {{"prompt": "...", "completion": "..."}} or '
@@ -220,7 +256,9 @@ def _tokenize(
         if text_field in record:
             samples.append(_tokenize_text(tokenizer, _string_field(record, text_field, where)))
         elif "messages" in record:
-            samples.append(_tokenize_chat(tokenizer, _messages_field(record, where), where))
+            messages = _messages_field(record, where)
+            _check_roles(messages, where, assistant_roles, records, text_field)
+            samples.append(_tokenize_chat(tokenizer, messages, where, assistant_roles))
         elif "prompt" in record or "completion" in record:
             prompt = _string_field(record, "prompt", where)
             completion = _string_field(record, "completion", where)
@@ -277,6 +315,72 @@ def _messages_field(record: dict[str, Any], where: str) -> list[dict[str, str]]:
     return messages
 
 
+def _check_roles(
+    messages: list[dict[str, str]],
+    where: str,
+    assistant_roles: tuple[str, ...],
+    records: Sequence[Any],
+    text_field: str,
+) -> None:
+    """Every role is a context role or an assistant role, and some turn is an assistant turn."""
+    if not messages:
+        return  # an empty conversation is an empty sample, which the packing collator counts
+    known = (*CONTEXT_ROLES, *assistant_roles)
+    known_text = (f"{', '.join(CONTEXT_ROLES)} (context, not trained on) and "
+                  f"{', '.join(assistant_roles)} (trained on; data.assistant_roles)")
+    for position, message in enumerate(messages):
+        role = message["role"]
+        if role in known:
+            continue
+        users = _count_chats(records, text_field, lambda roles: role in roles)
+        if role == "model":
+            fix = ("Gemma-style data names the replies 'model': set data.assistant_roles: [model] "
+                   "(or rename the role to 'assistant' in the data)")
+        else:
+            near = difflib.get_close_matches(role, known, n=1, cutoff=0.6)
+            fix = (f"did you mean {near[0]!r}? Correct the role in the data" if near
+                   else f"rename the role to one of {', '.join(known)}")
+            wanted = ", ".join((*assistant_roles, role))
+            fix += (f"; or, if the {role!r} turns are the replies to train on, add the role to "
+                    f"data.assistant_roles (data.assistant_roles: [{wanted}])")
+        raise _record_error(
+            where,
+            f"'messages[{position}]' has the role {role!r}, which is not a known role (known: "
+            f"{known_text}; records in the data with this role: {users})",
+            fix,
+        )
+    if not any(message["role"] in assistant_roles for message in messages):
+        without = _count_chats(
+            records, text_field, lambda roles: not set(roles) & set(assistant_roles)
+        )
+        found = ", ".join(dict.fromkeys(message["role"] for message in messages))
+        raise _record_error(
+            where,
+            f"the conversation has no turn of the role{'s' if len(assistant_roles) > 1 else ''} "
+            f"{', '.join(assistant_roles)} (data.assistant_roles), so it would train on nothing "
+            f"(roles found: {found}; records in the data without such a turn: {without})",
+            "add the assistant's reply to the conversation, or remove the record; if the replies "
+            "have another role, add that role to data.assistant_roles",
+        )
+
+
+def _count_chats(
+    records: Sequence[Any], text_field: str, matches: Callable[[list[str]], bool]
+) -> int:
+    """Chat records whose list of roles `matches` (other and malformed records are skipped)."""
+    count = 0
+    for record in records:
+        if not isinstance(record, dict) or text_field in record:
+            continue
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages:
+            continue
+        roles = [m.get("role") for m in messages if isinstance(m, dict)]
+        roles = [role for role in roles if isinstance(role, str)]
+        count += bool(matches(roles))
+    return count
+
+
 def _tokenize_text(tokenizer: Any, text: str) -> Sample:
     if not text:
         return _empty_sample()  # the packing collator drops and counts empty samples
@@ -296,39 +400,48 @@ def _tokenize_prompt_completion(tokenizer: Any, prompt: str, completion: str) ->
     }
 
 
-def _tokenize_chat(tokenizer: Any, messages: list[dict[str, str]], where: str) -> Sample:
+def _tokenize_chat(
+    tokenizer: Any, messages: list[dict[str, str]], where: str, assistant_roles: tuple[str, ...]
+) -> Sample:
     if not messages:
         return _empty_sample()
     if hasattr(tokenizer, "apply_chat_template"):
-        return _tokenize_chat_with_template(tokenizer, messages, where)
-    return _tokenize_chat_by_role_tags(tokenizer, messages)
+        return _tokenize_chat_with_template(tokenizer, messages, where, assistant_roles)
+    return _tokenize_chat_by_role_tags(tokenizer, messages, assistant_roles)
 
 
-def _tokenize_chat_by_role_tags(tokenizer: ByteTokenizer, messages: list[dict[str, str]]) -> Sample:
+def _tokenize_chat_by_role_tags(
+    tokenizer: ByteTokenizer, messages: list[dict[str, str]], assistant_roles: tuple[str, ...]
+) -> Sample:
     """bos, then ``<|role|>\\n{content}\\n`` per message, then eos; loss on assistant content.
 
-    The role tag stays masked because at inference time it is given, not generated. The eos is
-    trained only after a final assistant message, so the model learns to stop there.
+    The role tag (the role as written in the data) stays masked because at inference time it is
+    given, not generated. The eos is trained only after a final assistant message, so the model
+    learns to stop there.
     """
     input_ids = [tokenizer.bos_token_id]
     labels = [IGNORE_INDEX]
     for message in messages:
         tag_ids = _encode_inner(tokenizer, f"<|{message['role']}|>\n")
         content_ids = _encode_inner(tokenizer, f"{message['content']}\n")
-        is_trained = message["role"] == "assistant"
+        is_trained = message["role"] in assistant_roles
         input_ids += tag_ids + content_ids
         labels += [IGNORE_INDEX] * len(tag_ids)
         labels += content_ids if is_trained else [IGNORE_INDEX] * len(content_ids)
     input_ids.append(tokenizer.eos_token_id)
-    ends_with_assistant = messages[-1]["role"] == "assistant"
+    ends_with_assistant = messages[-1]["role"] in assistant_roles
     labels.append(tokenizer.eos_token_id if ends_with_assistant else IGNORE_INDEX)
     return {"input_ids": input_ids, "labels": labels}
 
 
 def _tokenize_chat_with_template(
-    tokenizer: Any, messages: list[dict[str, str]], where: str
+    tokenizer: Any, messages: list[dict[str, str]], where: str, assistant_roles: tuple[str, ...]
 ) -> Sample:
     """Apply the tokenizer's chat template; loss on the assistant turns only.
+
+    Turns of the assistant roles reach the template with the role ``assistant``: the name chat
+    templates (and their generation prompts) use for the model's replies; a template that calls
+    them otherwise (Gemma's ``model``) maps ``assistant`` itself.
 
     An assistant turn spans from the end of the conversation before it, rendered with the
     generation prompt (so the assistant header is masked), to the end of the conversation
@@ -350,10 +463,13 @@ def _tokenize_chat_with_template(
                 "fix the conversation, or use a tokenizer that has a chat template",
             ) from None
 
+    trained = [message["role"] in assistant_roles for message in messages]
+    messages = [{**message, "role": "assistant"} if is_trained else message
+                for message, is_trained in zip(messages, trained)]
     full_text = render(messages)
     trained_spans = []  # (start, end) character offsets in full_text
-    for position, message in enumerate(messages):
-        if message["role"] != "assistant":
+    for position, is_trained in enumerate(trained):
+        if not is_trained:
             continue
         before = render(messages[:position], add_generation_prompt=True)
         through = render(messages[: position + 1])

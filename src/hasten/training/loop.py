@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 import hasten
 from hasten.config import Config, ConfigError
 from hasten.data import ByteTokenizer, DataError, load_dataset
+from hasten.data.tokenizer import check_tokenizer_fits, load_model_tokenizer
 from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler
 from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_valid, load_checkpoint, save_checkpoint,
@@ -88,13 +89,14 @@ def load_model_and_tokenizer(config: Config, dtype: torch.dtype):
     if not path:
         model = __import__("transformers").Qwen3ForCausalLM(embedded_model_config(config.model.default_size))
         return model.to(dtype), ByteTokenizer()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if not Path(path).is_dir():
         raise ConfigError(f"model.path {path} is not a folder; give a local transformers model folder "
                           "(config.json and weights), or leave it empty for the embedded default model")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_model_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    check_tokenizer_fits(tokenizer, model, path)
     return model, tokenizer
 
 
@@ -208,7 +210,8 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     if ctx.enabled and ctx.is_main:
         logger.info("hasten: %s over %d processes", ctx.strategy, ctx.world_size)
 
-    samples = load_dataset(config.data.path, tokenizer, text_field=config.data.text_field)
+    samples = load_dataset(config.data.path, tokenizer, text_field=config.data.text_field,
+                           assistant_roles=config.data.assistant_roles)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sampler = TokenBudgetBatchSampler([len(s["input_ids"]) for s in samples], t.max_tokens, seed=t.seed,
                                       rank=ctx.rank, world_size=ctx.world_size)
