@@ -1,4 +1,7 @@
-"""torchrun on the CPU (gloo): DDP and FSDP2 train, shard the batches, report once, and resume."""
+"""torchrun on the CPU (gloo): DDP and FSDP2 train, shard the batches, report once, and resume.
+
+The jobs name training.device cpu: on a machine with fewer GPUs than processes (one GPU, two
+processes) a CUDA job is refused (a GPU per local rank); the CPU path must not touch the GPUs."""
 
 import json
 import os
@@ -21,7 +24,7 @@ def _torchrun(tmp_path, name, training, *extra, nproc=2):
     config = tmp_path / f"{name}.yaml"
     config.write_text(json.dumps({"model": {"default_size": "tiny"},
                                   "training": {"max_tokens": 256, "learning_rate": 0.003, "warmup_steps": 1,
-                                               "logging_steps": 1, **training},
+                                               "logging_steps": 1, "device": "cpu", **training},
                                   "logging": {"tensorboard": "false"}}))
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -126,7 +129,7 @@ def test_elastic_restart_after_a_worker_dies_resumes_the_same_losses(tmp_path):
     config = tmp_path / "elastic.yaml"
     config.write_text(json.dumps({"model": {"default_size": "tiny"},
                                   "training": {"max_tokens": 256, "learning_rate": 0.003, "warmup_steps": 1,
-                                               "logging_steps": 1, **training},
+                                               "logging_steps": 1, "device": "cpu", **training},
                                   "logging": {"tensorboard": "false"}}))
     out = tmp_path / "elastic"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
@@ -193,3 +196,31 @@ def test_gradient_accumulation_reduces_once_per_step_and_trains_like_ddp(tmp_pat
     assert ddp_weights.keys() == fsdp_weights.keys()
     for name, weight in ddp_weights.items():
         assert torch.allclose(weight.float(), fsdp_weights[name].float(), rtol=1e-4, atol=1e-5), name
+
+
+def test_more_local_ranks_than_gpus_is_a_config_error_and_the_cpu_path_uses_no_gpu(monkeypatch):
+    """torchrun --nproc_per_node 2 on a one-GPU machine: a CUDA run is refused naming both numbers
+    and the fixes (it died with "CUDA error: invalid device ordinal"); --device cpu joins over gloo
+    without selecting a GPU (here a group of one: rank 0 of 1, local rank 1)."""
+    import torch.distributed as dist
+
+    from hasten.config import ConfigError
+    from hasten.training.distributed import from_environment, shutdown
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: pytest.fail("set_device on the CPU path"))
+    with pytest.raises(ConfigError, match=r"2 processes.*local rank 1.*1 CUDA GPU\(s\).*--nproc_per_node 1.*"
+                                          r"--device cpu"):
+        from_environment("ddp", "cuda")
+    assert not dist.is_initialized()
+    ctx = from_environment("ddp", "cpu")
+    try:
+        assert dist.get_backend() == "gloo" and ctx.strategy == "ddp" and ctx.local_rank == 1
+    finally:
+        shutdown(ctx)

@@ -24,6 +24,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--resume", default="none", metavar="auto|none|PATH",
                         help="auto: continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints "
                              "(fresh start if there is none); PATH: that checkpoint folder; none (default)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="OUTPUT_DIR holds an earlier run (final model, checkpoints, logs): delete those files "
+                             "and train afresh (without it, such a folder is refused)")
+    parser.add_argument("--allow_config_change", default="", metavar="KEY[,KEY...]",
+                        help="with --resume: config keys (e.g. training.learning_rate) that may differ from the "
+                             "checkpoint's config; other changes, besides those that never matter (max_steps, "
+                             "logging, checkpoint interval, device, kernels: docs/design.md), are refused")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar (log lines only)")
     parser.set_defaults(func=run)
     return parser
@@ -43,7 +50,8 @@ def _check_model_is_kept(config: Config, output_dir: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from hasten.data import DataError
     from hasten.packing import PackingError
-    from hasten.training.loop import train
+    from hasten.training.checkpoint import CheckpointError
+    from hasten.training.loop import DivergenceError, parse_allowed_changes, train
 
     try:
         config = Config.from_yaml(args.config) if args.config else Config()
@@ -58,8 +66,12 @@ def run(args: argparse.Namespace) -> int:
             config = Config.from_dict(merged, source="command line")
         _check_model_is_kept(config, args.output_dir)
         log_dir = args.log_dir or f"{args.output_dir}/logs"
-        result = train(config, args.output_dir, log_dir, progress=not args.no_progress, resume=args.resume)
-    except (ConfigError, DataError, PackingError) as exc:
+        allowed = parse_allowed_changes(args.allow_config_change, config)
+        if allowed and args.resume in (None, "", "none"):
+            raise ConfigError("--allow_config_change applies when resuming; add --resume auto or --resume PATH")
+        result = train(config, args.output_dir, log_dir, progress=not args.no_progress, resume=args.resume,
+                       overwrite=args.overwrite, allow_config_change=allowed)
+    except (ConfigError, DataError, PackingError, CheckpointError, DivergenceError) as exc:
         print(f"hasten train: error: {exc}", file=sys.stderr)
         return 2
     if result.interrupted_by is not None:

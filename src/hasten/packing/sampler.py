@@ -42,6 +42,10 @@ class TokenBudgetBatchSampler:
         """This rank's batches of the epoch."""
         return self._epoch_batches()[self.rank::self.world_size]
 
+    def all_batches(self) -> list[list[int]]:
+        """Every rank's batches of the epoch, in step order (the same list on every rank)."""
+        return self._epoch_batches()
+
     def _epoch_batches(self) -> list[list[int]]:
         """Every rank's batches of the epoch; under data parallelism in groups of world_size (one
         step: batch r of each group goes to rank r)."""

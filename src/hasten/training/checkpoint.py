@@ -6,15 +6,22 @@ Layout: OUTPUT_DIR/checkpoints/checkpoint-000120/
     scheduler.pt        LR scheduler state
     rng.pt              torch CPU/CUDA, Python and NumPy RNG states
     trainer_state.json  step, epoch, batches consumed in the epoch, tokens, losses so far
+    config.json         the run's config (compared with the config of a run that resumes it;
+                        checkpoints written before it existed load without the comparison)
     manifest.json       size and sha256 of every file above, written last
 
-A checkpoint is built in a temporary folder, every file fsynced, the manifest written, then
-the folder renamed into place (atomic on POSIX) and the parent fsynced. Loading checks the
-manifest first, so a partial or corrupt checkpoint is skipped with a message, never loaded.
+A checkpoint is built in a temporary folder (.tmp-checkpoint-<step>-<pid>), every file fsynced,
+the manifest written, then the folder renamed into place (atomic on POSIX) and the parent
+fsynced. Loading checks the manifest first, so a partial or corrupt checkpoint is skipped with a
+message, never loaded. A write that fails (a full disk) removes its temporary folder and raises
+CheckpointWriteError; the checkpoints already in place are untouched. Rotation (`keep_last`)
+deletes only checkpoints older than the one just written, once that one is in place and its
+files have the sizes its manifest lists, so the newest good checkpoint always survives.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -31,11 +38,18 @@ import torch
 from hasten.observability import logger
 
 PREFIX = "checkpoint-"
+TMP_PREFIX = f".tmp-{PREFIX}"
 MANIFEST = "manifest.json"
+CONFIG = "config.json"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the folder and the problem."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint (or the final model) could not be written: the message names the folder, the
+    OS error and the space it needs; the partial folder is removed, earlier checkpoints are intact."""
 
 
 @dataclass
@@ -104,12 +118,14 @@ def _gather_rng_states(ctx) -> list[dict[str, Any]]:
 
 
 def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler, *, keep_last: int,
-                    ctx=None) -> Path:
+                    ctx=None, config: dict[str, Any] | None = None) -> Path:
     """Write checkpoint-<step> under `root` atomically; keep the newest `keep_last`.
 
+    `config` (the run's config as a dict) is stored beside the state, for the resume check.
     Under torchrun (`ctx` enabled) every rank must call this: the full model and optimizer
     states are gathered to rank 0 (DDP and FSDP2 alike), which writes; all ranks return
-    after the checkpoint is in place."""
+    after the checkpoint is in place, or all raise CheckpointWriteError when rank 0 could not
+    write it."""
     final = root / f"{PREFIX}{state.step:06d}"
     distributed = ctx is not None and ctx.enabled
     model_state = optimizer_state = None
@@ -121,37 +137,159 @@ def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler
         model_state = get_model_state_dict(model, options=options)
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     rng_states = _gather_rng_states(ctx)
+    failure: str | None = None
     if ctx is None or ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-{PREFIX}{state.step:06d}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        hf_model = getattr(model, "module", model)
-        if distributed and not _is_peft(hf_model):
-            weights = {k: v for k, v in model_state.items() if k not in ctx.tied_names}
-            hf_model.save_pretrained(tmp / "model", state_dict=weights, safe_serialization=True)
-        else:
-            hf_model.save_pretrained(tmp / "model", safe_serialization=True)
-        torch.save(optimizer_state if distributed else optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save({"per_rank": rng_states}, tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state)))
-        files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=1))
-        _fsync_tree(tmp)
-        if final.exists():  # a previous run wrote this step: replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        for old in sorted(_candidates(root))[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    if distributed:
+        tmp = root / f"{TMP_PREFIX}{state.step:06d}-{os.getpid()}"
+        try:
+            _write_checkpoint(tmp, final, state, model, optimizer, scheduler, rng_states, model_state,
+                              optimizer_state, ctx, config)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = _write_failure_message(final, exc, _estimate_bytes(root, model, optimizer, optimizer_state),
+                                             root)
+        if failure is None:
+            _rotate(root, final, keep_last)
+    if distributed:  # every rank learns whether rank 0's write worked (in place of a barrier)
         import torch.distributed as dist
 
-        dist.barrier()
+        shared = [failure]
+        dist.broadcast_object_list(shared, src=0)
+        failure = shared[0]
+    if failure is not None:
+        raise CheckpointWriteError(failure)
     return final
+
+
+def _write_checkpoint(tmp: Path, final: Path, state: TrainerState, model, optimizer, scheduler, rng_states,
+                      model_state, optimizer_state, ctx, config) -> None:
+    distributed = ctx is not None and ctx.enabled
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    hf_model = getattr(model, "module", model)
+    if distributed and not _is_peft(hf_model):
+        weights = {k: v for k, v in model_state.items() if k not in ctx.tied_names}
+        hf_model.save_pretrained(tmp / "model", state_dict=weights, safe_serialization=True)
+    else:
+        hf_model.save_pretrained(tmp / "model", safe_serialization=True)
+    torch.save(optimizer_state if distributed else optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save({"per_rank": rng_states}, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(asdict(state)))
+    if config is not None:
+        (tmp / CONFIG).write_text(json.dumps(config, indent=1))
+    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(tmp.rglob("*")) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # a previous run wrote this step: replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _rotate(root: Path, newest: Path, keep_last: int) -> None:
+    """Delete checkpoints older than `newest` beyond the `keep_last` newest, never `newest` itself
+    and never a checkpoint of a later step (one left by an earlier run, broken or not: it is not
+    this rotation's to judge). Nothing is deleted unless `newest` is whole by its manifest's sizes
+    (a cheap check; the checksums were computed from the same files a moment ago)."""
+    try:
+        verify(newest, checksums=False)
+    except CheckpointError as exc:
+        logger.warning("hasten: not rotating checkpoints: the one just written does not check out (%s)", exc)
+        return
+    step = _step_of(newest)
+    older = sorted((p for p in _candidates(root) if _step_of(p) < step), key=_step_of)
+    for old in older[:max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name[len(PREFIX):])
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _estimate_bytes(root: Path, model, optimizer, optimizer_state=None) -> int:
+    """About what one checkpoint takes: the newest complete one's files, else the weights that
+    save_pretrained writes plus the optimizer state."""
+    for folder in sorted(_candidates(root), key=_step_of, reverse=True):
+        try:
+            files = json.loads((folder / MANIFEST).read_text())["files"]
+            return sum(int(meta["bytes"]) for meta in files.values())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    hf_model = getattr(model, "module", model)
+    params = [p for p in hf_model.parameters() if p.requires_grad] if _is_peft(hf_model) else list(
+        {id(p): p for p in hf_model.parameters()}.values())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return weights + _tensor_bytes(optimizer_state if optimizer_state is not None else optimizer.state_dict())
+
+
+def _human(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+def _write_failure_message(final: Path, exc: OSError, need: int, root: Path) -> str:
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    where = f" ({exc.filename})" if exc.filename else ""
+    earlier = sorted((p for p in _candidates(root) if p != final), key=_step_of)
+    kept = f"the earlier checkpoint {earlier[-1].name} is intact" if earlier else "no earlier checkpoint exists"
+    space = f"; {_human(free)} free there" if free is not None else ""
+    fix = ("free disk space (a lower training.checkpoint.keep_last keeps fewer checkpoints) or train into an "
+           "--output_dir on a larger disk" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+           else "make the folder writable or choose another --output_dir")
+    return (f"cannot write checkpoint {final}: {reason}{where}. A checkpoint needs about {_human(need)} "
+            f"({need} bytes){space}. The partial folder was removed and {kept}. Fix: {fix}, then continue "
+            "with --resume auto")
+
+
+def remove_stale_temporaries(root: Path) -> list[Path]:
+    """Remove the temporary folders of checkpoint saves that never finished (a killed process, a
+    full disk), which hold partial copies and can fill the disk again on every restart. Call it
+    before this run writes its first checkpoint (from the one writing process)."""
+    removed = []
+    if root.is_dir():
+        for folder in sorted(root.glob(f"{TMP_PREFIX}*")):
+            if folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
+
+
+def saved_config(folder: Path) -> dict[str, Any] | None:
+    """The config the checkpoint was written with; None for checkpoints from before it was saved."""
+    path = folder / CONFIG
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: unreadable {CONFIG} ({exc})") from exc
+
+
+def read_trainer_state(folder: Path) -> TrainerState:
+    try:
+        return TrainerState(**json.loads((folder / "trainer_state.json").read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{folder}: unreadable trainer_state.json ({exc})") from exc
 
 
 def _candidates(root: Path) -> list[Path]:
@@ -160,30 +298,36 @@ def _candidates(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
 
 
-def verify(folder: Path) -> None:
-    """Raise CheckpointError unless every file the manifest lists is there, whole and unchanged."""
+def verify(folder: Path, *, checksums: bool = True) -> None:
+    """Raise CheckpointError unless every file the manifest lists is there, whole and unchanged
+    (`checksums` False: only the sizes are compared)."""
+    if not folder.exists():
+        raise CheckpointError(f"{folder} does not exist")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file, not a checkpoint folder")
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST} (the checkpoint was not finished)")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        files = {str(name): int(meta["bytes"]) for name, meta in manifest["files"].items()}
+        sums = {str(name): meta["sha256"] for name, meta in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{folder}: unreadable {MANIFEST} ({exc})") from exc
-    for name, meta in files.items():
+    for name, size in files.items():
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{folder}: {name} is missing")
-        if path.stat().st_size != meta["bytes"]:
-            raise CheckpointError(f"{folder}: {name} has {path.stat().st_size} bytes, the manifest says {meta['bytes']} "
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{folder}: {name} has {path.stat().st_size} bytes, the manifest says {size} "
                                   "(truncated or overwritten)")
-        if _sha256(path) != meta["sha256"]:
+        if checksums and _sha256(path) != sums[name]:
             raise CheckpointError(f"{folder}: {name} does not match its checksum (corrupt)")
 
 
 def latest_valid(root: Path) -> Path | None:
     """The newest checkpoint under `root` that verifies; broken ones are skipped with a warning."""
-    for folder in sorted(_candidates(root), reverse=True):
+    for folder in sorted(_candidates(root), key=_step_of, reverse=True):
         try:
             verify(folder)
         except CheckpointError as exc:
@@ -208,14 +352,21 @@ def _is_peft(model) -> bool:
 
 
 def _load_model_weights(model, folder: Path) -> None:
+    adapters_file = folder / "adapter_model.safetensors"
     if _is_peft(model):  # LoRA: the checkpoint holds the adapters (save_pretrained of the PEFT model)
         import peft
 
-        adapters = safetensors.torch.load_file(folder / "adapter_model.safetensors", device="cpu")
+        if not adapters_file.is_file():
+            raise CheckpointError(f"{folder.parent}: holds full model weights, no LoRA adapters, and this run has "
+                                  "lora.enabled true: it was written by a run without LoRA")
+        adapters = safetensors.torch.load_file(adapters_file, device="cpu")
         result = peft.set_peft_model_state_dict(model, adapters)
         if getattr(result, "unexpected_keys", None):
             raise CheckpointError(f"{folder}: adapter weights this model does not have: {result.unexpected_keys[:5]}")
         return
+    if adapters_file.is_file() and not any(folder.glob("model*.safetensors")):
+        raise CheckpointError(f"{folder.parent}: holds LoRA adapters, not full model weights, and this run has "
+                              "lora.enabled false: it was written by a run with LoRA")
     weights = _read_model_weights(folder)
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
@@ -230,10 +381,27 @@ def _load_model_weights(model, folder: Path) -> None:
         raise CheckpointError(f"{folder}: no weights for {missing[:5]}; the checkpoint belongs to another model")
 
 
+def _short(exc: BaseException, limit: int = 600) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def load_checkpoint(folder: Path, model, optimizer, scheduler, ctx=None) -> TrainerState:
     """Restore everything `save_checkpoint` wrote (after verifying it) and return the trainer state.
-    Under torchrun every rank calls this; rank 0 reads the weights and broadcasts them."""
+    Under torchrun every rank calls this; rank 0 reads the weights and broadcasts them. A checkpoint
+    that does not fit this model or optimizer (another model's shapes, LoRA on in one and off in
+    the other, another LoRA rank) raises CheckpointError naming it, never a bare load error."""
     verify(folder)
+    try:
+        return _load_checkpoint(folder, model, optimizer, scheduler, ctx)
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, OSError) as exc:
+        raise CheckpointError(f"{folder} does not fit this model and optimizer ({type(exc).__name__}: "
+                              f"{_short(exc)}); it was written for another model or LoRA setup") from exc
+
+
+def _load_checkpoint(folder: Path, model, optimizer, scheduler, ctx) -> TrainerState:
     if ctx is not None and ctx.enabled:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
@@ -259,7 +427,7 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler, ctx=None) -> Trai
         logger.warning("hasten: checkpoint %s was written by %d ranks; rank %d reuses rank %d's RNG state",
                        folder, len(per_rank), rank, rank % len(per_rank))
     _set_rng_state(per_rank[rank % len(per_rank)])
-    return TrainerState(**json.loads((folder / "trainer_state.json").read_text()))
+    return read_trainer_state(folder)
 
 
 def save_final_model(model, hf_model, folder: Path, ctx=None) -> None:

@@ -39,8 +39,12 @@ class DistContext:
         return self.strategy != "none"
 
 
-def from_environment(strategy: str) -> DistContext:
+def from_environment(strategy: str, device: str = "auto") -> DistContext:
     """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK); one process otherwise.
+
+    `device` is the run's device type ("cuda", "cpu"; "auto": CUDA when visible): CUDA runs use
+    NCCL and one GPU per local rank (a ConfigError when there are fewer GPUs than local ranks),
+    CPU runs use gloo and touch no GPU.
 
     `torchrun --nproc_per_node 1` with ddp or fsdp2 named in the config runs that strategy over a
     group of one: the same code path and checkpoints as N processes, for trying a multi-GPU config
@@ -53,10 +57,18 @@ def from_environment(strategy: str) -> DistContext:
                         "(launch with torchrun to use it)", strategy)
         return DistContext()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:
+            local_world = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
+            raise ConfigError(f"torchrun started {local_world} processes on this machine (this one is local rank "
+                              f"{local_rank}) but {gpus} CUDA GPU(s) are visible, and each process needs a GPU of its "
+                              f"own; launch torchrun with --nproc_per_node {gpus}, or train on the CPU over gloo with "
+                              "--device cpu (training.device: cpu)")
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if use_cuda else "gloo"
         device_id = torch.device("cuda", local_rank) if backend == "nccl" else None
         store = restart_scoped_store(os.environ, world_size)
         if store is None:
@@ -196,9 +208,12 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def shutdown(ctx: DistContext) -> None:
+def shutdown(ctx: DistContext, wait_for_ranks: bool = True) -> None:
+    """Leave the process group. `wait_for_ranks` False (after an error) skips the final barrier,
+    which a rank that failed alone would wait at for ever."""
     if ctx.enabled and dist.is_initialized():
         # every rank leaves together: a rank that tore its group down while another was still
         # saving aborted at exit ("terminate called without an active exception", gloo, 1 in ~10 runs)
-        dist.barrier()
+        if wait_for_ranks:
+            dist.barrier()
         dist.destroy_process_group()

@@ -1,14 +1,27 @@
-"""The training loop behind `hasten train` (first cut: one process, one device)."""
+"""The training loop behind `hasten train`, in stages (as a torchtune recipe is): set-up (folders,
+process group, what to resume, model and tokenizer, hasten, LoRA, the distributed wrapper, data,
+optimizer, resumed state, metric sinks), the train loop, the end of a run (final model, summary),
+and tear-down (hasten's patches undone, sinks closed, process group left), which runs also when a
+stage raises.
+
+A run never goes on silently wrong and never loses an earlier one: a folder that holds another
+run's results is refused unless --resume or --overwrite says what to do with it, a resumed
+checkpoint must come from the same config (keys that may change on resume: RESUME_MAY_CHANGE), a
+loss or weights that stop being finite end the run before any checkpoint holds them, and batches
+with no trainable token are counted and left out of the loss.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
+import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +35,21 @@ from hasten.data import ByteTokenizer, DataError, load_dataset
 from hasten.data.tokenizer import check_tokenizer_fits, load_model_tokenizer
 from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler
-from hasten.training.checkpoint import (CheckpointError, TrainerState, latest_valid, load_checkpoint, save_checkpoint,
-                                       save_final_model, verify)
+from hasten.training.checkpoint import (CheckpointError, CheckpointWriteError, TrainerState, load_checkpoint,
+                                       read_trainer_state, remove_stale_temporaries, save_checkpoint,
+                                       save_final_model)
 from hasten.training.defaults import embedded_model_config
 from hasten.training.distributed import all_reduce_sum, from_environment, gradient_sync, shutdown, wrap_model
 from hasten.training.metrics import HostLeadMeter, MetricsLog, format_row, peak_memory_gib, profiled_step
 from hasten.training.prefetch import NextBatchPrefetcher
+from hasten.training.run_folder import (check_resume_config, config_record, guard_earlier_run, metrics_rows,
+                                        parse_allowed_changes, resolve_resume)
 from hasten.training.telemetry import GpuMonitor, TensorBoardSink, redact, version_record
+
+
+class DivergenceError(RuntimeError):
+    """The loss or the weights stopped being finite; the message names the step, the likely causes
+    and the fix. The run stops before a checkpoint or final model could hold the broken weights."""
 
 
 @dataclass
@@ -120,6 +141,12 @@ def _pad_collate(collator: PackingCollator, pad_token_id: int):
     return collate
 
 
+def _linear_names(model) -> list[str]:
+    """The distinct last names of the model's Linear modules (what lora.target_modules can name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and name})
+
+
 def _with_lora(model, config: Config, ctx):
     """LoRA adapters through PEFT on the (already hasten-patched) model; only they train."""
     try:
@@ -130,8 +157,25 @@ def _with_lora(model, config: Config, ctx):
         raise ConfigError("lora.enabled with training.distributed fsdp2 is not supported yet; use ddp")
     lora = config.lora
     targets = [name.strip() for name in lora.target_modules.split(",") if name.strip()]
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                         target_modules=targets, task_type="CAUSAL_LM"))
+    linear = _linear_names(model)
+    if not targets:
+        raise ConfigError("lora.target_modules is empty; name some of this model's Linear modules: "
+                          f"{', '.join(linear)}")
+    # PEFT matches a target against a module's full name or its last part(s)
+    names = [name for name, _ in model.named_modules() if name]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise ConfigError(f"lora.target_modules names modules this model does not have: {', '.join(missing)}; "
+                          f"its Linear modules are: {', '.join(linear)}. Set lora.target_modules to some of "
+                          "them, comma-separated (e.g. q_proj,v_proj)")
+    try:
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha,
+                                                             lora_dropout=lora.dropout, target_modules=targets,
+                                                             task_type="CAUSAL_LM"))
+    except Exception as exc:  # PEFT's own checks (unsupported module types, bad values): its message
+        raise ConfigError(f"PEFT could not add LoRA adapters ({type(exc).__name__}: {exc}); check the lora section "
+                          f"(target_modules {lora.target_modules!r}; this model's Linear modules: "
+                          f"{', '.join(linear)})") from exc
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
     if ctx.is_main:
@@ -157,59 +201,176 @@ def _batches_from(loader: DataLoader, sampler: TokenBudgetBatchSampler, epoch: i
         epoch, skip = epoch + 1, 0
 
 
-def _resolve_resume(resume: str | None, checkpoints: Path) -> Path | None:
-    if resume in (None, "", "none"):
-        earlier = sorted(p.name for p in checkpoints.glob("checkpoint-*")) if checkpoints.is_dir() else []
-        if earlier:  # a fresh run here would mix its checkpoints with another run's
-            raise ConfigError(f"{checkpoints} already holds checkpoints of an earlier run ({earlier[-1]}, ...); "
-                              "continue it with --resume auto, or train into a new --output_dir")
-        return None
-    if resume == "auto":
-        found = latest_valid(checkpoints)
-        if found is None:
-            logger.info("hasten: --resume auto found no complete checkpoint in %s; starting fresh", checkpoints)
-        return found
-    path = Path(resume)
-    try:
-        verify(path)
-    except CheckpointError as exc:
-        raise ConfigError(f"--resume {resume}: {exc}; pass another checkpoint folder or --resume auto") from exc
-    return path
+def _has_trainable_tokens(labels: torch.Tensor) -> bool:
+    """Whether a host batch has any target after the causal shift (labels[..., 0] never is one)."""
+    return bool((labels[..., 1:] != IGNORE_INDEX).any())
+
+
+# --- the run, in stages --------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    """What set-up builds, the loop uses and tear-down releases (None: not built yet)."""
+    config: Config
+    output_dir: Path
+    log_dir: Path
+    ctx: Any = None
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+    resume_from: Path | None = None
+    last_checkpoint: Path | None = None
+    model: Any = None             # as trained (DDP/FSDP2-wrapped under torchrun)
+    hf_model: Any = None          # the transformers (or PEFT) model inside
+    tokenizer: Any = None
+    handle: Any = None            # hasten.accelerate's; undone at tear-down
+    trainable: list = field(default_factory=list)
+    sampler: TokenBudgetBatchSampler | None = None
+    collator: PackingCollator | None = None
+    loader: DataLoader | None = None
+    optimizer: Any = None
+    scheduler: Any = None
+    state: TrainerState | None = None
+    metrics: MetricsLog | None = None
+    tensorboard: TensorBoardSink | None = None
+    gpu_monitor: GpuMonitor | None = None
+    losses: list[float] = field(default_factory=list)
+    masked_batches: int = 0       # batches with no trainable token (all labels -100), all ranks
+    failed: bool = True           # until the run ends normally
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.output_dir / "checkpoints"
 
 
 def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progress: bool = True,
-          resume: str | None = None) -> TrainResult:
-    """Train per `config`; `resume` is None, "auto" (newest complete checkpoint, if any) or a checkpoint folder."""
-    output_dir, log_dir = Path(output_dir), Path(log_dir)
+          resume: str | None = None, overwrite: bool = False,
+          allow_config_change: tuple[str, ...] | list[str] = ()) -> TrainResult:
+    """Train per `config`; `resume` is None, "auto" (newest complete checkpoint, if any) or a checkpoint folder.
+
+    `overwrite` replaces an earlier run in `output_dir` (deleting its model, checkpoints and logs);
+    `allow_config_change` names config keys that may differ from the resumed checkpoint's."""
+    run = _Run(config, Path(output_dir), Path(log_dir))
+    try:
+        done = _set_up(run, resume, overwrite, tuple(allow_config_change))
+        if done is None:
+            interrupted_by = _train_loop(run, progress)
+            done = _finish(run, interrupted_by)
+        run.failed = False
+        return done
+    finally:
+        _tear_down(run)
+
+
+def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, ...]) -> TrainResult | None:
+    """Everything before the first step; returns a result instead when there is nothing to train."""
+    config, t = run.config, run.config.training
+    output_dir, log_dir = run.output_dir, run.log_dir
+    if t.learning_rate / (1 - 0.9) >= torch.finfo(torch.float32).max:  # AdamW's first step size, lr / (1 - beta1)
+        raise ConfigError(f"training.learning_rate {t.learning_rate:g} overflows float32 in AdamW's first step "
+                          "(lr / (1 - beta1) must stay below 3.4e38); fine-tuning rates are about 1e-5 to 1e-3")
     for folder in (output_dir, log_dir):
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create {folder}: {exc.strerror}; choose a writable folder") from exc
-    t = config.training
-    ctx = from_environment(t.distributed)
-    checkpoints = output_dir / "checkpoints"
-    resume_from = _resolve_resume(resume, checkpoints)
-    reset_fallbacks()
-    torch.manual_seed(t.seed)
     device = resolve_device(t.device)
+    run.ctx = ctx = from_environment(t.distributed, device.type)
     if device.type == "cuda" and ctx.enabled:
         device = torch.device("cuda", ctx.local_rank)
-    dtype = resolve_dtype(t.dtype, device)
-    model, tokenizer = load_model_and_tokenizer(config, dtype)
-    model.to(device).train()
-    handle = hasten.accelerate(model, config)
+    run.device = device
+
+    # what to continue from, or what is in the way
+    parse_allowed_changes(",".join(allowed), config)
+    guard_earlier_run(output_dir, log_dir, run.checkpoints, resume, overwrite, ctx)
+    run.resume_from = run.last_checkpoint = resolve_resume(resume, run.checkpoints, overwrite=overwrite,
+                                                            output_dir=output_dir, log_dir=log_dir)
+    if run.resume_from is not None:
+        check_resume_config(run.resume_from, config, allowed)
+        saved = read_trainer_state(run.resume_from)
+        if (output_dir / "final").is_dir() and max(saved.step, _finished_steps(log_dir)) >= t.max_steps:
+            logger.warning("hasten: %s holds a run finished at step %d and training.max_steps is %d: nothing was "
+                           "trained or changed; raise --max_steps to train further", output_dir,
+                           max(saved.step, _finished_steps(log_dir)), t.max_steps)
+            return TrainResult(saved.step, saved.losses[-1] if saved.losses else float("nan"), [], saved.tokens,
+                               log_dir / "metrics.jsonl", output_dir / "final", None, run.resume_from,
+                               run.resume_from)
     if ctx.is_main:
-        for line in handle.report().splitlines():
+        for stale in remove_stale_temporaries(run.checkpoints):
+            logger.warning("hasten: removed %s, the temporary folder of a checkpoint save that never finished "
+                           "(a killed process or a full disk)", stale)
+
+    # model
+    reset_fallbacks()
+    torch.manual_seed(t.seed)
+    run.dtype = dtype = resolve_dtype(t.dtype, device)
+    model, run.tokenizer = load_model_and_tokenizer(config, dtype)
+    model.to(device).train()
+    run.handle = hasten.accelerate(model, config)
+    if ctx.is_main:
+        for line in run.handle.report().splitlines():
             logger.info(line)
+    if t.packed_sequence and run.handle.packing_refusal is not None:
+        raise ConfigError(f"training.packed_sequence is true, but this model cannot train on packed batches: "
+                          f"{run.handle.packing_refusal}. Set training.packed_sequence: false (padded batches, "
+                          "correct for it)")
     if config.lora.enabled:
         model = _with_lora(model, config, ctx)
-    hf_model = model
-    model = wrap_model(model, ctx, device, reshard_after_forward=t.fsdp2_reshard_after_forward,
-                       layers_per_unit=t.fsdp2_layers_per_unit)
+    run.hf_model = model
+    run.model = wrap_model(model, ctx, device, reshard_after_forward=t.fsdp2_reshard_after_forward,
+                           layers_per_unit=t.fsdp2_layers_per_unit)
     if ctx.enabled and ctx.is_main:
         logger.info("hasten: %s over %d processes", ctx.strategy, ctx.world_size)
 
+    _set_up_data(run)
+
+    # optimizer, and the state to continue from
+    run.trainable = [p for p in run.model.parameters() if p.requires_grad]
+    run.optimizer = torch.optim.AdamW(run.trainable, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                      fused=device.type == "cuda")
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer,
+                                                      lambda s: _lr_factor(s, t.warmup_steps, t.max_steps))
+    run.state = TrainerState(step=0, epoch=0, batches_in_epoch=0)
+    if run.resume_from is not None:
+        try:
+            run.state = load_checkpoint(run.resume_from, run.model, run.optimizer, run.scheduler, ctx)
+        except CheckpointError as exc:
+            raise ConfigError(f"--resume: {exc}. Resume it with the config it was written with "
+                              f"({run.resume_from / 'config.json'}), or start a new run with --overwrite or in a new "
+                              "--output_dir") from exc
+        logger.info("hasten: resumed from %s at step %d", run.resume_from, run.state.step)
+
+    # sinks: rank 0 reports for the whole job; the other ranks write nothing
+    if ctx.is_main:
+        rows = metrics_rows(log_dir / "metrics.jsonl")
+        if rows:
+            logger.info("hasten: appending to %s, which holds %d rows of the run being continued (a step trained "
+                        "again gets a later row, which wins)", log_dir / "metrics.jsonl", rows)
+        run.metrics = MetricsLog(log_dir)
+    run.tensorboard = TensorBoardSink(log_dir, config.logging.tensorboard if ctx.is_main else "false")
+    run.gpu_monitor = GpuMonitor(device) if config.logging.gpu_monitor and ctx.is_main else None
+    if ctx.is_main:
+        (log_dir / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2))
+        (log_dir / "versions.json").write_text(json.dumps(redact(version_record()), indent=2))
+    return None
+
+
+def _finished_steps(log_dir: Path) -> int:
+    """Steps of the run whose summary is in log_dir, if it ended without a signal; else 0."""
+    try:
+        summary = json.loads((log_dir / "summary.json").read_text())
+        return int(summary["steps"]) if summary.get("interrupted_by") is None else 0
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+
+
+# Batches inspected at start: when none of them has a token to learn from, the data (or
+# training.max_tokens) is wrong and the run is refused before it starts.
+UNTRAINABLE_PROBE_BATCHES = 8
+
+
+def _set_up_data(run: _Run) -> None:
+    config, t, ctx = run.config, run.config.training, run.ctx
+    tokenizer = run.tokenizer
     samples = load_dataset(config.data.path, tokenizer, text_field=config.data.text_field,
                            assistant_roles=config.data.assistant_roles)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -224,39 +385,74 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
     if len(sampler) == 0:
         raise DataError(f"the data set makes fewer packed batches than there are processes ({ctx.world_size}) at "
                         f"training.max_tokens={t.max_tokens}; use more data or a smaller max_tokens")
+    _refuse_untrainable_start(samples, sampler, config, pad_id)
     if ctx.world_size > 1 and ctx.is_main:
         # every collective waits for the slowest rank: say how even the work is (sampler balances it)
         logger.info("hasten: rank balance over an epoch: the busiest rank's compute is %.2fx the mean "
                     "(1.00 is even; long outlier samples raise it)", sampler.rank_imbalance())
-    collator = PackingCollator(t.max_tokens, overlong=t.overlong, pad_token_id=pad_id)
+    run.collator = collator = PackingCollator(t.max_tokens, overlong=t.overlong, pad_token_id=pad_id)
     collate = collator if t.packed_sequence else _pad_collate(collator, pad_id)
-    loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=device.type == "cuda")
+    run.sampler = sampler
+    run.loader = DataLoader(samples, batch_sampler=sampler, collate_fn=collate, pin_memory=run.device.type == "cuda")
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                  fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, t.warmup_steps, t.max_steps))
-    state = TrainerState(step=0, epoch=0, batches_in_epoch=0)
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, ctx)
-        logger.info("hasten: resumed from %s at step %d", resume_from, state.step)
 
-    # Rank 0 reports for the whole job; the other ranks write nothing.
-    metrics = MetricsLog(log_dir) if ctx.is_main else None
-    tensorboard = TensorBoardSink(log_dir, config.logging.tensorboard if ctx.is_main else "false")
-    gpu_monitor = GpuMonitor(device) if config.logging.gpu_monitor and ctx.is_main else None
-    if ctx.is_main:
-        (log_dir / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2))
-        (log_dir / "versions.json").write_text(json.dumps(redact(version_record()), indent=2))
+def _first_target(labels) -> int | None:
+    """Position of a sample's first trainable label (never 0: a sample's first token is no target)."""
+    for position, label in enumerate(labels[1:], start=1):
+        if label != IGNORE_INDEX:
+            return position
+    return None
+
+
+def _refuse_untrainable_start(samples: list[dict], sampler: TokenBudgetBatchSampler, config: Config,
+                              pad_id: int) -> None:
+    """DataError when none of the first batches (of every rank, so all ranks decide alike) has a
+    token with loss: e.g. training.max_tokens so small that each sample's completion is cut off."""
+    t = config.training
+    probe = PackingCollator(t.max_tokens, overlong=t.overlong, pad_token_id=pad_id)  # its own stats
+    sampler.set_epoch(0)
+    looked, ids = 0, []
+    for batch in sampler.all_batches():
+        prepared = probe.prepare_samples([samples[i] for i in batch])
+        if not prepared:
+            continue  # the loop skips batches whose samples were all dropped
+        if any(bool((labels[1:] != IGNORE_INDEX).any()) for _, labels in prepared):
+            return
+        looked += 1
+        ids += batch
+        if looked == UNTRAINABLE_PROBE_BATCHES:
+            break
+    if not looked:
+        return
+    source = config.data.path or "the embedded corpus"
+    firsts = [_first_target(samples[i].get("labels") or samples[i]["input_ids"]) for i in ids]
+    cut = [f for f in firsts if f is not None]
+    head = (f"{source}: the first {looked} batches have no trainable tokens ({looked} of {looked} with every label "
+            f"-100 after each sample is cut to training.max_tokens={t.max_tokens}); the loss would be empty and "
+            "nothing would train. ")
+    if cut:
+        longest = max(len(samples[i]["input_ids"]) for i in ids)
+        raise DataError(head + f"In {len(cut)} of their {len(ids)} samples the loss starts at token {min(cut)} or "
+                        f"later, past max_tokens (the prompt alone fills it). Fix: raise training.max_tokens to at least "
+                        f"{min(cut) + 1} (the longest of these samples has {longest} tokens), or shorten the prompts")
+    raise DataError(head + f"Their {len(ids)} samples have no completion or assistant tokens at all. Fix: check that "
+                    "the records have a non-empty completion / assistant turn")
+
+
+def _train_loop(run: _Run, progress: bool) -> str | None:
+    """Steps until training.max_steps or a signal; returns the signal's name when one stopped it."""
+    config, t, ctx, device = run.config, run.config.training, run.ctx, run.device
+    model, optimizer, scheduler, state = run.model, run.optimizer, run.scheduler, run.state
+    collator, handle, log_dir = run.collator, run.handle, run.log_dir
     # the next batch's copy to the GPU runs on a side stream while the current step computes
-    batches = NextBatchPrefetcher(_batches_from(loader, sampler, state.epoch, state.batches_in_epoch), device,
+    batches = NextBatchPrefetcher(_batches_from(run.loader, run.sampler, state.epoch, state.batches_in_epoch), device,
                                   batch_of=lambda item: item[2])
-    losses: list[float] = []
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
+    window_masked = 0  # micro-batches without a trainable token: no loss, left out of the mean
+    window_first = state.step + 1  # the window's first step, for messages
     window_checkpoint_s = 0.0  # checkpoint writing inside the window: reported apart from the step rate
     window_syncs = 0  # host syncs of the window's first step
-    sync_sites_reported = False
-    last_checkpoint: Path | None = resume_from
+    sync_sites_reported = masked_reported = False
     host_lead = HostLeadMeter(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -267,112 +463,216 @@ def train(config: Config, output_dir: str | Path, log_dir: str | Path, *, progre
                disable=None if progress and ctx.is_main else True,  # None: no bar off a terminal
                dynamic_ncols=True)
     stopping = False  # the whole job stops (ranks agree at a logging step)
-    with _StopRequest() as stop:
-        while state.step < t.max_steps and not stopping:
-            # The first step of each logging window counts its host syncs (torch's sync debug mode;
-            # cheap when there are none, which is the point). 0 without CUDA.
-            syncs_probe = (count_host_syncs(record_sites=not sync_sites_reported) if window_micro == 0
-                           else contextlib.nullcontext())
-            profiler = (profiled_step(log_dir, state.step + 1, ctx.rank, device)
-                        if config.logging.profile_step == state.step + 1 else contextlib.nullcontext())
-            with profiler, syncs_probe as probed:
-                for micro in range(t.gradient_accumulation_steps):
-                    (state.epoch, state.batches_in_epoch, host_batch), batch = next(batches)
-                    # non-padding tokens, counted on the host copy (no device read-back)
-                    window_tokens += int(host_batch["input_ids"].numel() if t.packed_sequence
-                                         else host_batch["attention_mask"].sum())
-                    with gradient_sync(model, ctx, last_micro_batch=micro == t.gradient_accumulation_steps - 1):
-                        loss = model(**batch).loss / t.gradient_accumulation_steps
-                        host_lead.mark(step_start=micro == 0)
-                        loss.backward()
-                        host_lead.mark()
-                    window_loss += loss.detach()
-                    window_micro += 1
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                host_lead.mark()
-            if probed is not None:
-                window_syncs = probed.count
-                if probed.sites and not sync_sites_reported and ctx.is_main:
-                    sync_sites_reported = True  # once per run: where the step waits for the GPU
-                    logger.info("hasten: %d host sync(s) in one training step, at: %s", probed.count,
-                                "; ".join(sorted(set(probed.sites))))
-            state.step += 1
-            bar.update(1)
-            # Alone, a signal stops after this step; under torchrun the ranks agree at the next logging step.
-            stopping = stop.signal_name is not None and not ctx.enabled
-            if state.step % t.logging_steps == 0 or state.step == t.max_steps or stopping:
-                # one read-back (and, under torchrun, one small all-reduce) per logging step
-                signalled = float(stop.signal_name is not None)
-                window_loss_sum = float(window_loss)  # waits for the GPU: the window's events are done
-                tokens_all, loss_all, micro_all, stop_all, *leads = all_reduce_sum(
-                    [window_tokens, window_loss_sum, window_micro, signalled,
-                     *host_lead.rank_slots(ctx.rank, ctx.world_size)], ctx, device)
-                stopping = stopping or stop_all > 0
-                mean_loss = loss_all * t.gradient_accumulation_steps / micro_all
-                elapsed = time.perf_counter() - window_start - window_checkpoint_s
-                row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
-                       "tokens": int(tokens_all), "tokens_per_s": tokens_all / elapsed,
-                       "step_s": elapsed / (window_micro // t.gradient_accumulation_steps),
-                       "checkpoint_s": window_checkpoint_s, "host_syncs_per_step": window_syncs,
-                       "peak_gib": peak_memory_gib(device),
-                       # the most host-bound rank's margin, and the least (see HostLeadMeter)
-                       "host_lead_ms": min(leads) if leads else None,
-                       "host_lead_ms_max": max(leads) if leads else None,
-                       "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
-                       "fallbacks": fallback_counts()}
-                if handle.moe_stats is not None:
-                    row["moe"] = handle.moe_stats.summary()
-                if handle.offload is not None:
-                    row["offload"] = handle.offload.summary()
-                if gpu_monitor is not None and (gpu := gpu_monitor.read()) is not None:
-                    row["gpu"] = gpu
-                if ctx.is_main:
-                    host_lead.report(row["host_lead_ms"])
-                    metrics.write(row)
-                    tensorboard.write(row)
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-                    tqdm.write(format_row(row))
-                losses.append(mean_loss)
-                state.tokens += int(tokens_all)
-                state.losses.append(mean_loss)
-                window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
-                window_checkpoint_s = 0.0
-                host_lead.start_window()
-                window_start = time.perf_counter()
-            if not ctx.enabled:  # a signal that came during this step's logging still stops here
-                stopping = stopping or stop.signal_name is not None
-            if state.step % t.checkpoint.interval_steps == 0 or stopping:
-                saving_since = time.perf_counter()
-                last_checkpoint = save_checkpoint(checkpoints, state, model, optimizer, scheduler,
-                                                  keep_last=t.checkpoint.keep_last, ctx=ctx)
-                window_checkpoint_s += time.perf_counter() - saving_since
-                if ctx.is_main:
-                    tqdm.write(f"checkpoint: {last_checkpoint}")
-    bar.close()
+    try:
+        with _StopRequest() as stop:
+            while state.step < t.max_steps and not stopping:
+                # The first step of each logging window counts its host syncs (torch's sync debug mode;
+                # cheap when there are none, which is the point). 0 without CUDA.
+                syncs_probe = (count_host_syncs(record_sites=not sync_sites_reported) if window_micro == 0
+                               else contextlib.nullcontext())
+                profiler = (profiled_step(log_dir, state.step + 1, ctx.rank, device)
+                            if config.logging.profile_step == state.step + 1 else contextlib.nullcontext())
+                with profiler, syncs_probe as probed:
+                    for micro in range(t.gradient_accumulation_steps):
+                        (state.epoch, state.batches_in_epoch, host_batch), batch = next(batches)
+                        # non-padding tokens and whether any has loss, on the host copy (no device read-back)
+                        window_tokens += int(host_batch["input_ids"].numel() if t.packed_sequence
+                                             else host_batch["attention_mask"].sum())
+                        has_targets = _has_trainable_tokens(host_batch["labels"])
+                        with gradient_sync(model, ctx, last_micro_batch=micro == t.gradient_accumulation_steps - 1):
+                            loss = model(**batch).loss / t.gradient_accumulation_steps
+                            host_lead.mark(step_start=micro == 0)
+                            loss.backward()  # all labels -100: a NaN loss (0/0) but zero gradients
+                            host_lead.mark()
+                        if has_targets:
+                            window_loss += loss.detach()
+                        else:
+                            window_masked += 1
+                        window_micro += 1
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    host_lead.mark()
+                if probed is not None:
+                    window_syncs = probed.count
+                    if probed.sites and not sync_sites_reported and ctx.is_main:
+                        sync_sites_reported = True  # once per run: where the step waits for the GPU
+                        logger.info("hasten: %d host sync(s) in one training step, at: %s", probed.count,
+                                    "; ".join(sorted(set(probed.sites))))
+                state.step += 1
+                bar.update(1)
+                # Alone, a signal stops after this step; under torchrun the ranks agree at the next logging step.
+                stopping = stop.signal_name is not None and not ctx.enabled
+                if state.step % t.logging_steps == 0 or state.step == t.max_steps or stopping:
+                    # one read-back (and, under torchrun, one small all-reduce) per logging step
+                    signalled = float(stop.signal_name is not None)
+                    window_loss_sum = float(window_loss)  # waits for the GPU: the window's events are done
+                    tokens_all, loss_all, micro_all, stop_all, masked_all, *leads = all_reduce_sum(
+                        [window_tokens, window_loss_sum, window_micro, signalled, window_masked,
+                         *host_lead.rank_slots(ctx.rank, ctx.world_size)], ctx, device)
+                    if not math.isfinite(loss_all):  # every rank sees the reduced value: all stop here
+                        raise DivergenceError(_diverged(run, f"the loss is {loss_all}", window_first, state.step))
+                    stopping = stopping or stop_all > 0
+                    counted = micro_all - masked_all
+                    mean_loss = loss_all * t.gradient_accumulation_steps / counted if counted else None
+                    elapsed = time.perf_counter() - window_start - window_checkpoint_s
+                    row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
+                           "tokens": int(tokens_all), "tokens_per_s": tokens_all / elapsed,
+                           "step_s": elapsed / (window_micro // t.gradient_accumulation_steps),
+                           "checkpoint_s": window_checkpoint_s, "host_syncs_per_step": window_syncs,
+                           "peak_gib": peak_memory_gib(device),
+                           # the most host-bound rank's margin, and the least (see HostLeadMeter)
+                           "host_lead_ms": min(leads) if leads else None,
+                           "host_lead_ms_max": max(leads) if leads else None,
+                           "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
+                           "masked_batches": int(masked_all),
+                           "fallbacks": fallback_counts()}
+                    if handle.moe_stats is not None:
+                        row["moe"] = handle.moe_stats.summary()
+                    if handle.offload is not None:
+                        row["offload"] = handle.offload.summary()
+                    if run.gpu_monitor is not None and (gpu := run.gpu_monitor.read()) is not None:
+                        row["gpu"] = gpu
+                    run.masked_batches += int(masked_all)
+                    if ctx.is_main:
+                        if masked_all and not masked_reported:
+                            masked_reported = True
+                            logger.warning(
+                                "hasten: %d batch(es) in steps %d-%d had no trainable token (every label -100: "
+                                "training.max_tokens cutting off the completion or assistant part, or records with "
+                                "none); they add nothing to the loss and are counted as masked_batches in "
+                                "metrics.jsonl and summary.json (said once)", int(masked_all), window_first,
+                                state.step)
+                        host_lead.report(row["host_lead_ms"])
+                        run.metrics.write(row)
+                        run.tensorboard.write(row)
+                        bar.set_postfix(loss="-" if mean_loss is None else f"{mean_loss:.3f}",
+                                        tok_s=f"{row['tokens_per_s']:,.0f}")
+                        tqdm.write(format_row(row))
+                    if mean_loss is not None:
+                        run.losses.append(mean_loss)
+                        state.losses.append(mean_loss)
+                    state.tokens += int(tokens_all)
+                    window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
+                    window_masked, window_first = 0, state.step + 1
+                    window_checkpoint_s = 0.0
+                    host_lead.start_window()
+                    window_start = time.perf_counter()
+                if not ctx.enabled:  # a signal that came during this step's logging still stops here
+                    stopping = stopping or stop.signal_name is not None
+                if state.step % t.checkpoint.interval_steps == 0 or stopping:
+                    saving_since = time.perf_counter()
+                    _refuse_non_finite(run, window_loss, window_first, state.step)
+                    run.last_checkpoint = save_checkpoint(run.checkpoints, state, model, optimizer, scheduler,
+                                                          keep_last=t.checkpoint.keep_last, ctx=ctx,
+                                                          config=config_record(config))
+                    window_checkpoint_s += time.perf_counter() - saving_since
+                    if ctx.is_main:
+                        tqdm.write(f"checkpoint: {run.last_checkpoint}")
+    finally:
+        bar.close()
+    return stop.signal_name if stopping else None
 
-    interrupted_by = stop.signal_name if stopping else None
+
+def _refuse_non_finite(run: _Run, window_loss: torch.Tensor | None, first: int, step: int) -> None:
+    """Before a checkpoint or the final model: DivergenceError when the loss of the window not yet
+    logged, or any trainable weight, is NaN or inf on any rank. One read-back per checkpoint (which
+    waits for the GPU anyway); the per-step loop reads nothing more."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in run.trainable]  # FSDP2: this rank's shard
+    no = torch.zeros((), dtype=torch.bool, device=run.device)
+    weights_bad = torch.stack([torch.isfinite(p).all().logical_not() for p in local]).any() if local else no
+    loss_bad = torch.isfinite(window_loss).logical_not() if window_loss is not None else no
+    weights_bad, loss_bad = all_reduce_sum(torch.stack([weights_bad, loss_bad]).float().tolist(), run.ctx, run.device)
+    if loss_bad:
+        raise DivergenceError(_diverged(run, "the loss is not finite (NaN or inf)", first, step))
+    if weights_bad:
+        raise DivergenceError(_diverged(run, "the weights hold NaN or inf values", step, step))
+
+
+def _diverged(run: _Run, problem: str, first: int, last: int) -> str:
+    t = run.config.training
+    where = f"at step {last}" if first >= last else f"in steps {first}-{last}"
+    if run.last_checkpoint is not None:
+        good = f"the last good checkpoint is {run.last_checkpoint}"
+        fix = ("Fix the cause, then continue from that checkpoint with --resume auto (with "
+               "--allow_config_change training.learning_rate if you lowered it), or start over with --overwrite")
+    else:
+        good = "no checkpoint was written before it"
+        fix = "Fix the cause and start over with --overwrite (or in a new --output_dir)"
+    overflow = (f"float16/bfloat16 overflow (this run computes in {str(run.dtype).removeprefix('torch.')}: try "
+                "training.dtype float32), " if run.dtype in (torch.float16, torch.bfloat16) else "")
+    return (f"training diverged {where}: {problem}. The run stopped before writing a checkpoint or final model with "
+            f"it; {good}. Likely causes: a learning rate too high (training.learning_rate {t.learning_rate:g}; a "
+            f"longer training.warmup_steps also helps), {overflow}a batch with every label -100 (hasten counts "
+            "those as masked_batches and leaves them out of the loss), or bad data (token ids out of the "
+            f"vocabulary, corrupt records). {fix}")
+
+
+def _save_final(run: _Run) -> Path:
+    """The final model (and tokenizer) in OUTPUT_DIR/final, built in a temporary folder and renamed
+    into place, so a failed write leaves no half model where a finished one is expected."""
+    final = run.output_dir / "final"
+    tmp = run.output_dir / f".tmp-final-{os.getpid()}"
+    main = run.ctx.is_main
+    try:
+        if main and tmp.exists():
+            shutil.rmtree(tmp)
+        save_final_model(run.model, run.hf_model, tmp, run.ctx)
+        if main:
+            if hasattr(run.tokenizer, "save_pretrained"):
+                run.tokenizer.save_pretrained(tmp)
+            if final.exists():  # a resumed run trained further: its model replaces the earlier one
+                old = run.output_dir / f".tmp-final-old-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+                logger.info("hasten: %s now holds this run's model (step %d)", final, run.state.step)
+            else:
+                os.replace(tmp, final)
+    except OSError as exc:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"the last checkpoint {run.last_checkpoint} is intact" if run.last_checkpoint else "no checkpoint exists"
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise CheckpointWriteError(f"cannot write the final model to {final}: {exc.strerror or exc}{where}; the "
+                                   f"partial folder was removed and {kept}. Free disk space or choose another "
+                                   "--output_dir, then finish with --resume auto") from exc
+    return final
+
+
+def _finish(run: _Run, interrupted_by: str | None) -> TrainResult:
+    """The end of a run that was not stopped by an error: final model, summary."""
+    ctx, state, t = run.ctx, run.state, run.config.training
     model_dir = None
-    if not stopping:
-        model_dir = output_dir / "final"
-        save_final_model(model, hf_model, model_dir, ctx)
-        if ctx.is_main and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(model_dir)
+    if interrupted_by is None:
+        _refuse_non_finite(run, None, state.step, state.step)
+        model_dir = _save_final(run)
     final_loss = state.losses[-1] if state.losses else float("nan")
-    summary = {"steps": state.step, "final_loss": final_loss, "tokens": state.tokens, "device": str(device),
-               "dtype": str(dtype), "packing": collator.stats.as_dict() if t.packed_sequence else None,
-               "hasten_active": handle.active, "hasten_inactive": handle.inactive,
+    summary = {"steps": state.step, "final_loss": final_loss, "tokens": state.tokens, "device": str(run.device),
+               "dtype": str(run.dtype), "packing": run.collator.stats.as_dict() if t.packed_sequence else None,
+               "masked_batches": run.masked_batches,
+               "hasten_active": run.handle.active, "hasten_inactive": run.handle.inactive,
                "fallbacks": fallback_counts(), "fallback_reasons": fallback_reasons(),
                "interrupted_by": interrupted_by, "world_size": ctx.world_size,
                "distributed": ctx.strategy,
-               "resumed_from": str(resume_from) if resume_from else None,
-               "last_checkpoint": str(last_checkpoint) if last_checkpoint else None}
+               "resumed_from": str(run.resume_from) if run.resume_from else None,
+               "last_checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None}
     if ctx.is_main:
-        (log_dir / "summary.json").write_text(json.dumps(redact(summary), indent=2))
-        metrics.close()
-    tensorboard.close()
-    handle.undo()
-    shutdown(ctx)
-    return TrainResult(state.step, final_loss, losses, state.tokens, log_dir / "metrics.jsonl", model_dir,
-                       interrupted_by, resume_from, last_checkpoint)
+        (run.log_dir / "summary.json").write_text(json.dumps(redact(summary), indent=2))
+    return TrainResult(state.step, final_loss, run.losses, state.tokens, run.log_dir / "metrics.jsonl", model_dir,
+                       interrupted_by, run.resume_from, run.last_checkpoint)
+
+
+def _tear_down(run: _Run) -> None:
+    """After every run, also one that raised: sinks closed, hasten's patches undone, the process
+    group left. Each step runs even when an earlier one fails. After a failure the ranks do not
+    wait for each other at the end (a rank that failed alone would wait there for ever)."""
+    with contextlib.ExitStack() as stack:  # callbacks run last-registered first
+        if run.ctx is not None:
+            stack.callback(shutdown, run.ctx, wait_for_ranks=not run.failed)
+        if run.handle is not None:
+            stack.callback(run.handle.undo)
+        if run.tensorboard is not None:
+            stack.callback(run.tensorboard.close)
+        if run.metrics is not None:
+            stack.callback(run.metrics.close)

@@ -116,13 +116,16 @@ class HostLeadMeter:
 
 
 def format_row(row: dict[str, Any]) -> str:
-    text = (f"step {row['step']:>5} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+    loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"  # None: every batch of the window was masked
+    text = (f"step {row['step']:>5} | loss {loss} | lr {row['lr']:.2e} | "
             f"{row['tokens_per_s']:,.0f} tok/s | step {row['step_s'] * 1000:.1f} ms | "
             f"peak {row['peak_gib']:.2f} GiB")
     if row.get("host_syncs_per_step"):
         text += f" | host syncs {row['host_syncs_per_step']}/step"
     if row.get("host_lead_ms") is not None:
         text += f" | host lead {row['host_lead_ms']:.1f} ms"
+    if row.get("masked_batches"):
+        text += f" | masked batches {row['masked_batches']}"
     if row.get("checkpoint_s"):
         text += f" | checkpoint {row['checkpoint_s']:.1f} s"
     if row.get("fallbacks"):
