@@ -1,0 +1,52 @@
+"""Bad-input cases of the model contract through `hasten train`: a model whose layers carry state
+along the sequence is refused packed batches before the first step, trains padded; a model whose
+attention hasten does not compute trains packed on its own attention, and the run says so."""
+
+import json
+
+import pytest
+
+from hasten.data import ByteTokenizer
+from tests import model_zoo as zoo
+from tests.cli.bad_inputs.harness import TINY, run_train
+
+
+def _folder(tmp_path, model_type):
+    folder = tmp_path / model_type
+    zoo.build(zoo.ENTRIES[model_type], vocab_size=300).save_pretrained(folder)
+    ByteTokenizer().save_pretrained(folder)
+    return folder
+
+
+def _config(folder, packed=True):
+    text = TINY.replace("model:\n  default_size: tiny\n", f"model:\n  path: {folder}\n")
+    return text.replace("training:\n", f"training:\n  packed_sequence: {'true' if packed else 'false'}\n")
+
+
+@pytest.mark.parametrize("model_type,layers", [("lfm2", "'conv' layers"), ("qwen3_next", "'linear_attention' layers")])
+def test_stateful_model_with_packing_is_refused_before_training(capsys, tmp_path, model_type, layers):
+    folder = _folder(tmp_path, model_type)
+    outcome = run_train(capsys, tmp_path, config=_config(folder))
+    outcome.assert_refused("cannot train on packed batches", layers, "carry state along the sequence",
+                           "training.packed_sequence: false")
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_stateful_model_trains_padded(capsys, tmp_path):
+    folder = _folder(tmp_path, "lfm2")
+    outcome = run_train(capsys, tmp_path, config=_config(folder, packed=False))
+    assert outcome.rc == 0, outcome.err
+    outcome.assert_nothing_lost()
+
+
+@pytest.mark.parametrize("model_type,feature", [("gemma2", "attention logit softcapping"),
+                                                ("gpt_oss", "attention sinks")])
+def test_model_with_unsupported_attention_trains_packed_on_its_own_attention(capsys, tmp_path, model_type, feature):
+    folder = _folder(tmp_path, model_type)
+    outcome = run_train(capsys, tmp_path, config=_config(folder))
+    assert outcome.rc == 0, outcome.err
+    assert feature in outcome.err and "block-diagonal mask" in outcome.err  # said once, with the feature
+    summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
+    assert summary["fallbacks"].get("attention_feature_not_implemented", 0) >= 1
+    assert any(feature in item for item in summary["hasten_inactive"])
+    outcome.assert_nothing_lost()
