@@ -214,7 +214,7 @@ def test_accelerate_on_cpu_says_offload_needs_a_gpu():
 @pytest.mark.parametrize("raw,message", [
     ({"offload": "all", "activations": "full"}, "cannot combine with `training.checkpoint.activations: full`"),
     ({"double_buffer": True, "activations": "selective"}, "double_buffer: true` turns on activation offload"),
-    ({"offload": "auto", "max_memory_gib": 0}, "max_memory_gib` must be positive"),
+    ({"offload": "auto", "max_memory_gib": 0}, "max_memory_gib` must be a positive number of GiB"),
 ])
 def test_conflicting_offload_config_is_refused(raw, message):
     with pytest.raises(hasten.config.ConfigError, match=message):
