@@ -147,3 +147,22 @@ def test_stateful_layers_are_found_by_layer_type_or_module():
             self.mixer = Mixer()
 
     assert stateful_layers(N()) == ["1 depthwise causal convolutions (nn.Conv1d)"]
+
+
+def test_a_build_without_cuda_kernels_leaves_a_cuda_model_to_transformers(monkeypatch):
+    """A CPU-only build (no nvcc at install) on a GPU machine: the pieces whose ops have no CUDA
+    kernel stay transformers', said with the fix, instead of failing in the first forward."""
+    import hasten
+    import hasten.ops
+    from tests import model_zoo as zoo
+
+    import hasten.integrations.transformers as integration
+
+    model = zoo.build(zoo.ENTRIES["qwen3_moe"])
+    monkeypatch.setattr(integration, "_model_device", lambda m: torch.device("cuda"))
+    monkeypatch.setattr(hasten.ops, "has_cuda_kernel", lambda op: False)
+    handle = hasten.accelerate(model)
+    inactive = " | ".join(handle.inactive)
+    for piece in ("fused cross-entropy", "fused RMSNorm / SwiGLU / RoPE", "fused MoE experts"):
+        assert f"{piece} (" in inactive and "built without CUDA kernels" in inactive, inactive
+    assert "make install" in inactive

@@ -538,6 +538,8 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
         handle.inactive.append("training.moe.fused_grouping is false: experts left as transformers configured them")
         return
     reasons = {reason for m in experts if (reason := unsupported_reason(m)) is not None}
+    if (no_kernels := _cuda_kernels_missing(model, "moe_group", "moe_permute", "moe_combine", "swiglu")) is not None:
+        reasons.add(no_kernels)
     if reasons:
         record_fallback("moe_unsupported_experts", "the fused MoE path cannot run these experts ("
                         + "; ".join(sorted(reasons)) + "); transformers' experts implementation is used")
@@ -558,6 +560,25 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     handle.moe_stats = stats
     handle.active.append(f"fused MoE experts ({len(experts)} layers: one-kernel grouping, grouped GEMM, "
                          "fused SwiGLU, deterministic combine)")
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _cuda_kernels_missing(model: PreTrainedModel, *ops: str) -> str | None:
+    """Why hasten's ops cannot run this (CUDA) model: a build without CUDA kernels (no nvcc at
+    install time) has CPU implementations only. None when they can run."""
+    from hasten.ops import has_cuda_kernel
+
+    if _model_device(model).type != "cuda":
+        return None
+    missing = [op for op in ops if not has_cuda_kernel(op)]
+    if not missing:
+        return None
+    return (f"hasten was built without CUDA kernels for {', '.join(missing)} (no nvcc when it was installed); "
+            "rebuild with the CUDA toolkit on PATH: make install")
 
 
 def _patch_memory(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
@@ -612,6 +633,10 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
         handle.inactive.append(f"fused cross-entropy (model type '{model_type}' not supported)")
         return
     missing = logit_features_not_implemented(model)
+    if (no_kernels := _cuda_kernels_missing(model, "linear_cross_entropy")) is not None:
+        record_fallback("fused_cross_entropy", f"{no_kernels}; transformers' own loss path runs")
+        handle.inactive.append(f"fused cross-entropy ({no_kernels})")
+        return
     if missing:
         reason = "; ".join(missing) + " (the fused loss applies only final_logit_softcapping)"
         record_fallback("fused_cross_entropy", f"{reason}; transformers' own loss path runs (logits materialised)")
@@ -636,6 +661,10 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
         reason = f"model type '{model_type}' is not in hasten's architecture table"
         record_fallback("fused_dense_kernels", f"{reason}; transformers' RMSNorm, MLP and rotary code run")
         handle.inactive.append(f"fused RMSNorm / SwiGLU / RoPE ({reason})")
+        return
+    if (no_kernels := _cuda_kernels_missing(model, "rms_norm", "silu_mul", "rope")) is not None:
+        record_fallback("fused_dense_kernels", f"{no_kernels}; transformers' RMSNorm, MLP and rotary code run")
+        handle.inactive.append(f"fused RMSNorm / SwiGLU / RoPE ({no_kernels})")
         return
     done = []
     if kernels.rms_norm:
