@@ -346,6 +346,9 @@ def validate(config: Config, *, source: str = "config") -> None:
             raise refuse(f"`{key}` must be at least 1; got {value}")
     if t.learning_rate <= 0:
         raise refuse(f"`training.learning_rate` must be positive (greater than 0, e.g. 3e-4); got {t.learning_rate}")
+    if t.learning_rate / (1 - 0.9) >= 3.4028234663852886e38:  # AdamW's first step, lr / (1 - beta1), in float32
+        raise refuse(f"training.learning_rate {t.learning_rate:g} overflows float32 in AdamW's first step "
+                     "(lr / (1 - beta1) must stay below 3.4e38); fine-tuning rates are about 1e-5 to 1e-3")
     if t.weight_decay < 0:
         raise refuse(f"`training.weight_decay` must be zero (none) or positive; got {t.weight_decay}")
     if not 0 <= t.seed <= MAX_SEED:

@@ -22,6 +22,18 @@ def test_sliding_window_mask_reads_as_its_window(window, length):
     assert band == BandMask(True, window if window < length else None)
 
 
+def test_a_reading_is_reused_only_for_the_same_code_and_closure_values():
+    # transformers builds a new closure every forward; its reading is reused, per window and length
+    for window in (3, 5, 3):
+        assert read_band(masking_utils.sliding_window_causal_mask_function(window), 30) == BandMask(True, window)
+    assert read_band(masking_utils.sliding_window_causal_mask_function(5), 4) == BandMask(True, None)
+    ids = torch.tensor([[0] * 10 + [1] * 10])  # a closure over a tensor is read afresh every time
+    packed = masking_utils.and_masks(masking_utils.causal_mask_function, masking_utils.packed_sequence_mask_function(ids))
+    for _ in range(2):
+        with pytest.raises(MaskNotSupported):
+            read_band(packed, 20)
+
+
 def test_bidirectional_mask_reads_as_not_causal():
     assert read_band(masking_utils.bidirectional_mask_function, 40) == BandMask(False, None)
 

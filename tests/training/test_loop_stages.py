@@ -16,7 +16,8 @@ from hasten.training import loop
 from hasten.training.checkpoint import (CheckpointWriteError, TrainerState, _rotate, latest_valid,
                                         remove_stale_temporaries, save_checkpoint, verify)
 from hasten.training.metrics import format_row
-from hasten.training.run_folder import RESUME_MAY_CHANGE, _flat, check_resume_config, config_record
+from hasten.training.run_folder import RESUME_MAY_CHANGE, check_resume_config, config_record
+from hasten.training.telemetry import flatten
 
 TINY = {"model": {"default_size": "tiny"},
         "training": {"max_tokens": 384, "max_steps": 3, "learning_rate": 0.003, "warmup_steps": 1,
@@ -143,7 +144,7 @@ def test_resume_config_comparison(tmp_path):
 
 
 def test_resume_may_change_names_real_keys():
-    keys = _flat(Config().to_dict())
+    keys = flatten(Config().to_dict(), ".")
     for entry in RESUME_MAY_CHANGE:
         assert any(k == entry or (entry.endswith(".") and k.startswith(entry)) for k in keys), entry
 

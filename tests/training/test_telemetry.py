@@ -1,7 +1,7 @@
 import json
 
 from hasten.cli.main import main
-from hasten.training.telemetry import REDACTED, TensorBoardSink, _flatten, redact, version_record
+from hasten.training.telemetry import REDACTED, TensorBoardSink, flatten, redact, version_record
 
 
 def test_redact_masks_secret_keys_and_secret_env_values(monkeypatch):
@@ -23,7 +23,7 @@ def test_version_record_names_the_stack():
 
 
 def test_flatten_for_tensorboard():
-    assert _flatten({"step": 1, "gpu": {"util_pct": 5.0}, "fallbacks": {"a": 2}}) == {
+    assert flatten({"step": 1, "gpu": {"util_pct": 5.0}, "fallbacks": {"a": 2}}) == {
         "step": 1, "gpu/util_pct": 5.0, "fallbacks/a": 2}
 
 

@@ -58,33 +58,35 @@ def _nonzero(value) -> bool:
     return value is not None and value is not False and value != 0
 
 
-def attention_features_not_implemented(model: nn.Module) -> list[str]:
-    """Attention features of this model that hasten's varlen attention does not compute."""
+def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
+    """Attention features of this model that hasten's varlen attention does not compute, by name
+    (softcap, sinks, mla, chunked, bidirectional, alibi, layer_types, multimodal) with a line
+    for the report."""
     config = text_config(model)
-    missing = []
+    missing: dict[str, str] = {}
     softcap = getattr(config, "attn_logit_softcapping", None)
     if _nonzero(softcap):
-        missing.append(f"attention logit softcapping (attn_logit_softcapping={softcap})")
+        missing["softcap"] = f"attention logit softcapping (attn_logit_softcapping={softcap})"
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
-        missing.append("attention sinks (a learned per-head logit in the softmax denominator)")
+        missing["sinks"] = "attention sinks (a learned per-head logit in the softmax denominator)"
     qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)
     if qk_dim is not None and v_dim is not None and qk_dim != v_dim:
-        missing.append(f"a value head size ({v_dim}) other than the query/key head size ({qk_dim}) "
-                       "(multi-head latent attention)")
+        missing["mla"] = (f"a value head size ({v_dim}) other than the query/key head size ({qk_dim}) "
+                          "(multi-head latent attention)")
     if _nonzero(getattr(config, "attention_chunk_size", None)):
-        missing.append(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
+        missing["chunked"] = f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
     if getattr(config, "use_bidirectional_attention", False):
-        missing.append("bidirectional attention (use_bidirectional_attention)")
+        missing["bidirectional"] = "bidirectional attention (use_bidirectional_attention)"
     if _nonzero(getattr(config, "alibi", None)):
-        missing.append("ALiBi position biases")
+        missing["alibi"] = "ALiBi position biases"
     other = sorted({t for t in getattr(config, "layer_types", None) or []
                     if t not in ATTENTION_LAYER_TYPES and t not in STATEFUL_LAYER_TYPES})
     if other:
-        missing.append(f"attention layer types {', '.join(other)}")
+        missing["layer_types"] = f"attention layer types {', '.join(other)}"
     root = model.config
     for sub in ("vision_config", "audio_config", "speech_config"):
         if getattr(root, sub, None) is not None:
-            missing.append(f"a multimodal model ({sub}: image or audio tokens can attend bidirectionally)")
+            missing["multimodal"] = f"a multimodal model ({sub}: image or audio tokens can attend bidirectionally)"
             break
     return missing
 

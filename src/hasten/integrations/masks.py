@@ -51,13 +51,55 @@ def _evaluate(mask_function, rows: list[int], length: int, device) -> torch.Tens
     return torch.as_tensor(allowed).to(torch.bool).expand(len(rows), length).cpu()
 
 
+def _fingerprint(function, depth: int = 0):
+    """What decides a mask function's output: its code and what its closure holds (ints, floats,
+    other such functions), recursively; None when it holds anything else (a tensor, say), so
+    that its reading is not reused. transformers builds these closures anew in every forward."""
+    code = getattr(function, "__code__", None)
+    if code is None or depth > 8:
+        return None
+    cells = []
+    for cell in function.__closure__ or ():
+        value = cell.cell_contents
+        if isinstance(value, (tuple, list)):
+            parts = tuple(_fingerprint(v, depth + 1) if callable(v) else v for v in value)
+            if any(p is None or not isinstance(p, (int, float, str, bool, tuple)) for p in parts):
+                return None
+            cells.append(parts)
+        elif callable(value):
+            inner = _fingerprint(value, depth + 1)
+            if inner is None:
+                return None
+            cells.append(inner)
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            cells.append(value)
+        else:
+            return None
+    return (code, tuple(cells))
+
+
+_READINGS: dict[tuple, BandMask] = {}  # (fingerprint, length) -> band; a handful of entries per run
+
+
 def read_band(mask_function, length: int, device: torch.device | None = None) -> BandMask:
     """The band that `mask_function` draws on a length x length grid; raises MaskNotSupported.
 
     Evaluated on the CPU (no host sync): transformers' causal, sliding-window and bidirectional
-    functions are index arithmetic. A function that reads device tensors is evaluated there."""
+    functions are index arithmetic. A function that reads device tensors is evaluated there.
+    A reading is reused for a function of the same code and closure values and the same length
+    (about 1 ms of host time per mask at 16k tokens otherwise)."""
     if mask_function is None or length == 0:
         return BandMask(True, None)
+    fingerprint = _fingerprint(mask_function)
+    if fingerprint is not None and (fingerprint, length) in _READINGS:
+        return _READINGS[(fingerprint, length)]
+    band = _read(mask_function, length, device)
+    if fingerprint is not None and len(_READINGS) < 256:
+        _READINGS[(fingerprint, length)] = band
+    return band
+
+
+def _read(mask_function, length: int, device) -> BandMask:
     rows = _sample_rows(length)
     try:
         allowed = _evaluate(mask_function, rows, length, torch.device("cpu"))

@@ -40,7 +40,9 @@ from hasten.packing.collator import PackingError
 from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
 
 ATTN_NAME = "hasten_varlen"
-DENSE_NAME = "hasten_dense_packed"  # the model's own attention, packed rows kept apart by hasten's mask
+# the model's own eager / sdpa attention, packed rows kept apart by a mask hasten builds on that
+# implementation's own mask (a float mask for eager, a boolean one for sdpa)
+DENSE_NAMES = {"eager": "hasten_dense_eager", "sdpa": "hasten_dense_sdpa"}
 EXPERTS_NAME = "hasten_fused"
 
 
@@ -184,7 +186,6 @@ class _ForwardState:
     hasten_packed: bool = False  # hasten's varlen attention keeps the samples apart
     # dense mode, packed batch: the sample index of every token, (rows, L); None otherwise
     sample_ids: torch.Tensor | None = None
-    base_mask: Any = None  # dense mode: transformers' mask interface of the model's own attention
     masks: list = field(default_factory=list)  # dense mode: the masks hasten built in this forward
 
 
@@ -230,33 +231,38 @@ def hasten_dense_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     return original(module, query, key, value, attention_mask, **kwargs)
 
 
-def hasten_dense_mask(*args, mask_function=None, **kwargs: Any):
-    """transformers' mask of the model's own attention, with the packed batch's sample boundaries
-    added (a query sees keys of its own sample only)."""
-    state = _current_forward()
-    base = state.base_mask if state is not None and state.base_mask is not None else sdpa_mask
-    if state is None or state.sample_ids is None:
-        return base(*args, mask_function=mask_function, **kwargs)
-    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
-    rows, length = state.sample_ids.shape
-    if q_length != length or kv_length != length:
-        raise PackedBatchRefused(f"hasten: a mask of {q_length} x {kv_length} for a packed batch of rows of {length} "
-                                 "tokens; train this model with padded batches (training.packed_sequence: false)")
-    sample_ids = state.sample_ids
+def _dense_mask(base):
+    """transformers' mask interface `base` (the model's own eager or sdpa mask), with the packed
+    batch's sample boundaries added: a query sees keys of its own sample only."""
 
-    def same_sample(batch_idx, head_idx, q_idx, kv_idx):
-        return sample_ids[batch_idx, q_idx] == sample_ids[batch_idx, kv_idx]
+    def hasten_dense_mask(*args, mask_function=None, **kwargs: Any):
+        state = _current_forward()
+        if state is None or state.sample_ids is None:
+            return base(*args, mask_function=mask_function, **kwargs)
+        q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+        rows, length = state.sample_ids.shape
+        if q_length != length or kv_length != length:
+            raise PackedBatchRefused(f"hasten: a mask of {q_length} x {kv_length} for a packed batch of rows of "
+                                     f"{length} tokens; train this model with padded batches "
+                                     "(training.packed_sequence: false)")
+        sample_ids = state.sample_ids
 
-    kwargs["allow_is_causal_skip"] = False  # sdpa would otherwise return None for "plain causal"
-    mask = base(*args, mask_function=masking_utils.and_masks(mask_function, same_sample), **kwargs)
-    state.masks.append(mask)
-    return mask
+        def same_sample(batch_idx, head_idx, q_idx, kv_idx):
+            return sample_ids[batch_idx, q_idx] == sample_ids[batch_idx, kv_idx]
+
+        kwargs["allow_is_causal_skip"] = False  # sdpa would otherwise return None for "plain causal"
+        mask = base(*args, mask_function=masking_utils.and_masks(mask_function, same_sample), **kwargs)
+        state.masks.append(mask)
+        return mask
+
+    return hasten_dense_mask
 
 
 AttentionInterface.register(ATTN_NAME, hasten_attention_forward)
 AttentionMaskInterface.register(ATTN_NAME, hasten_mask)
-AttentionInterface.register(DENSE_NAME, hasten_dense_attention_forward)
-AttentionMaskInterface.register(DENSE_NAME, hasten_dense_mask)
+for _implementation, _name in DENSE_NAMES.items():
+    AttentionInterface.register(_name, hasten_dense_attention_forward)
+    AttentionMaskInterface.register(_name, _dense_mask(ALL_MASK_ATTENTION_FUNCTIONS[_implementation]))
 
 # transformers' mask preparation looks for packed rows in position_ids and ends with a Python-level
 # `.all()` on a device tensor: a host sync in every forward, for a result hasten_mask throws away
@@ -302,8 +308,8 @@ class _PackingPreHook:
     A packed batch never builds a KV cache (transformers would, and hold every layer's K/V)."""
 
     def __init__(self, model: PreTrainedModel, settings: _AttentionSettings | None, mode: str,
-                 refusal: str | None = None, base_mask=None) -> None:
-        self.settings, self.mode, self.refusal, self.base_mask = settings, mode, refusal, base_mask
+                 refusal: str | None = None) -> None:
+        self.settings, self.mode, self.refusal = settings, mode, refusal
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -314,7 +320,7 @@ class _PackingPreHook:
         return bound
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
-        state = _ForwardState(base_mask=self.base_mask)
+        state = _ForwardState()
         _forward_stack().append(state)  # popped by _leave_forward
         return self._prepare(args, kwargs, state)
 
@@ -348,7 +354,7 @@ class _PackingPreHook:
             if cu_seqlens is None and self.settings.metadata_cache:
                 kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
         else:  # dense: every token's sample, row by row (a sample never spans rows)
-            state.sample_ids = _sample_ids(cu_seqlens, position_ids)
+            state.sample_ids = _sample_ids(bound.get("seq_idx"), position_ids)
         if bound.get("use_cache") is not False:
             args, kwargs = _without(args, kwargs, "use_cache", self.signature)
             kwargs["use_cache"] = False
@@ -370,15 +376,13 @@ class _PackingPreHook:
                 "false; in your own script: one sample per row with an attention_mask), or pack one sample per row.")
 
 
-def _sample_ids(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
-    """(rows, L) index of each token's sample, from the batch's cu_seqlens or its position_ids."""
+def _sample_ids(seq_idx: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+    """(rows, L) index of each token's sample: the collator's `seq_idx`, else derived from
+    position_ids (PackedMeta, one read-back)."""
     rows, length = position_ids.shape[0], position_ids.shape[-1]
-    if cu_seqlens is None:
-        return PackedMeta.from_position_ids(position_ids).seq_idx.view(rows, length).long()
-    counts = cu_seqlens.diff().long()
-    ids = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
-                                  output_size=rows * length)  # output_size: no host sync
-    return ids.view(rows, length).to(position_ids.device)
+    if seq_idx is None:
+        seq_idx = PackedMeta.from_position_ids(position_ids).seq_idx
+    return seq_idx.to(position_ids.device).view(rows, length).long()
 
 
 def _without(args: tuple, kwargs: dict, name: str, signature: inspect.Signature) -> tuple[tuple, dict]:
@@ -466,7 +470,7 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
         return
     missing = attention_features_not_implemented(model)
     if missing:
-        _patch_dense_packing(model, handle, "; ".join(missing))
+        _patch_dense_packing(model, handle, missing)
         return
     settings = _AttentionSettings(training.metadata_cache, config.attention.backend, config.attention.gqa,
                                   config.attention.verify)
@@ -488,12 +492,13 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
                          else "metadata derived per layer (training.metadata_cache is false)")
 
 
-def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, features: str) -> None:
-    """Attention stays the model's own (it has `features`); packed rows get hasten's mask."""
+def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, missing: dict[str, str]) -> None:
+    """Attention stays the model's own (it has the `missing` features); packed rows get hasten's mask."""
     model_type = getattr(model.config, "model_type", "?")
     implementation = model.config._attn_implementation
-    if "chunked attention" in features or implementation not in ("eager", "sdpa"):
-        why = ("chunked attention counts its chunks along the packed row" if "chunked attention" in features
+    features = "; ".join(missing.values())
+    if "chunked" in missing or implementation not in DENSE_NAMES:
+        why = ("chunked attention counts its chunks along the packed row" if "chunked" in missing
                else f"its attention implementation '{implementation}' does not take hasten's packed mask")
         _refuse_packing(model, handle, f"its attention has {features}, which hasten's kernels do not compute, and "
                         f"{why}", "attention_feature_not_implemented")
@@ -510,9 +515,8 @@ def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, fea
         return
     for module, original in originals.items():
         setattr(module, _DENSE_TAG, original)
-    model.set_attn_implementation(DENSE_NAME)
-    base_mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
-    _install_packing_hook(model, handle, _PackingPreHook(model, None, "dense", base_mask=base_mask))
+    model.set_attn_implementation(DENSE_NAMES[implementation])
+    _install_packing_hook(model, handle, _PackingPreHook(model, None, "dense"))
 
     def undo() -> None:
         for module in originals:

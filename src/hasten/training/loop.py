@@ -265,9 +265,6 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
     """Everything before the first step; returns a result instead when there is nothing to train."""
     config, t = run.config, run.config.training
     output_dir, log_dir = run.output_dir, run.log_dir
-    if t.learning_rate / (1 - 0.9) >= torch.finfo(torch.float32).max:  # AdamW's first step size, lr / (1 - beta1)
-        raise ConfigError(f"training.learning_rate {t.learning_rate:g} overflows float32 in AdamW's first step "
-                          "(lr / (1 - beta1) must stay below 3.4e38); fine-tuning rates are about 1e-5 to 1e-3")
     for folder in (output_dir, log_dir):
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -282,8 +279,8 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
     # what to continue from, or what is in the way
     parse_allowed_changes(",".join(allowed), config)
     guard_earlier_run(output_dir, log_dir, run.checkpoints, resume, overwrite, ctx)
-    run.resume_from = run.last_checkpoint = resolve_resume(resume, run.checkpoints, overwrite=overwrite,
-                                                            output_dir=output_dir, log_dir=log_dir)
+    run.resume_from = run.last_checkpoint = resolve_resume(resume, run.checkpoints, output_dir=output_dir,
+                                                            log_dir=log_dir)
     if run.resume_from is not None:
         check_resume_config(run.resume_from, config, allowed)
         saved = read_trainer_state(run.resume_from)

@@ -14,7 +14,7 @@ from typing import Any
 from hasten.config import Config, ConfigError
 from hasten.observability import logger
 from hasten.training.checkpoint import PREFIX, CheckpointError, latest_valid, saved_config, verify
-from hasten.training.telemetry import redact
+from hasten.training.telemetry import flatten, redact
 
 # Files a run writes in its log folder (besides metrics.jsonl and summary.json), deleted by --overwrite.
 _LOG_FILES = ("metrics.jsonl", "summary.json", "config.json", "versions.json", "tensorboard",
@@ -92,14 +92,11 @@ def _delete_earlier_run(output_dir: Path, log_dir: Path, checkpoints: Path) -> N
     logger.warning("hasten: --overwrite: deleted the earlier run's %s", ", ".join(str(p) for p in doomed))
 
 
-def resolve_resume(resume: str | None, checkpoints: Path, *, overwrite: bool = False,
-                    output_dir: Path | None = None, log_dir: Path | None = None) -> Path | None:
+def resolve_resume(resume: str | None, checkpoints: Path, *, output_dir: Path | None = None,
+                   log_dir: Path | None = None) -> Path | None:
+    """The checkpoint to continue from (None: a fresh run; guard_earlier_run has refused a fresh
+    run over another run's checkpoints already)."""
     if resume in (None, "", "none"):
-        earlier = _checkpoint_names(checkpoints)
-        if earlier and not overwrite:  # a fresh run here would mix its checkpoints with another run's
-            raise ConfigError(f"{checkpoints} already holds checkpoints of an earlier run ({earlier[-1]}, ...); "
-                              "continue it with --resume auto, replace it with --overwrite, or train into a new "
-                              "--output_dir")
         return None
     if resume == "auto":
         found = latest_valid(checkpoints)
@@ -143,16 +140,6 @@ RESUME_MAY_CHANGE = (
 )
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_record(config: Config) -> dict[str, Any]:
     """The config as a checkpoint stores it (JSON types)."""
     return json.loads(json.dumps(redact(config.to_dict())))
@@ -161,7 +148,7 @@ def config_record(config: Config) -> dict[str, Any]:
 def parse_allowed_changes(value: str | None, config: Config | None = None) -> tuple[str, ...]:
     """--allow_config_change's comma-separated keys, each checked against the schema."""
     keys = tuple(k.strip() for k in (value or "").split(",") if k.strip())
-    known = _flat((config or Config()).to_dict())
+    known = flatten((config or Config()).to_dict(), ".")
     for key in keys:
         if key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
@@ -188,7 +175,7 @@ def check_resume_config(checkpoint: Path, config: Config, allowed: tuple[str, ..
         logger.warning("hasten: %s has no saved config (written by an older hasten): the resumed run's config "
                        "cannot be compared with it", checkpoint)
         return
-    before, now = _flat(saved), _flat(config_record(config))
+    before, now = flatten(saved, "."), flatten(config_record(config), ".")
     changed = {key: (before[key], now[key]) for key in now if key in before and before[key] != now[key]
                and not _inert(key, before, now)}
     free = {k: v for k, v in changed.items() if k.startswith(RESUME_MAY_CHANGE)}

@@ -113,7 +113,7 @@ class TensorBoardSink:
         if self.writer is None:
             return
         step = row["step"]
-        for key, value in _flatten(row).items():
+        for key, value in flatten(row).items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
@@ -123,11 +123,12 @@ class TensorBoardSink:
             self.writer.close()
 
 
-def _flatten(row: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], separator: str = "/", prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level: {"a": {"b": 1}} -> {"a/b": 1} (TensorBoard tags; "." for config keys)."""
     out: dict[str, Any] = {}
-    for key, value in row.items():
+    for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}/"))
+            out.update(flatten(value, separator, f"{prefix}{key}{separator}"))
         else:
             out[f"{prefix}{key}"] = value
     return out
