@@ -17,7 +17,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-import hasten.ops.dense  # noqa: E402,F401  (registers the ops' fakes and autograd)
+import hasten.ops  # noqa: E402
+
+hasten.ops.load()  # hasten._C and the ops' fakes and autograd (the package loads it on first use)
 
 TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 16384, 1024, 16, 8, 128, 3072
 BF16 = 2

@@ -2,6 +2,12 @@ import pytest
 import torch
 
 from hasten.observability import reset_fallbacks
+from hasten.ops import is_loaded, load
+
+# Many tests call torch.ops.hasten.* directly, some at collection; the package loads hasten._C on
+# first use only (tests/test_import.py checks, in fresh interpreters, that import loads nothing).
+if is_loaded():
+    load()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(const at::Tensor& q, con
   check_device(q, "varlen_attention", "q", c10::DeviceType::CPU);
   check_varlen_attention_args("varlen_attention", q, k, v, cu_seqlens, max_seqlen);
   check_boundaries("varlen_attention", cu_seqlens, q.size(0), max_seqlen);
-  auto out = at::zeros_like(q);
+  auto out = at::zeros(q.sizes(), q.options());  // contiguous, as on CUDA (and the fake)
   auto lse = at::zeros({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   const auto cu = cu_seqlens.accessor<int32_t, 1>();
   for (int64_t b = 0; b + 1 < cu_seqlens.numel(); ++b) {
@@ -70,7 +70,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
   check_device(q, "varlen_attention_backward", "q", c10::DeviceType::CPU);
   check_varlen_attention_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen);
   check_boundaries("varlen_attention_backward", cu_seqlens, q.size(0), max_seqlen);
-  auto grad_q = at::zeros_like(q), grad_k = at::zeros_like(k), grad_v = at::zeros_like(v);
+  // contiguous, as on CUDA (and the fake)
+  auto grad_q = at::zeros(q.sizes(), q.options()), grad_k = at::zeros(k.sizes(), k.options()),
+       grad_v = at::zeros(v.sizes(), v.options());
   const auto cu = cu_seqlens.accessor<int32_t, 1>();
   for (int64_t b = 0; b + 1 < cu_seqlens.numel(); ++b) {
     const int64_t start = cu[b], end = cu[b + 1];

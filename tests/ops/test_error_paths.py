@@ -30,7 +30,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_error_is_raised_not_crashed(case, device):
     expr, message = CASES[case]
-    code = (f"import torch, hasten\nD = {device!r}\ntry:\n    {expr}\nexcept RuntimeError as e:\n"
+    code = (f"import torch, hasten.ops\nhasten.ops.load()\nD = {device!r}\ntry:\n    {expr}\nexcept RuntimeError as e:\n"
             f"    print('RAISED', str(e).splitlines()[0])\nelse:\n    print('NO ERROR')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{case} on {device} crashed (rc {proc.returncode}): {proc.stderr[-500:]}"

@@ -98,18 +98,3 @@ def test_swiglu_matches_reference_and_gradcheck(rows, inner):
 def test_swiglu_rejects_odd_width():
     with pytest.raises(RuntimeError, match="odd width"):
         torch.ops.hasten.swiglu(torch.randn(2, 3))
-
-
-def test_opcheck_moe_ops():
-    gen = torch.Generator().manual_seed(1)
-    ids, g = _routing(gen, 9, 2, 5)
-    x = torch.randn(9, 16, generator=gen)
-    y = torch.randn(18, 16, generator=gen)
-    w = torch.rand(9, 2, generator=gen)
-    ops = torch.ops.hasten
-    torch.library.opcheck(ops.moe_group.default, (ids, 5))
-    torch.library.opcheck(ops.moe_permute.default, (x, g.permutation, g.offsets, 2, None))
-    torch.library.opcheck(ops.moe_combine.default, (y, g.inverse, g.offsets, 2, w))
-    torch.library.opcheck(ops.moe_combine_weight_grad.default, (x, y, g.inverse, g.offsets, 2))
-    torch.library.opcheck(ops.swiglu.default, (torch.randn(4, 10, generator=gen),))
-    torch.library.opcheck(ops.swiglu_backward.default, (torch.randn(4, 5, generator=gen), torch.randn(4, 10, generator=gen)))

@@ -52,9 +52,3 @@ def test_rejects_float_and_scalar_inputs_with_clear_messages():
         varlen_meta_raw(torch.zeros(4))
     with pytest.raises(RuntimeError, match="at least one dimension"):
         varlen_meta_raw(torch.tensor(3))
-
-
-def test_opcheck():
-    gen = torch.Generator().manual_seed(0)
-    for pos in (random_packed_position_ids(gen, 2, 50, 9), torch.zeros(0, dtype=torch.long)):
-        torch.library.opcheck(torch.ops.hasten.varlen_meta.default, (pos,))

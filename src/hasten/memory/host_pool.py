@@ -6,9 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hasten.ops._lib import require_extension
-
-require_extension()
+from hasten.ops._lib import load
 
 
 @dataclass(frozen=True)
@@ -29,6 +27,7 @@ class HostPool:
     """
 
     def __init__(self, max_cached_bytes: int = 64 << 30) -> None:
+        load()
         self._pool = torch.classes.hasten.HostPool(int(max_cached_bytes))
 
     def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hasten.observability import record_fallback
-from hasten.ops._lib import require_extension
+from hasten.ops._lib import load
 
 logger = logging.getLogger("hasten")
 
@@ -62,7 +62,7 @@ class OffloadEngine:
     memory and back on copy streams (synchronously for CPU tensors)."""
 
     def __init__(self, max_cached_host_bytes: int = 64 << 30) -> None:
-        require_extension()
+        load()
         self._engine = torch.classes.hasten.OffloadEngine(int(max_cached_host_bytes))
 
     def offload(self, tensor: torch.Tensor) -> int:

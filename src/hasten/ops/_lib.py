@@ -1,29 +1,77 @@
-"""Loads hasten._C, the C++/CUDA op library, and answers questions about it."""
+"""Loads hasten._C, the C++/CUDA op library, on first use, and answers questions about it.
+
+`import hasten` does not load it: `load()` does, the first time an op wrapper, accelerate() or
+doctor asks. After the schemas are defined (csrc/registration.cpp), load() runs each op family's
+Python registrations (fakes, autograd) once, so `torch.ops.hasten.*` is complete before any use.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-_LOAD_ERROR: str | None = None
-try:
-    from hasten import _C  # noqa: F401  (registers torch.ops.hasten.*)
-except ImportError as exc:  # pragma: no cover - exercised only on a broken install
-    _LOAD_ERROR = (
-        f"hasten._C could not be loaded ({exc}). Rebuild it against the installed torch: "
-        "pip install --no-build-isolation -e ."
-    )
-
-def is_loaded() -> bool:
-    return _LOAD_ERROR is None
+# the op families with Python registrations (each module's `_register()`), in hasten.ops
+_FAMILIES = ("dense", "attention", "loss", "moe", "packing")
+REBUILD = "rebuild it against the installed torch: pip install --no-build-isolation -e . (or make install)"
 
 
-def extension_error() -> str | None:
-    return _LOAD_ERROR
+class ExtensionError(RuntimeError):
+    """hasten._C is missing or could not be loaded."""
+
+
+_loaded = False
+_error: str | None = None
+
+
+def load() -> None:
+    """Load hasten._C and register the ops' fakes and autograd, once. Raises ExtensionError (with
+    the rebuild command) when the library is missing or broken. Cheap after the first call: the
+    op wrappers call it, and under torch.compile it reads one global."""
+    global _loaded, _error
+    if _loaded:
+        return
+    if _error is not None:
+        raise ExtensionError(_error)
+    try:
+        importlib.import_module("hasten._C")  # defines torch.ops.hasten.*
+    except ImportError as exc:
+        _error = f"hasten._C could not be loaded ({exc}); {REBUILD}"
+        raise ExtensionError(_error) from exc
+    for family in _FAMILIES:
+        importlib.import_module(f"hasten.ops.{family}")._register()
+    _loaded = True
+
+
+def no_double_backward(op: str) -> None:
+    """Register an autograd formula on a backward op (hasten::<op>) that refuses: hasten's
+    kernels have no second derivative, and without a formula autograd would only warn and let
+    a double backward (create_graph=True) through with a wrong, zero second derivative."""
+
+    def refuse(ctx, *grads):
+        raise NotImplementedError(f"hasten::{op} has no derivative: a second backward (create_graph=True, "
+                                  "double backward) through hasten's kernels is not supported; run this model "
+                                  "without hasten's kernels for it")
+
+    torch.library.register_autograd(f"hasten::{op}", refuse)
 
 
 def require_extension() -> None:
-    if _LOAD_ERROR is not None:
-        raise RuntimeError(_LOAD_ERROR)
+    load()
+
+
+def is_loaded() -> bool:
+    """Whether hasten._C loads (tries to load it)."""
+    try:
+        load()
+    except ExtensionError:
+        return False
+    return True
+
+
+def extension_error() -> str | None:
+    """Why hasten._C does not load (None when it does)."""
+    return None if is_loaded() else _error
 
 
 def op_names() -> tuple[str, ...]:

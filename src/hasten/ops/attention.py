@@ -9,39 +9,48 @@ from __future__ import annotations
 
 import torch
 
-from hasten.ops._lib import require_extension
+from hasten.ops import _checks
+from hasten.ops._lib import load, no_double_backward
 
-require_extension()
 
-
-@torch.library.register_fake("hasten::varlen_attention")
 def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale, causal):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    _checks.check_varlen_attention_args("varlen_attention", q, k, v, cu_seqlens, max_seqlen)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:2], dtype=torch.float32))
 
 
-@torch.library.register_fake("hasten::varlen_attention_backward")
 def _varlen_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _checks.check_varlen_attention_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-class _VarlenAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, causal):
-        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.scale, ctx.causal = max_seqlen, scale, causal
-        return out
+def _setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale, causal = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)  # the softmax statistics: saved for the backward, not a result
+    ctx.max_seqlen, ctx.scale, ctx.causal = max_seqlen, scale, causal
+    # the fused backward computes dq, dk and dv together from all of these
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        grad_q, grad_k, grad_v = torch.ops.hasten.varlen_attention_backward(
-            grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale, ctx.causal)
-        return grad_q, grad_k, grad_v, None, None, None, None
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    grads = torch.ops.hasten.varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
+                                                       ctx.scale, ctx.causal)
+    return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3])), None, None, None, None)
+
+
+def _register() -> None:
+    """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
+    torch.library.register_fake("hasten::varlen_attention", _varlen_attention_fake)
+    torch.library.register_fake("hasten::varlen_attention_backward", _varlen_attention_backward_fake)
+    torch.library.register_autograd("hasten::varlen_attention", _backward, setup_context=_setup)
+    no_double_backward("varlen_attention_backward")
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      scale: float | None = None, causal: bool = True) -> torch.Tensor:
     """Each packed sequence attends to itself only; returns (T, Hq, D)."""
+    load()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _VarlenAttention.apply(q, k, v, cu_seqlens, int(max_seqlen), scale, causal)
+    return torch.ops.hasten.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)[0]

@@ -2,92 +2,117 @@
 
 Shapes: x (..., H) for RMSNorm; gate and up (..., I) for silu_mul; q or k (B, heads, L, D) with
 cos, sin (B or 1, L, D) for rope. Each is one kernel forward and one backward (csrc/).
+The autograd formulas are registered on the ops themselves (torch.library.register_autograd), so
+torch.compile and AOTAutograd see one op each way, and the saved tensors are what the backward
+needs for the inputs that require a gradient.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hasten.ops._lib import require_extension
+from hasten.ops import _checks
+from hasten.ops._lib import load, no_double_backward
 
-require_extension()
 
-
-@torch.library.register_fake("hasten::rms_norm")
 def _rms_norm_fake(x, weight, eps, offset):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    _checks.check_rms_norm_args("rms_norm", x, weight)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.register_fake("hasten::rms_norm_backward")
 def _rms_norm_backward_fake(grad_y, x, weight, rstd, offset):
-    return torch.empty_like(x), torch.empty_like(weight)
+    _checks.check_rms_norm_backward_args(grad_y, x, weight, rstd)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
-@torch.library.register_fake("hasten::silu_mul")
 def _silu_mul_fake(gate, up):
-    return torch.empty_like(gate)
+    _checks.check_silu_mul_args("silu_mul", gate, up)
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("hasten::silu_mul_backward")
 def _silu_mul_backward_fake(grad_act, gate, up):
-    return torch.empty_like(gate), torch.empty_like(up)
+    _checks.check_silu_mul_backward_args(grad_act, gate, up)
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(up, memory_format=torch.contiguous_format))
 
 
-@torch.library.register_fake("hasten::rope")
 def _rope_fake(x, cos, sin, backward):
-    return torch.empty_like(x)
+    _checks.check_rope_args(x, cos, sin)
+    return torch.empty_like(x)  # the kernel keeps x's strides (q and k arrive transposed)
 
 
-class _RmsNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset):
-        y, rstd = torch.ops.hasten.rms_norm(x, weight, eps, offset)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.offset = offset
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_weight = torch.ops.hasten.rms_norm_backward(grad_y, x, weight, rstd, ctx.offset)
-        return grad_x, grad_weight, None, None
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _eps, offset = inputs
+    _y, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.offset = offset
+    # the kernel's backward computes both gradients from x, weight and rstd
+    ctx.save_for_backward(x, weight, rstd)
 
 
-class _SiluMul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return torch.ops.hasten.silu_mul(gate, up)
-
-    @staticmethod
-    def backward(ctx, grad_act):
-        gate, up = ctx.saved_tensors
-        return torch.ops.hasten.silu_mul_backward(grad_act, gate, up)
+def _rms_norm_backward(ctx, grad_y, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    grad_x, grad_weight = torch.ops.hasten.rms_norm_backward(grad_y, x, weight, rstd, ctx.offset)
+    return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
+            None, None)
 
 
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return torch.ops.hasten.rope(x, cos, sin, False)
+def _silu_mul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # both gradients need both gate and up
 
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return torch.ops.hasten.rope(grad, cos, sin, True), None, None
+
+def _silu_mul_backward(ctx, grad_act):
+    gate, up = ctx.saved_tensors
+    grad_gate, grad_up = torch.ops.hasten.silu_mul_backward(grad_act, gate, up)
+    return grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None
+
+
+def _rope_setup(ctx, inputs, output):
+    x, cos, sin, backward = inputs
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        raise NotImplementedError("hasten::rope has no gradient for cos and sin (transformers computes them without "
+                                  "one); detach them, or leave this model's rotary embedding to transformers")
+    ctx.backward = backward
+    ctx.save_for_backward(cos, sin)
+
+
+def _rope_backward(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum; the kernel reads rows of head_dim
+        grad = grad.contiguous()
+    # the rotation's gradient map is its transpose: the same op with `backward` flipped
+    return torch.ops.hasten.rope(grad, cos, sin, not ctx.backward), None, None, None
+
+
+def _register() -> None:
+    """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
+    lib = "hasten::"
+    torch.library.register_fake(lib + "rms_norm", _rms_norm_fake)
+    torch.library.register_fake(lib + "rms_norm_backward", _rms_norm_backward_fake)
+    torch.library.register_fake(lib + "silu_mul", _silu_mul_fake)
+    torch.library.register_fake(lib + "silu_mul_backward", _silu_mul_backward_fake)
+    torch.library.register_fake(lib + "rope", _rope_fake)
+    torch.library.register_autograd(lib + "rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+    torch.library.register_autograd(lib + "silu_mul", _silu_mul_backward, setup_context=_silu_mul_setup)
+    torch.library.register_autograd(lib + "rope", _rope_backward, setup_context=_rope_setup)
+    for op in ("rms_norm_backward", "silu_mul_backward"):
+        no_double_backward(op)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """(weight + offset) * (x * rsqrt(mean(x^2) + eps)), the normalised value cast to x's dtype
     before the weight multiplies it (transformers' Llama/Qwen order)."""
-    return _RmsNorm.apply(x, weight, float(eps), float(offset))
+    load()
+    return torch.ops.hasten.rms_norm(x, weight, float(eps), float(offset))[0]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel; backward keeps only gate and up."""
-    return _SiluMul.apply(gate, up)
+    load()
+    return torch.ops.hasten.silu_mul(gate, up)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin for x (B, heads, L, D), cos/sin (B or 1, L, D)."""
-    return _Rope.apply(x, cos, sin)
+    load()
+    return torch.ops.hasten.rope(x, cos, sin, False)

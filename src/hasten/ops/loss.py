@@ -9,49 +9,57 @@ from __future__ import annotations
 
 import torch
 
-from hasten.ops._lib import require_extension
-
-require_extension()
+from hasten.ops import _checks
+from hasten.ops._lib import load
 
 IGNORE_INDEX = -100
 
 
-@torch.library.register_fake("hasten::cross_entropy_rows_")
 def _cross_entropy_rows_fake(logits, targets, grad_scale, ignore_index, label_smoothing, softcap):
+    _checks.check_cross_entropy_rows_args(logits, targets, grad_scale, label_smoothing, softcap)
     return logits.new_empty((logits.shape[0],), dtype=torch.float32)
 
 
-@torch.library.register_fake("hasten::linear_cross_entropy")
 def _linear_cross_entropy_fake(hidden, weight, bias, targets, denominator, ignore_index, label_smoothing, softcap,
                                chunk_tokens, compute_grad):
+    _checks.check_linear_cross_entropy_args(hidden, weight, bias, targets, denominator)
+    _checks.check(0.0 <= label_smoothing <= 1.0, "cross_entropy_rows_",
+                  lambda: f"`label_smoothing` must be in [0, 1], got {label_smoothing:f}")
+    _checks.check(softcap >= 0.0, "cross_entropy_rows_", lambda: f"`softcap` must be 0 (off) or positive, got {softcap:f}")
     loss = hidden.new_empty((), dtype=torch.float32)
     if not compute_grad:
-        empty = hidden.new_empty((0,))
-        return loss, empty, empty, empty
+        return loss, *(hidden.new_empty((0,)) for _ in range(3))  # three tensors, as the kernel: none aliases
     grad_bias = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,))
     return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), grad_bias
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, denominator, ignore_index, label_smoothing, softcap, chunk_tokens):
-        compute_grad = any(ctx.needs_input_grad[:3])
-        loss, grad_hidden, grad_weight, grad_bias = torch.ops.hasten.linear_cross_entropy(
-            hidden, weight, bias, targets, denominator, ignore_index, label_smoothing, softcap, chunk_tokens,
-            compute_grad)
-        ctx.has_bias = bias is not None
-        if compute_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias if bias is not None else None)
-        return loss
+def _setup(ctx, inputs, output):
+    _hidden, _weight, bias, *_rest, compute_grad = inputs
+    _loss, grad_hidden, grad_weight, grad_bias = output
+    ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
+    if any(ctx.needs_input_grad[3:5]):
+        raise NotImplementedError("hasten::linear_cross_entropy has no gradient for targets or denominator")
+    if any(ctx.needs_input_grad[:3]) and not compute_grad:
+        raise RuntimeError("hasten::linear_cross_entropy was called with compute_grad=False on inputs that need a "
+                           "gradient; call hasten.ops.loss.linear_cross_entropy, which sets it")
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scale = grad_loss.to(grad_hidden.dtype)  # a device scalar: no host sync
-        return (grad_hidden * scale if ctx.needs_input_grad[0] else None,
-                grad_weight * scale if ctx.needs_input_grad[1] else None,
-                grad_bias * scale if ctx.has_bias and ctx.needs_input_grad[2] else None,
-                None, None, None, None, None, None)
+
+def _backward(ctx, grad_loss, *_unused):
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    scale = grad_loss.to(grad_hidden.dtype)  # a device scalar: no host sync
+    return (grad_hidden * scale if ctx.needs_input_grad[0] else None,
+            grad_weight * scale if ctx.needs_input_grad[1] else None,
+            grad_bias * scale if ctx.has_bias and ctx.needs_input_grad[2] else None,
+            None, None, None, None, None, None, None)
+
+
+def _register() -> None:
+    """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
+    torch.library.register_fake("hasten::cross_entropy_rows_", _cross_entropy_rows_fake)
+    torch.library.register_fake("hasten::linear_cross_entropy", _linear_cross_entropy_fake)
+    torch.library.register_autograd("hasten::linear_cross_entropy", _backward, setup_context=_setup)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -66,11 +74,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     (transformers' semantics: the count of target tokens across gradient accumulation and ranks),
     else over this call's non-ignored targets.
     """
+    load()
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1).to(torch.long)
     if num_items_in_batch is None:
         denominator = (flat_targets != ignore_index).sum().to(torch.float32)
     else:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device)
-    return _LinearCrossEntropy.apply(hidden2d, weight, bias, flat_targets, denominator, int(ignore_index),
-                                     float(label_smoothing), float(softcap or 0.0), int(chunk_tokens))
+    # the gradients come out of the forward pass (no logits are kept), so the forward must know
+    compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    loss = torch.ops.hasten.linear_cross_entropy(hidden2d, weight, bias, flat_targets, denominator, int(ignore_index),
+                                                 float(label_smoothing), float(softcap or 0.0), int(chunk_tokens),
+                                                 compute_grad)[0]
+    return loss

@@ -10,42 +10,121 @@ from dataclasses import dataclass
 
 import torch
 
-from hasten.ops._lib import require_extension
+from hasten.ops import _checks
+from hasten.ops._lib import load, no_double_backward
 
-require_extension()
 
-
-@torch.library.register_fake("hasten::moe_group")
 def _moe_group_fake(expert_ids, num_experts):
+    _checks.check_moe_group_args(expert_ids, num_experts)
     slots = expert_ids.numel()
     new = expert_ids.new_empty
     return (new((num_experts,), dtype=torch.int32), new((num_experts + 1,), dtype=torch.int32),
             new((slots,), dtype=torch.int32), new((slots,), dtype=torch.int32))
 
 
-@torch.library.register_fake("hasten::moe_permute")
 def _moe_permute_fake(x, permutation, offsets, top_k, slot_scale=None):
+    _checks.check_permute_args(x, permutation, offsets, top_k, slot_scale)
     return x.new_empty((permutation.numel(), x.shape[1]))
 
 
-@torch.library.register_fake("hasten::moe_combine")
 def _moe_combine_fake(y, inverse, offsets, top_k, weights=None):
+    _checks.check_combine_args(y, inverse, offsets, top_k, weights)
     return y.new_empty((inverse.numel() // top_k, y.shape[1]))
 
 
-@torch.library.register_fake("hasten::moe_combine_weight_grad")
 def _moe_combine_weight_grad_fake(grad_out, y, inverse, offsets, top_k):
+    _checks.check_weight_grad_args(grad_out, y, inverse, offsets, top_k)
     return y.new_empty((inverse.numel() // top_k, top_k))
 
 
-@torch.library.register_fake("hasten::swiglu")
 def _swiglu_fake(gate_up):
+    _checks.check_swiglu_args("swiglu", gate_up)
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
-@torch.library.register_fake("hasten::swiglu_backward")
 def _swiglu_backward_fake(grad_act, gate_up):
-    return torch.empty_like(gate_up)
+    _checks.check_swiglu_backward_args(grad_act, gate_up)
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _inverse_of(index: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation of the S slots (permutation <-> inverse), one scatter on the
+    index's device: the backward of permute needs the inverse and that of combine the permutation,
+    and each op takes only the one its forward reads."""
+    positions = torch.arange(index.numel(), dtype=index.dtype, device=index.device)
+    return torch.empty_like(index).scatter_(0, index.long(), positions)
+
+
+# permute: out[p] = slot_scale[s] * x[s // k], s = permutation[p]
+def _permute_setup(ctx, inputs, output):
+    x, permutation, offsets, top_k, slot_scale = inputs
+    ctx.top_k = top_k
+    ctx.has_scale = slot_scale is not None
+    # x's gradient needs slot_scale; slot_scale's needs x
+    ctx.save_for_backward(permutation, offsets, slot_scale if ctx.needs_input_grad[0] else None,
+                          x if ctx.needs_input_grad[4] else None)
+
+
+def _permute_backward(ctx, grad):
+    permutation, offsets, slot_scale, x = ctx.saved_tensors
+    grad = grad.contiguous()
+    inverse = _inverse_of(permutation)
+    grad_x = grad_scale = None
+    if ctx.needs_input_grad[0]:
+        # each token sums the gradients of its k slots (scaled): a gather, deterministic
+        weights = slot_scale.reshape(-1, ctx.top_k) if ctx.has_scale else None
+        grad_x = torch.ops.hasten.moe_combine(grad, inverse, offsets, ctx.top_k, weights)
+    if ctx.needs_input_grad[4]:
+        # d slot_scale[s] = dot(grad[inverse[s]], x[s // k])
+        grad_scale = torch.ops.hasten.moe_combine_weight_grad(x, grad, inverse, offsets, ctx.top_k).reshape(-1)
+    return grad_x, None, None, None, grad_scale
+
+
+# combine: out[t] = sum_j weights[t, j] * y[inverse[t * k + j]]
+def _combine_setup(ctx, inputs, output):
+    y, inverse, offsets, top_k, weights = inputs
+    ctx.top_k = top_k
+    ctx.has_weights = weights is not None
+    ctx.weights_shape = weights.shape if weights is not None else None
+    # y's gradient needs the weights; the weights' need y
+    ctx.save_for_backward(inverse, offsets, weights if ctx.needs_input_grad[0] else None,
+                          y if ctx.needs_input_grad[4] else None)
+
+
+def _combine_backward(ctx, grad_out):
+    inverse, offsets, weights, y = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grad_y = grad_weights = None
+    if ctx.needs_input_grad[0]:
+        slot_scale = weights.reshape(-1) if ctx.has_weights else None
+        grad_y = torch.ops.hasten.moe_permute(grad_out, _inverse_of(inverse), offsets, ctx.top_k, slot_scale)
+    if ctx.needs_input_grad[4]:
+        grad_weights = torch.ops.hasten.moe_combine_weight_grad(grad_out, y, inverse, offsets, ctx.top_k)
+        grad_weights = grad_weights.reshape(ctx.weights_shape)
+    return grad_y, None, None, None, grad_weights
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx, grad_act):
+    (gate_up,) = ctx.saved_tensors
+    return torch.ops.hasten.swiglu_backward(grad_act.contiguous(), gate_up)
+
+
+def _register() -> None:
+    """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
+    lib = "hasten::"
+    for name, fake in (("moe_group", _moe_group_fake), ("moe_permute", _moe_permute_fake),
+                       ("moe_combine", _moe_combine_fake), ("moe_combine_weight_grad", _moe_combine_weight_grad_fake),
+                       ("swiglu", _swiglu_fake), ("swiglu_backward", _swiglu_backward_fake)):
+        torch.library.register_fake(lib + name, fake)
+    torch.library.register_autograd(lib + "moe_permute", _permute_backward, setup_context=_permute_setup)
+    torch.library.register_autograd(lib + "moe_combine", _combine_backward, setup_context=_combine_setup)
+    torch.library.register_autograd(lib + "swiglu", _swiglu_backward, setup_context=_swiglu_setup)
+    for op in ("moe_combine_weight_grad", "swiglu_backward"):
+        no_double_backward(op)
 
 
 @dataclass(frozen=True)
@@ -66,65 +145,24 @@ class Grouping:
 
 def group(expert_ids: torch.Tensor, num_experts: int) -> Grouping:
     """Router top-k ids (T, k) -> grouping statistics in one kernel, no host sync."""
+    load()
     counts, offsets, permutation, inverse = torch.ops.hasten.moe_group(expert_ids, num_experts)
     return Grouping(counts, offsets, permutation, inverse, expert_ids.shape[-1])
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, g: Grouping):
-        ctx.g = g
-        return torch.ops.hasten.moe_permute(x, g.permutation, g.offsets, g.top_k, None)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = ctx.g
-        # each token sums the gradients of its k slots: a gather, deterministic
-        return torch.ops.hasten.moe_combine(grad.contiguous(), g.inverse, g.offsets, g.top_k, None), None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, weights, g: Grouping):
-        ctx.g = g
-        ctx.save_for_backward(y, weights)
-        return torch.ops.hasten.moe_combine(y, g.inverse, g.offsets, g.top_k, weights)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        g = ctx.g
-        y, weights = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_y = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            grad_y = torch.ops.hasten.moe_permute(grad_out, g.permutation, g.offsets, g.top_k, weights.reshape(-1))
-        if ctx.needs_input_grad[1]:
-            grad_weights = torch.ops.hasten.moe_combine_weight_grad(grad_out, y, g.inverse, g.offsets, g.top_k)
-        return grad_y, grad_weights, None
-
-
-class _Swiglu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up):
-        ctx.save_for_backward(gate_up)
-        return torch.ops.hasten.swiglu(gate_up)
-
-    @staticmethod
-    def backward(ctx, grad_act):
-        (gate_up,) = ctx.saved_tensors
-        return torch.ops.hasten.swiglu_backward(grad_act.contiguous(), gate_up)
-
-
 def permute(x: torch.Tensor, g: Grouping) -> torch.Tensor:
     """Tokens (T, H) -> slots in expert order (S, H); dropped slots are zero rows."""
-    return _Permute.apply(x, g)
+    load()
+    return torch.ops.hasten.moe_permute(x, g.permutation, g.offsets, g.top_k, None)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, g: Grouping) -> torch.Tensor:
     """Expert outputs in expert order (S, H) -> tokens (T, H), weighted by the router's (T, k)."""
-    return _Combine.apply(y, weights, g)
+    load()
+    return torch.ops.hasten.moe_combine(y, g.inverse, g.offsets, g.top_k, weights)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[gate | up] rows (R, 2I) -> silu(gate) * up (R, I), one kernel each way."""
-    return _Swiglu.apply(gate_up)
+    load()
+    return torch.ops.hasten.swiglu(gate_up)

@@ -1,0 +1,275 @@
+"""The fakes' input checks: csrc's checks (csrc/include/hasten/checks.h and each family's
+*_checks.h) in Python, with the same messages, so that a traced program (torch.compile,
+FakeTensor, meta) refuses what the kernels refuse, at trace time.
+
+Every check goes through torch._check: on symbolic sizes it becomes a guard or a runtime
+assertion instead of a data-dependent branch. tests/ops/test_fakes.py runs each bad input
+through the CPU kernel and through the fake and asserts one message, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# c10's names for dtypes (what TORCH_CHECK prints for a ScalarType)
+_C10_NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double",
+              torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+              torch.uint8: "Byte", torch.bool: "Bool"}
+_TORCH_NAMES = {torch.int64: "torch.int64", torch.int32: "torch.int32", torch.float32: "torch.float32",
+                torch.float16: "torch.float16", torch.bfloat16: "torch.bfloat16"}
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _C10_NAMES.get(dtype, str(dtype))
+
+
+def shape(sizes: Sequence) -> str:
+    return "[" + ", ".join(str(s) for s in sizes) + "]"
+
+
+def check(condition, op: str, message) -> None:
+    """torch._check with hasten's message format; `message` may be a callable (built on failure)."""
+    torch._check(condition, lambda: f"hasten::{op}: {message() if callable(message) else message}")
+
+
+def check_dtype(t: torch.Tensor, op: str, arg: str, allowed: Sequence[torch.dtype]) -> None:
+    check(t.dtype in allowed, op, lambda: f"`{arg}` must be {' or '.join(dtype_name(a) for a in allowed)}, got "
+          f"{dtype_name(t.dtype)}. Convert it with .to({_TORCH_NAMES.get(allowed[0], 'a supported dtype')}) before "
+          "the call.")
+
+
+def check_same_device(a: torch.Tensor, b: torch.Tensor, op: str, arg_a: str, arg_b: str) -> None:
+    check(a.device == b.device, op, lambda: f"`{arg_a}` is on {a.device} but `{arg_b}` is on {b.device}; move them "
+          "to one device")
+
+
+def check_same_dtype(a: torch.Tensor, b: torch.Tensor, op: str, arg_a: str, arg_b: str) -> None:
+    check(a.dtype == b.dtype, op, lambda: f"`{arg_b}` must have the dtype of `{arg_a}` ({dtype_name(a.dtype)}), got "
+          f"{dtype_name(b.dtype)}")
+
+
+def check_dim(t: torch.Tensor, dim: int, op: str, arg: str, expected_shape: str) -> None:
+    check(t.dim() == dim, op, lambda: f"`{arg}` must be {expected_shape}, got shape {shape(t.shape)}")
+
+
+def check_size(t: torch.Tensor, dim: int, expected, op: str, arg: str, meaning: str) -> None:
+    check(t.shape[dim] == expected, op, lambda: f"`{arg}` dimension {dim} must be {meaning} ({expected}), got shape "
+          f"{shape(t.shape)}")
+
+
+def check_fits_int32(n, op: str, what: str) -> None:
+    check(n < 2**31 - 1, op, lambda: f"{what} ({n}) does not fit the int32 offsets that varlen attention kernels "
+          "take; split the batch into smaller ones.")
+
+
+# --- dense (csrc/norm, csrc/activation, csrc/rope) ------------------------------------------------
+
+def check_rms_norm_args(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    check(x.dim() >= 1, op, "`x` must have a hidden dimension")
+    check(weight.dim() == 1 and weight.shape[0] == x.shape[-1], op, lambda: f"`weight` must be ({x.shape[-1]},) to "
+          f"match the last dimension of `x`, got shape {shape(weight.shape)}")
+    check_dtype(x, op, "x", FLOATS)
+    check_same_dtype(x, weight, op, "x", "weight")
+    check_same_device(x, weight, op, "x", "weight")
+
+
+def check_rms_norm_backward_args(grad_y, x, weight, rstd) -> None:
+    op = "rms_norm_backward"
+    check_rms_norm_args(op, x, weight)
+    check(grad_y.shape == x.shape, op, lambda: f"`grad_y` must have the shape of `x` {shape(x.shape)}, got "
+          f"{shape(grad_y.shape)}")
+    check_same_dtype(x, grad_y, op, "x", "grad_y")
+    check_dtype(rstd, op, "rstd", (torch.float32,))
+    check(rstd.numel() * x.shape[-1] == x.numel(), op, "`rstd` must hold one value per row of `x`")
+    check_same_device(x, grad_y, op, "x", "grad_y")
+    check_same_device(x, rstd, op, "x", "rstd")
+
+
+def check_swiglu_args(op: str, gate_up: torch.Tensor) -> None:
+    check_dim(gate_up, 2, op, "gate_up", "2-D (rows, 2 * inner)")
+    check(gate_up.shape[1] % 2 == 0, op, lambda: f"`gate_up` must hold [gate | up] halves, got an odd width "
+          f"{gate_up.shape[1]}")
+
+
+def check_swiglu_backward_args(grad_act, gate_up) -> None:
+    op = "swiglu_backward"
+    check_swiglu_args(op, gate_up)
+    check_same_dtype(gate_up, grad_act, op, "gate_up", "grad_act")
+    check(grad_act.dim() == 2 and grad_act.shape[0] == gate_up.shape[0] and grad_act.shape[1] * 2 == gate_up.shape[1],
+          op, lambda: f"`grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got {shape(grad_act.shape)} "
+          f"and {shape(gate_up.shape)}")
+    check_same_device(gate_up, grad_act, op, "gate_up", "grad_act")
+
+
+def check_silu_mul_args(op: str, gate, up) -> None:
+    check(gate.shape == up.shape, op, lambda: f"`gate` and `up` must have one shape, got {shape(gate.shape)} and "
+          f"{shape(up.shape)}")
+    check(gate.dim() >= 1, op, "`gate` must have at least one dimension")
+    check_same_dtype(gate, up, op, "gate", "up")
+    check_same_device(gate, up, op, "gate", "up")
+
+
+def check_silu_mul_backward_args(grad_act, gate, up) -> None:
+    op = "silu_mul_backward"
+    check_silu_mul_args(op, gate, up)
+    check(grad_act.shape == gate.shape, op, lambda: f"`grad_act` must have the shape of `gate` {shape(gate.shape)}, "
+          f"got {shape(grad_act.shape)}")
+    check_same_dtype(gate, grad_act, op, "gate", "grad_act")
+    check_same_device(gate, grad_act, op, "gate", "grad_act")
+
+
+def check_rope_args(x, cos, sin) -> None:
+    op = "rope"
+    check(x.dim() == 4, op, lambda: f"`x` must be (batch, heads, length, head_dim), got shape {shape(x.shape)}")
+    check(x.shape[3] % 2 == 0, op, lambda: f"head_dim must be even, got {x.shape[3]}")
+    check(x.stride(3) == 1 or x.shape[3] <= 1, op, "`x` must be contiguous along head_dim")
+    for t in (cos, sin):
+        check(t.dim() == 3 and t.shape[1] == x.shape[2] and t.shape[2] == x.shape[3]
+              and (t.shape[0] == x.shape[0] or t.shape[0] == 1), op,
+              lambda t=t: f"`cos` and `sin` must be (batch or 1, length={x.shape[2]}, head_dim={x.shape[3]}), got "
+              f"shape {shape(t.shape)}; partial rotary embeddings (rotary dim < head_dim) are not covered")
+        check(t.stride(2) == 1 or t.shape[2] <= 1, op, "`cos` and `sin` must be contiguous along head_dim")
+        check_same_device(x, t, op, "x", "cos/sin")
+    check_dtype(x, op, "x", FLOATS)
+    check_dtype(cos, op, "cos", FLOATS)
+    check_same_dtype(cos, sin, op, "cos", "sin")
+
+
+# --- attention (csrc/attention) -------------------------------------------------------------------
+
+def check_varlen_attention_args(op: str, q, k, v, cu_seqlens, max_seqlen) -> None:
+    check_dim(q, 3, op, "q", "(tokens, q_heads, head_dim)")
+    check_dim(k, 3, op, "k", "(tokens, kv_heads, head_dim)")
+    check(v.shape == k.shape, op, lambda: f"`v` must have k's shape {shape(k.shape)}, got {shape(v.shape)}")
+    check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], op, lambda: f"`k` {shape(k.shape)} must have q's "
+          f"token count and head_dim (q is {shape(q.shape)})")
+    check(k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0, op, lambda: f"q_heads ({q.shape[1]}) must be a multiple "
+          f"of kv_heads ({k.shape[1]})")
+    check(k.dtype == q.dtype and v.dtype == q.dtype, op, lambda: f"q, k and v must share one dtype; got "
+          f"{dtype_name(q.dtype)}, {dtype_name(k.dtype)}, {dtype_name(v.dtype)}")
+    check_dim(cu_seqlens, 1, op, "cu_seqlens", "(num_seqs + 1,)")
+    check_dtype(cu_seqlens, op, "cu_seqlens", (torch.int32,))
+    check(cu_seqlens.numel() >= 1, op, "`cu_seqlens` needs at least one entry (0)")
+    check(max_seqlen >= 0, op, lambda: f"`max_seqlen` must be >= 0, got {max_seqlen}")
+    for t in (k, v, cu_seqlens):
+        check_same_device(q, t, op, "q", "k, v or cu_seqlens")
+
+
+def check_varlen_attention_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen) -> None:
+    op = "varlen_attention_backward"
+    check_varlen_attention_args(op, q, k, v, cu_seqlens, max_seqlen)
+    check(grad_out.shape == q.shape and out.shape == q.shape, op, lambda: f"`grad_out` and `out` must have q's shape "
+          f"{shape(q.shape)}, got {shape(grad_out.shape)} and {shape(out.shape)}")
+    check(lse.dim() == 2 and lse.shape[0] == q.shape[0] and lse.shape[1] == q.shape[1], op,
+          lambda: f"`lse` must be (tokens, q_heads) = {shape(q.shape[:2])}, got {shape(lse.shape)}")
+    check_dtype(lse, op, "lse", (torch.float32,))
+
+
+# --- packing (csrc/packing) -----------------------------------------------------------------------
+
+def check_varlen_meta_args(position_ids) -> None:
+    op = "varlen_meta"
+    check_dtype(position_ids, op, "position_ids", (torch.int64, torch.int32))
+    check(position_ids.dim() >= 1, op, "`position_ids` must have at least one dimension (rows, tokens), got a scalar")
+    check_fits_int32(position_ids.numel(), op, "the number of tokens")
+
+
+# --- loss (csrc/loss) -----------------------------------------------------------------------------
+
+def check_cross_entropy_rows_args(logits, targets, grad_scale, label_smoothing, softcap) -> None:
+    op = "cross_entropy_rows_"
+    check(logits.dim() == 2, op, lambda: f"`logits` must be (rows, vocab), got shape {shape(logits.shape)}")
+    check(logits.stride(1) == 1, op, "`logits` rows must be contiguous (stride 1 along vocab)")
+    check_dtype(logits, op, "logits", FLOATS)
+    check_dtype(targets, op, "targets", (torch.int64,))
+    check(targets.dim() == 1 and targets.shape[0] == logits.shape[0], op, lambda: f"`targets` must be "
+          f"({logits.shape[0]},) to match the logits rows, got shape {shape(targets.shape)}")
+    check_same_device(logits, targets, op, "logits", "targets")
+    if grad_scale is not None:
+        check(grad_scale.numel() == 1 and grad_scale.dtype == torch.float32, op,
+              "`grad_scale` must be one float32 value (1 / the loss denominator)")
+        check_same_device(logits, grad_scale, op, "logits", "grad_scale")
+    check(0.0 <= label_smoothing <= 1.0, op, lambda: f"`label_smoothing` must be in [0, 1], got {label_smoothing:f}")
+    check(softcap >= 0.0, op, lambda: f"`softcap` must be 0 (off) or positive, got {softcap:f}")
+
+
+def check_linear_cross_entropy_args(hidden, weight, bias, targets, denominator) -> None:
+    op = "linear_cross_entropy"
+    check(hidden.dim() == 2, op, lambda: f"`hidden` must be (tokens, hidden_size), got shape {shape(hidden.shape)}; "
+          "flatten the batch dimensions first")
+    check(weight.dim() == 2 and weight.shape[1] == hidden.shape[1], op, lambda: f"`weight` must be (vocab, "
+          f"hidden_size={hidden.shape[1]}), got shape {shape(weight.shape)}")
+    check(weight.dtype == hidden.dtype, op, lambda: f"`weight` is {dtype_name(weight.dtype)} but `hidden` is "
+          f"{dtype_name(hidden.dtype)}; the LM head and its input must share a dtype")
+    check_dtype(hidden, op, "hidden", FLOATS)
+    check_same_device(hidden, weight, op, "hidden", "weight")
+    if bias is not None:
+        check(bias.dim() == 1 and bias.shape[0] == weight.shape[0] and bias.dtype == weight.dtype, op,
+              lambda: f"`bias` must be (vocab,) in the weight's dtype, got shape {shape(bias.shape)}")
+    check_dtype(targets, op, "targets", (torch.int64,))
+    check(targets.dim() == 1 and targets.shape[0] == hidden.shape[0], op, lambda: f"`targets` must be "
+          f"({hidden.shape[0]},), one per token, got shape {shape(targets.shape)}")
+    check_same_device(hidden, targets, op, "hidden", "targets")
+    check(denominator.numel() == 1, op,
+          "`denominator` must hold one value (the number of target tokens the loss is averaged over)")
+    check_same_device(hidden, denominator, op, "hidden", "denominator")
+
+
+# --- MoE (csrc/moe) -------------------------------------------------------------------------------
+
+def check_moe_group_args(expert_ids, num_experts) -> None:
+    op = "moe_group"
+    check_dtype(expert_ids, op, "expert_ids", (torch.int64, torch.int32))
+    check_dim(expert_ids, 2, op, "expert_ids", "(tokens, top_k)")
+    check(num_experts >= 1, op, lambda: f"num_experts must be at least 1, got {num_experts}")
+    check_fits_int32(expert_ids.numel(), op, "tokens * top_k")
+
+
+def _check_routing_args(op: str, rows, index, offsets, top_k) -> None:
+    check_dim(rows, 2, op, "rows", "2-D (rows, hidden)")
+    check_dtype(index, op, "permutation/inverse", (torch.int32,))
+    check_dtype(offsets, op, "offsets", (torch.int32,))
+    check_dim(index, 1, op, "permutation/inverse", "1-D (slots,)")
+    check_dim(offsets, 1, op, "offsets", "1-D (experts + 1,)")
+    check(offsets.numel() >= 2, op, "`offsets` needs experts + 1 >= 2 entries")
+    check(top_k >= 1, op, lambda: f"top_k must be at least 1, got {top_k}")
+    check(index.numel() % top_k == 0, op, lambda: f"slots ({index.numel()}) must be tokens * top_k ({top_k})")
+    check(rows.dtype in FLOATS or (rows.dtype == torch.float64 and rows.device.type == "cpu"), op,
+          lambda: f"rows must be float32, float16 or bfloat16 (float64 on the CPU), got {dtype_name(rows.dtype)}")
+    check_same_device(rows, index, op, "rows", "permutation/inverse")
+    check_same_device(rows, offsets, op, "rows", "offsets")
+
+
+def check_permute_args(x, permutation, offsets, top_k, slot_scale) -> None:
+    op = "moe_permute"
+    _check_routing_args(op, x, permutation, offsets, top_k)
+    check_size(x, 0, permutation.numel() // top_k, op, "x", "tokens = slots / top_k")
+    if slot_scale is not None:
+        check_same_dtype(x, slot_scale, op, "x", "slot_scale")
+        check(slot_scale.numel() == permutation.numel(), op, lambda: f"`slot_scale` needs one value per slot "
+              f"({permutation.numel()}), got shape {shape(slot_scale.shape)}")
+        check_same_device(x, slot_scale, op, "x", "slot_scale")
+
+
+def check_combine_args(y, inverse, offsets, top_k, weights) -> None:
+    op = "moe_combine"
+    _check_routing_args(op, y, inverse, offsets, top_k)
+    check_size(y, 0, inverse.numel(), op, "y", "slots = tokens * top_k")
+    if weights is not None:
+        check_same_dtype(y, weights, op, "y", "weights")
+        check(weights.numel() == inverse.numel(), op, lambda: f"`weights` must be (tokens, top_k) = "
+              f"({inverse.numel() // top_k}, {top_k}), got {shape(weights.shape)}")
+        check_same_device(y, weights, op, "y", "weights")
+
+
+def check_weight_grad_args(grad_out, y, inverse, offsets, top_k) -> None:
+    op = "moe_combine_weight_grad"
+    _check_routing_args(op, y, inverse, offsets, top_k)
+    check_same_dtype(y, grad_out, op, "y", "grad_out")
+    check_dim(grad_out, 2, op, "grad_out", "2-D (tokens, hidden)")
+    check_size(grad_out, 0, inverse.numel() // top_k, op, "grad_out", "tokens")
+    check_size(grad_out, 1, y.shape[1], op, "grad_out", "hidden of y")
+    check_size(y, 0, inverse.numel(), op, "y", "slots = tokens * top_k")

@@ -1,0 +1,216 @@
+"""The op pattern, for every op hasten declares (CPU):
+
+  * each op has a fake, and each differentiable op its autograd formula registered on the op
+    (torch.library.register_autograd); backward ops refuse a second derivative;
+  * torch.library.opcheck passes with and without inputs that require a gradient (schema,
+    fake against the kernel, autograd registration, AOT dispatch with static and dynamic shapes);
+  * the fakes refuse what the kernels refuse, with the same message (tracing cannot accept an
+    input the kernel would reject);
+  * the autograd formulas save only what the inputs that need a gradient require.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hasten.ops import moe as moe_ops
+from hasten.ops import op_names
+
+ops = torch.ops.hasten
+DIFFERENTIABLE = {"rms_norm", "silu_mul", "rope", "varlen_attention", "linear_cross_entropy", "moe_permute",
+                  "moe_combine", "swiglu"}
+BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "varlen_attention_backward", "moe_combine_weight_grad",
+                "swiglu_backward"}
+# integer-valued or in-place ops, with no derivative to define
+NOT_DIFFERENTIABLE = {"varlen_meta", "moe_group", "cross_entropy_rows_"}
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _routing(tokens=7, top_k=2, experts=3, seed=0):
+    ids = torch.randint(0, experts, (tokens, top_k), generator=_gen(seed))
+    return moe_ops.group(ids, experts)
+
+
+def _cases(requires_grad: bool):
+    """(op name, args) for every op; float inputs require a gradient when asked (those the
+    op differentiates)."""
+    g = _gen(1)
+
+    def t(*shape, dtype=torch.float32, grad=True):
+        x = torch.randn(*shape, generator=g, dtype=dtype)
+        return x.requires_grad_(requires_grad and grad)
+
+    cu = torch.tensor([0, 1, 6, 11], dtype=torch.int32)  # a one-token sequence, two of 5
+    q, k, v = t(11, 4, 8), t(11, 2, 8), t(11, 2, 8)
+    out, lse = ops.varlen_attention(q.detach(), k.detach(), v.detach(), cu, 5, 0.3, True)
+    grouping = _routing()
+    tokens, top_k, hidden = 7, 2, 5
+    x_rms, w_rms = t(3, 17), t(17)
+    _, rstd = ops.rms_norm(x_rms.detach(), w_rms.detach(), 1e-6, 0.0)
+    hidden_states, lm_head = t(9, 16), t(23, 16)
+    targets = torch.randint(0, 23, (9,), generator=g)
+    targets[2] = -100
+    cases = [
+        ("rms_norm", (x_rms, w_rms, 1e-6, 0.0)),
+        ("rms_norm", (t(2, 3, 8), t(8), 1e-5, 1.0)),  # Gemma's weight + 1
+        ("rms_norm_backward", (t(3, 17, grad=False), x_rms.detach(), w_rms.detach(), rstd, 0.0)),
+        ("silu_mul", (t(4, 6), t(4, 6))),
+        ("silu_mul_backward", (t(4, 6, grad=False), t(4, 6, grad=False), t(4, 6, grad=False))),
+        ("rope", (t(2, 3, 5, 8), t(1, 5, 8, grad=False), t(1, 5, 8, grad=False), False)),
+        ("rope", (t(2, 5, 3, 8).transpose(1, 2), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), True)),
+        ("varlen_attention", (q, k, v, cu, 5, 0.3, True)),
+        ("varlen_attention", (q, k, v, cu, 5, 0.3, False)),
+        ("varlen_attention_backward", (t(11, 4, 8, grad=False), q.detach(), k.detach(), v.detach(), out, lse, cu, 5,
+                                       0.3, True)),
+        ("varlen_meta", (torch.tensor([[0, 1, 2, 0, 1], [0, 0, 1, 2, 3]]),)),
+        ("linear_cross_entropy", (hidden_states, lm_head, None, targets, torch.tensor(8.0), -100, 0.1, 0.0, 4,
+                                  requires_grad)),
+        ("linear_cross_entropy", (hidden_states, lm_head, t(23), targets, torch.tensor(8.0), -100, 0.0, 30.0, 0,
+                                  requires_grad)),
+        ("cross_entropy_rows_", (t(9, 23, grad=False), targets, torch.tensor([0.125]), -100, 0.0, 0.0)),
+        ("moe_group", (torch.randint(0, 5, (6, 2), generator=g), 5)),
+        ("moe_permute", (t(tokens, hidden), grouping.permutation, grouping.offsets, top_k, None)),
+        ("moe_permute", (t(tokens, hidden), grouping.permutation, grouping.offsets, top_k, t(tokens * top_k))),
+        ("moe_combine", (t(tokens * top_k, hidden), grouping.inverse, grouping.offsets, top_k, t(tokens, top_k))),
+        ("moe_combine", (t(tokens * top_k, hidden), grouping.inverse, grouping.offsets, top_k, None)),
+        ("moe_combine_weight_grad", (t(tokens, hidden, grad=False), t(tokens * top_k, hidden, grad=False),
+                                     grouping.inverse, grouping.offsets, top_k)),
+        ("swiglu", (t(4, 10),)),
+        ("swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False))),
+    ]
+    return cases
+
+
+def test_every_op_is_covered_and_registered():
+    declared = set(op_names())
+    assert declared == DIFFERENTIABLE | BACKWARD_OPS | NOT_DIFFERENTIABLE, "classify the new op here"
+    assert {name for name, _ in _cases(False)} == declared, "add the new op to _cases"
+    for name in declared:
+        qualname = f"hasten::{name}"
+        entry = torch._library.simple_registry.singleton.find(qualname)
+        assert entry.fake_impl.kernel is not None, f"{qualname} has no fake"
+        has_autograd = torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd")
+        assert has_autograd == (name in DIFFERENTIABLE | BACKWARD_OPS), qualname
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("index", range(len(_cases(False))))
+def test_opcheck(index, requires_grad):
+    name, args = _cases(requires_grad)[index]
+    if requires_grad and name not in DIFFERENTIABLE:
+        pytest.skip(f"{name} has no derivative (backward ops refuse one: test_backward_ops_refuse_double_backward)")
+    if name == "cross_entropy_rows_":  # overwrites its logits: each check gets its own copy
+        args = (args[0].clone(), *args[1:])
+    torch.library.opcheck(getattr(ops, name).default, args)
+
+
+def test_backward_ops_refuse_double_backward():
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    from hasten.ops.dense import rms_norm
+    (grad_x,) = torch.autograd.grad(rms_norm(x, w, 1e-6).sum(), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="rms_norm_backward has no derivative"):
+        grad_x.sum().backward()
+
+
+def test_rope_refuses_a_gradient_for_cos_and_sin():
+    from hasten.ops.dense import rope
+    x, cos, sin = torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4, requires_grad=True), torch.randn(1, 3, 4)
+    with pytest.raises(NotImplementedError, match="no gradient for cos and sin"):
+        rope(x, cos, sin)
+
+
+def test_moe_gradients_match_finite_differences():
+    """float64 on the CPU: permute with a slot scale, combine with weights, every input."""
+    g = _routing(tokens=5, top_k=3, experts=4, seed=3)
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(15, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(15, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(5, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, s: ops.moe_permute(a, g.permutation, g.offsets, 3, s), (x, scale))
+    torch.autograd.gradcheck(lambda b, c: ops.moe_combine(b, g.inverse, g.offsets, 3, c), (y, w))
+
+
+def _bad_inputs():
+    f, i32 = torch.randn, torch.int32
+    cu = torch.tensor([0, 3], dtype=i32)
+    g = _routing()
+    return [
+        ("rms_norm", (f(2, 8), f(7), 1e-6, 0.0)),
+        ("rms_norm", (f(2, 8, dtype=torch.float64), f(8, dtype=torch.float64), 1e-6, 0.0)),
+        ("rms_norm", (f(2, 8), f(8, dtype=torch.bfloat16), 1e-6, 0.0)),
+        ("rms_norm_backward", (f(2, 7), f(2, 8), f(8), torch.ones(2), 0.0)),
+        ("silu_mul", (f(2, 3), f(3, 2))),
+        ("silu_mul_backward", (f(2, 3), f(2, 3), f(2, 3, dtype=torch.bfloat16))),
+        ("rope", (f(1, 1, 3, 8), f(1, 3, 4), f(1, 3, 4), False)),
+        ("rope", (f(1, 1, 3, 7), f(1, 3, 7), f(1, 3, 7), False)),
+        ("varlen_attention", (f(3, 4, 8), f(3, 3, 8), f(3, 3, 8), cu, 3, 0.3, True)),
+        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu.long(), 3, 0.3, True)),
+        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 4), cu, 3, 0.3, True)),
+        ("varlen_attention_backward", (f(3, 4, 8), f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), f(3, 4, 8), f(3, 2), cu, 3,
+                                       0.3, True)),
+        ("varlen_meta", (torch.zeros(4),)),
+        ("varlen_meta", (torch.tensor(3),)),
+        ("linear_cross_entropy", (f(4, 8), f(10, 7), None, torch.zeros(4, dtype=torch.long), torch.tensor(4.0), -100,
+                                  0.0, 0.0, 0, False)),
+        ("linear_cross_entropy", (f(4, 8), f(10, 8), None, torch.zeros(3, dtype=torch.long), torch.tensor(4.0), -100,
+                                  0.0, 0.0, 0, False)),
+        ("linear_cross_entropy", (f(4, 8), f(10, 8), None, torch.zeros(4, dtype=torch.long), torch.tensor(4.0), -100,
+                                  1.5, 0.0, 0, False)),
+        ("cross_entropy_rows_", (f(4, 10), torch.zeros(4, dtype=torch.int32), None, -100, 0.0, 0.0)),
+        ("moe_group", (torch.tensor([0, 1]), 4)),
+        ("moe_group", (torch.zeros(2, 2, dtype=torch.long), 0)),
+        ("moe_permute", (f(2, 4), torch.zeros(4, dtype=i32), torch.zeros(3, dtype=i32), 3, None)),
+        ("moe_permute", (f(2, 4), torch.zeros(4, dtype=i32), torch.tensor([0, 4], dtype=i32), 2, torch.ones(3))),
+        ("moe_combine", (f(4, 8), torch.zeros(4, dtype=i32), torch.zeros(3, dtype=i32), 2, f(3))),
+        ("moe_combine_weight_grad", (f(6, 5), f(14, 5), g.inverse, g.offsets, 2)),
+        ("swiglu", (f(2, 3),)),
+        ("swiglu_backward", (f(2, 4), f(2, 10))),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_inputs())))
+def test_fake_refuses_what_the_kernel_refuses_with_its_message(index):
+    name, args = _bad_inputs()[index]
+    op = getattr(ops, name)
+    with pytest.raises(RuntimeError) as real:
+        op(*args)
+    mode = FakeTensorMode()
+    fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+    with mode, pytest.raises(RuntimeError) as fake:
+        op(*fake_args)
+    real_message = str(real.value).splitlines()[0]
+    assert real_message.startswith(f"hasten::{name}") or real_message.startswith("hasten::cross_entropy_rows_")
+    assert str(fake.value).splitlines()[0] == real_message
+
+
+def _saved_tensor_count(fn, *inputs) -> int:
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return count
+
+
+def test_formulas_save_only_what_the_needed_gradients_read():
+    g = _routing(tokens=6, top_k=2, experts=3)
+    y, w = torch.randn(12, 4), torch.rand(6, 2)
+    combine = lambda a, b: moe_ops.combine(a, b, g)  # noqa: E731
+    # inverse, offsets, and the other input of the product for each gradient asked for
+    assert _saved_tensor_count(combine, y.requires_grad_(), w) == 3
+    assert _saved_tensor_count(combine, y.detach(), w.requires_grad_()) == 3
+    assert _saved_tensor_count(combine, y.requires_grad_(), w) == 4
+    x, scale = torch.randn(6, 4), torch.rand(12)
+    permute = lambda a, s: ops.moe_permute(a, g.permutation, g.offsets, 2, s)  # noqa: E731
+    assert _saved_tensor_count(permute, x.requires_grad_(), None) == 2
+    assert _saved_tensor_count(permute, x.detach(), scale.requires_grad_()) == 3
