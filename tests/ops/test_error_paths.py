@@ -30,7 +30,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_error_is_raised_not_crashed(case, device):
     expr, message = CASES[case]
-    code = (f"import torch, hasten\nD = {device!r}\ntry:\n    {expr}\nexcept RuntimeError as e:\n"
+    # `import hasten` loads no op library; require_extension() does (an alias of ops._lib.load())
+    code = (f"import torch\nfrom hasten.ops._lib import require_extension\nrequire_extension()\nD = {device!r}\n"
+            f"try:\n    {expr}\nexcept RuntimeError as e:\n"
             f"    print('RAISED', str(e).splitlines()[0])\nelse:\n    print('NO ERROR')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{case} on {device} crashed (rc {proc.returncode}): {proc.stderr[-500:]}"
