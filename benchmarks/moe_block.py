@@ -22,7 +22,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-import hasten  # noqa: E402,F401  (registers the "hasten_fused" experts implementation)
+from hasten.integrations.transformers import registered  # noqa: E402
 from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
 from hasten.ops import moe as moe_ops  # noqa: E402
 
@@ -51,25 +51,26 @@ def main() -> int:
     grad = torch.randn_like(x)
     run_id = common.new_run_id()
     rows, outputs = [], {}
-    for name, impl in IMPL.items():
-        reset_fallbacks()
-        config._experts_implementation = impl
+    with registered():  # the "hasten_fused" experts name, which accelerate() would register
+        for name, impl in IMPL.items():
+            reset_fallbacks()
+            config._experts_implementation = impl
 
-        def step():
-            x.grad = None
-            block.zero_grad(set_to_none=True)
-            block(x).backward(grad)
+            def step():
+                x.grad = None
+                block.zero_grad(set_to_none=True)
+                block(x).backward(grad)
 
-        iters = 3 if name == "hf_moe_eager" else args.iters
-        times = common.time_steps(step, warmup=2, iters=iters)
-        with count_host_syncs() as syncs:
-            step()
-        with torch.no_grad():
-            outputs[name] = block(x).float()
-        rows.append({"workload": "W3", "variant": name, "run_id": run_id, **common.environment(),
-                     "tokens_per_s": args.tokens / common.median(times), "step_s": common.median(times),
-                     "peak_gib": None, "host_syncs_per_step": syncs.count, "correct": None,
-                     "notes": f"fwd+bwd ms {[round(t * 1000, 2) for t in times]}; fallbacks {fallback_counts()}"})
+            iters = 3 if name == "hf_moe_eager" else args.iters
+            times = common.time_steps(step, warmup=2, iters=iters)
+            with count_host_syncs() as syncs:
+                step()
+            with torch.no_grad():
+                outputs[name] = block(x).float()
+            rows.append({"workload": "W3", "variant": name, "run_id": run_id, **common.environment(),
+                         "tokens_per_s": args.tokens / common.median(times), "step_s": common.median(times),
+                         "peak_gib": None, "host_syncs_per_step": syncs.count, "correct": None,
+                         "notes": f"fwd+bwd ms {[round(t * 1000, 2) for t in times]}; fallbacks {fallback_counts()}"})
     ref = outputs["hf_moe_eager"]
     for row in rows:
         err = ((outputs[row["variant"]] - ref).norm() / ref.norm()).item()

@@ -65,16 +65,26 @@ class _CurrentStderrHandler(logging.StreamHandler):
         pass
 
 
-def _ensure_console_handler() -> None:
-    # A user who never configured logging must still see fallback warnings.
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = _CurrentStderrHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
+@contextlib.contextmanager
+def cli_console():
+    """hasten's records while the `hasten` command runs: "LEVEL: message" on the current stderr,
+    and only there (the command's root handler, configured for other libraries, would print them
+    a second time). Undone on exit, so a caller that runs the command in process (tests, a
+    notebook) keeps its own logging set-up.
 
-
-_ensure_console_handler()
+    Library use installs nothing: with no handler configured anywhere, Python's last-resort
+    handler prints hasten's warnings (fallbacks) to stderr, so they are never silent, and an
+    application that configures logging gets them through its own handlers."""
+    handler = _CurrentStderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 class HostSyncCount:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import hasten.ops
 from hasten.cli import doctor
 
 requires_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
@@ -58,7 +59,7 @@ def test_cpu_machine_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert (gpu_row["status"], gpu_row["detail"]) == ("warn", doctor.NO_GPU)
     assert rows(report, "hasten._C")[0]["status"] == "ok"
     op_rows = [finding for finding in report["findings"] if finding["name"].startswith("op ")]
-    assert [row["name"] for row in op_rows] == [f"op {op}" for op in doctor.op_names()]
+    assert [row["name"] for row in op_rows] == [f"op {op}" for op in hasten.ops.op_names()]
     assert {row["status"] for row in op_rows} == {"info"}
     assert (report["summary"]["blockers"], report["summary"]["warnings"]) == (0, 1)
 
@@ -129,8 +130,8 @@ def test_human_output(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
 
 
 def test_op_without_cuda_kernel_is_blocker_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor, "is_loaded", lambda: True)
-    monkeypatch.setattr(doctor, "has_cuda_kernel", lambda op: False)
+    monkeypatch.setattr(hasten.ops, "is_loaded", lambda: True)
+    monkeypatch.setattr(hasten.ops, "has_cuda_kernel", lambda op: False)
     findings = doctor.op_library_findings(gpu_present=True)
     op_rows = [finding for finding in findings if finding.name.startswith("op ")
                and not finding.name.startswith("op varlen_attention")]
@@ -143,8 +144,8 @@ def test_op_without_cuda_kernel_is_blocker_on_a_gpu_machine(monkeypatch: pytest.
 
 
 def test_unloaded_extension_is_blocker_with_its_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor, "is_loaded", lambda: False)
-    monkeypatch.setattr(doctor, "extension_error", lambda: "hasten._C could not be loaded (boom). Rebuild it")
+    monkeypatch.setattr(hasten.ops, "is_loaded", lambda: False)
+    monkeypatch.setattr(hasten.ops, "extension_error", lambda: "hasten._C could not be loaded (boom). Rebuild it")
     assert doctor.op_library_findings(gpu_present=False) == [
         doctor.Finding("hasten._C", "blocker", "not loaded", "hasten._C could not be loaded (boom). Rebuild it")
     ]
@@ -174,9 +175,9 @@ def test_driver_version_from_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_gpu_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     properties = SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=150 * 10**9)
-    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(doctor.torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(doctor.torch.cuda, "get_device_properties", lambda index: properties)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
     monkeypatch.setattr(doctor, "nvidia_driver_version", lambda: "580.159.04")
     rows, count = doctor.gpu_findings()
     assert count == 1
@@ -188,8 +189,8 @@ def test_gpu_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_driver_without_cuda_torch_says_to_install_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(doctor.torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.setattr(doctor, "nvidia_driver_version", lambda: "580.159.04")
     (row,), count = doctor.gpu_findings()
     assert (row.status, row.detail, count) == ("warn", doctor.NO_GPU, 0)

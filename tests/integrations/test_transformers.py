@@ -157,6 +157,8 @@ def test_packed_forward_skips_transformers_packed_row_search(monkeypatch):
     """transformers' find_packed_sequence_indices ends in a host sync; inside a forward hasten
     prepared as packed its result would be thrown away, so it must not run there, and it must
     still run for a model hasten did not touch (and after undo)."""
+    from transformers import masking_utils
+
     import hasten.integrations.transformers as integration
     from tests.tiny_models import MODELS, packed_batch
 
@@ -166,7 +168,11 @@ def test_packed_forward_skips_transformers_packed_row_search(monkeypatch):
         calls.append(position_ids.shape)
         return None
 
-    monkeypatch.setattr(integration, "_find_packed_sequence_indices", counting)
+    # in place of transformers' search before accelerate(), which wraps whatever it finds there
+    # when it registers; a fresh registrar, since models of earlier tests may still hold the
+    # process's registrations (made before this stand-in was there)
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", counting)
+    monkeypatch.setattr(integration, "_REGISTRATIONS", integration._Registrations())
     batch = packed_batch()
     plain = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
     model = MODELS["qwen3"]()
@@ -175,6 +181,35 @@ def test_packed_forward_skips_transformers_packed_row_search(monkeypatch):
     model(**plain)  # position_ids only: hasten derives the metadata itself
     assert calls == []
     handle.undo()
+    assert masking_utils.find_packed_sequence_indices is counting  # the last undo put it back
     model(**plain, use_cache=False)  # (with a cache transformers skips the search anyway)
     assert len(calls) == 1  # transformers' own search is back for an unpatched model
     assert integration._forward_stack() == []  # every hooked forward left its entry
+
+
+def test_registered_block_serves_a_bare_moe_block_and_restores_the_registry():
+    """Code that picks "hasten_fused" itself, without accelerate() (benchmarks/moe_block.py), gets
+    the name for the `registered()` block; after it the registry is what it was (which may hold
+    hasten's names for models of earlier tests that were never undone)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    import hasten.integrations.transformers as integration
+    from hasten.moe import fused_experts_forward
+
+    config = Qwen3MoeConfig(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config)
+    for p in block.parameters():  # a bare block is not initialised (transformers' init is the model's)
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(1, 9, 32)
+    config._experts_implementation = "eager"
+    want = block(x)
+    before = dict(type(ALL_EXPERTS_FUNCTIONS)())
+    config._experts_implementation = integration.EXPERTS_NAME
+    with integration.registered():
+        assert ALL_EXPERTS_FUNCTIONS[integration.EXPERTS_NAME] is fused_experts_forward
+        torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-6)
+    after = dict(type(ALL_EXPERTS_FUNCTIONS)())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)

@@ -56,7 +56,7 @@ def test_resume_after_signal_continues_the_same_loss_trajectory(tmp_path, monkey
     assert names == ["checkpoint-000004", "checkpoint-000006"]
 
 
-def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path, capfd):
+def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path, caplog):
     config = Config.from_dict(TINY)
     loop.train(config, tmp_path, tmp_path / "logs", progress=False)
     root = tmp_path / "checkpoints"
@@ -66,9 +66,9 @@ def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path, capfd):
     (root / "checkpoint-000007").mkdir()  # partial: no manifest
     with pytest.raises(CheckpointError, match="truncated or overwritten"):
         verify(newest)
-    capfd.readouterr()
+    caplog.clear()
     assert latest_valid(root) == older
-    warned = capfd.readouterr().err
+    warned = caplog.text
     assert "no manifest.json" in warned and "truncated" in warned
     with pytest.raises(ConfigError, match="checkpoint-000006.*truncated"):
         loop.train(config, tmp_path, tmp_path / "logs", progress=False, resume=str(newest))

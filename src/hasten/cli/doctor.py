@@ -2,6 +2,10 @@
 
 GPU, driver and CUDA runtime, versions against hasten.compat's table, the op library, and
 access to the data, output and log folders a run will use. Exit code 1 means a blocker.
+
+torch and the op library are imported by the checks that read them, not with this module: the
+`hasten` command builds its parser from it (`hasten --version` loads neither), and a missing or
+broken hasten._C is a blocker to report, not an import error.
 """
 
 from __future__ import annotations
@@ -18,12 +22,8 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from hasten import compat
-from hasten.attention.varlen import BUILD_CUDNN_OP
 from hasten.compat import Finding
-from hasten.ops import extension_error, has_cuda_kernel, is_loaded, op_names
 
 NO_GPU = "no CUDA GPU: hasten runs its CPU reference paths, correct but slow"
 REBUILD_WITH_CUDA = "rebuild with a CUDA torch and nvcc: pip install --no-build-isolation -e ."
@@ -131,6 +131,8 @@ def _format_bytes(size: float) -> str:
 
 def gpu_findings() -> tuple[list[Finding], int]:
     """The GPU rows and the number of usable CUDA GPUs."""
+    import torch
+
     driver = nvidia_driver_version()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
@@ -149,6 +151,8 @@ def gpu_findings() -> tuple[list[Finding], int]:
 
 
 def _no_gpu_fix(driver: str | None) -> str:
+    import torch
+
     if driver is None:
         return "for speed, run on a machine with an NVIDIA GPU (compute capability >= 8.0)"
     if torch.version.cuda is None:
@@ -190,8 +194,12 @@ def driver_finding(driver: str | None) -> Finding:
 def offload_findings(gpu_count: int) -> list[Finding]:
     """What double-buffered activation offload and stream overlap need: copy engines (one per
     direction), pinned host memory, and the pinned link's bandwidth, measured."""
+    from hasten.ops import is_loaded
+
     if gpu_count == 0 or not is_loaded():
         return []
+    import torch
+
     from hasten.memory.offload import OffloadEngine, _available_host_bytes, measure_link_bandwidth
 
     findings = []
@@ -225,8 +233,12 @@ def offload_findings(gpu_count: int) -> list[Finding]:
 
 
 def op_library_findings(gpu_present: bool) -> list[Finding]:
+    from hasten.ops import extension_error, has_cuda_kernel, is_loaded, op_names
+
     if not is_loaded():
         return [Finding("hasten._C", "blocker", "not loaded", extension_error() or REBUILD_WITH_CUDA)]
+    from hasten.attention.varlen import BUILD_CUDNN_OP
+
     findings = [Finding("hasten._C", "ok", "loaded")]
     for op in op_names():
         name = f"op {op}"

@@ -1,4 +1,9 @@
-"""The `hasten` command: train | bench | doctor."""
+"""The `hasten` command: train | bench | doctor.
+
+Building the parser imports only argparse-level code: torch, transformers and the op library
+(hasten._C) load when a subcommand runs, so `hasten --version` and `hasten doctor` work on an
+install whose op library is missing or broken (doctor reports it).
+"""
 
 from __future__ import annotations
 
@@ -23,8 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    args = build_parser().parse_args(argv)  # --version and --help exit here
+    from hasten.observability import cli_console  # (imports torch)
+
+    with cli_console():
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 What the patch does:
   * registers hasten's varlen attention under the name "hasten_varlen" with
     transformers' AttentionInterface, and a mask function that builds no mask for
-    packed or plain causal batches, and switches the model to it;
+    packed or plain causal batches, and switches the model to it (the registrations
+    are process-wide: made by the first accelerate(), restored when the last handle
+    is undone; importing this module registers nothing);
   * adds a forward pre-hook on the model that, once per forward, makes the
     batch's packing metadata when only `position_ids` arrived (one device op, one
     read-back) and passes it down through the standard FlashAttention keyword
@@ -13,11 +15,14 @@ The returned handle undoes all of it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import threading
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel, masking_utils
@@ -30,14 +35,15 @@ from hasten.integrations.contract import (attention_features_not_implemented, ch
                                          logit_features_not_implemented, stateful_layers)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.config import Config
-from hasten.memory import apply_activation_checkpointing
-from hasten.dense import install_fused_mlp, install_fused_rms_norm, install_fused_rope
-from hasten.loss import FusedLossUnsupported, install_fused_cross_entropy
-from hasten.memory.offload import OffloadError, OffloadManager
-from hasten.moe import MoeLoadStats, fused_experts_forward, unsupported_reason
 from hasten.observability import logger, record_fallback
 from hasten.packing.collator import PackingError
 from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
+
+# The features that run hasten's ops (dense kernels, loss, MoE, memory) are imported by the
+# accelerate() steps that apply them: importing this module loads no op library.
+if TYPE_CHECKING:
+    from hasten.memory.offload import OffloadManager
+    from hasten.moe import MoeLoadStats
 
 ATTN_NAME = "hasten_varlen"
 # the model's own eager / sdpa attention, packed rows kept apart by a mask hasten builds on that
@@ -258,27 +264,20 @@ def _dense_mask(base):
     return hasten_dense_mask
 
 
-AttentionInterface.register(ATTN_NAME, hasten_attention_forward)
-AttentionMaskInterface.register(ATTN_NAME, hasten_mask)
-for _implementation, _name in DENSE_NAMES.items():
-    AttentionInterface.register(_name, hasten_dense_attention_forward)
-    AttentionMaskInterface.register(_name, _dense_mask(ALL_MASK_ATTENTION_FUNCTIONS[_implementation]))
+def _skipping_packed_search(find_packed_sequence_indices: Callable) -> Callable:
+    """transformers' mask preparation looks for packed rows in position_ids and ends with a
+    Python-level `.all()` on a device tensor: a host sync in every forward, for a result hasten_mask
+    throws away (packed batches carry no attention_mask; attention reads cu_seqlens). The wrapper
+    skips that search inside a forward that hasten prepared as packed and runs
+    `find_packed_sequence_indices` (transformers' own, or whatever was there) everywhere else."""
 
-# transformers' mask preparation looks for packed rows in position_ids and ends with a Python-level
-# `.all()` on a device tensor: a host sync in every forward, for a result hasten_mask throws away
-# (packed batches carry no attention_mask; attention reads cu_seqlens). Inside a forward that
-# hasten prepared as packed, that search is skipped.
-_find_packed_sequence_indices = masking_utils.find_packed_sequence_indices
+    def _find_packed_sequence_indices_unless_hasten(position_ids: torch.Tensor) -> torch.Tensor | None:
+        state = _current_forward()
+        if state is not None and state.hasten_packed:
+            return None
+        return find_packed_sequence_indices(position_ids)
 
-
-def _find_packed_sequence_indices_unless_hasten(position_ids: torch.Tensor) -> torch.Tensor | None:
-    state = _current_forward()
-    if state is not None and state.hasten_packed:
-        return None
-    return _find_packed_sequence_indices(position_ids)
-
-
-masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices_unless_hasten
+    return _find_packed_sequence_indices_unless_hasten
 
 
 def _leave_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -287,7 +286,119 @@ def _leave_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: A
         stack.pop()
 
 
-ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, fused_experts_forward)
+_ABSENT = object()  # a registry key that did not exist before hasten registered it
+
+
+class _Registrations:
+    """hasten's names in transformers' process-wide registries (AttentionInterface,
+    AttentionMaskInterface, ExpertsInterface) and its wrapper of
+    masking_utils.find_packed_sequence_indices.
+
+    Models find their attention, mask and experts functions by name in these registries at every
+    forward, so the names must stay while any accelerated model is live. Installed when the first
+    user arrives (an accelerate() handle, a `registered()` block), counted, and restored when the
+    last one leaves: each key to the value it had before (or removed, if it had none), the masking
+    function to the very object that was there. A key or function that someone else replaced
+    after hasten is left to them."""
+
+    def __init__(self) -> None:
+        # reentrant: a model's finalizer (hold_for) can run inside a garbage collection that an
+        # allocation in acquire() or release() started
+        self._lock = threading.RLock()
+        self._users = 0
+        self._restore: list[Callable[[], None]] = []
+
+    @property
+    def users(self) -> int:
+        return self._users
+
+    def hold_for(self, model: torch.nn.Module) -> Callable[[], None]:
+        """Acquire for one accelerated model. The returned function releases, once: the handle's
+        undo() calls it, and so does the model's garbage collection if it comes first (a model
+        whose handle was dropped without undo() still names hasten's functions while it lives,
+        and nothing needs them after it)."""
+        self.acquire()
+        finalizer = weakref.finalize(model, self.release)
+        finalizer.atexit = False  # nothing to restore in a process that is ending
+        return finalizer
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._install()
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                raise RuntimeError("hasten: transformers registrations released more often than acquired")
+            self._users -= 1
+            if self._users == 0:
+                while self._restore:
+                    self._restore.pop()()
+
+    def _install(self) -> None:
+        from hasten.moe import fused_experts_forward  # runs hasten's MoE ops: imported when registered
+
+        try:
+            self._register(AttentionInterface, ATTN_NAME, hasten_attention_forward)
+            self._register(AttentionMaskInterface, ATTN_NAME, hasten_mask)
+            for implementation, name in DENSE_NAMES.items():
+                own_mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+                self._register(AttentionInterface, name, hasten_dense_attention_forward)
+                self._register(AttentionMaskInterface, name, _dense_mask(own_mask))
+            self._register(type(ALL_EXPERTS_FUNCTIONS), EXPERTS_NAME, fused_experts_forward)
+            self._wrap_packed_search()
+        except BaseException:
+            while self._restore:
+                self._restore.pop()()
+            raise
+
+    def _register(self, interface: type, key: str, value: Callable) -> None:
+        # transformers' GeneralInterface keeps registrations in a class-level dict and has no
+        # unregister: restoring writes that dict back.
+        mapping = interface._global_mapping
+        previous = mapping.get(key, _ABSENT)
+        interface.register(key, value)
+
+        def restore() -> None:
+            if mapping.get(key) is not value:  # someone registered over hasten since: theirs stays
+                return
+            if previous is _ABSENT:
+                del mapping[key]
+            else:
+                mapping[key] = previous
+
+        self._restore.append(restore)
+
+    def _wrap_packed_search(self) -> None:
+        original = masking_utils.find_packed_sequence_indices
+        wrapper = _skipping_packed_search(original)
+        masking_utils.find_packed_sequence_indices = wrapper
+
+        def restore() -> None:
+            # replaced again since (another library's wrapper calling hasten's): leave it; outside a
+            # hasten forward hasten's wrapper only calls the original
+            if masking_utils.find_packed_sequence_indices is wrapper:
+                masking_utils.find_packed_sequence_indices = original
+
+        self._restore.append(restore)
+
+
+_REGISTRATIONS = _Registrations()
+
+
+@contextlib.contextmanager
+def registered() -> Iterator[None]:
+    """hasten's names registered with transformers for the block, for code that selects them
+    itself without accelerate(), e.g. `config._experts_implementation = "hasten_fused"` on a bare
+    MoE block (benchmarks/moe_block.py). accelerate() holds them until its handle is undone (or
+    its model is garbage-collected)."""
+    _REGISTRATIONS.acquire()
+    try:
+        yield
+    finally:
+        _REGISTRATIONS.release()
 
 
 class PackedBatchRefused(PackingError):
@@ -413,6 +524,8 @@ class AccelerationHandle:
     _undo_steps: list = field(default_factory=list)
 
     def undo(self) -> None:
+        """Reverse every patch, last applied first; a second call does nothing. The last live
+        handle's undo also restores transformers' registries (`_Registrations`)."""
         while self._undo_steps:
             self._undo_steps.pop()()
 
@@ -541,6 +654,8 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     if not config.training.moe.fused_grouping:
         handle.inactive.append("training.moe.fused_grouping is false: experts left as transformers configured them")
         return
+    from hasten.moe import MoeLoadStats, unsupported_reason
+
     reasons = {reason for m in experts if (reason := unsupported_reason(m)) is not None}
     if (no_kernels := _cuda_kernels_missing(model, "moe_group", "moe_permute", "moe_combine", "swiglu")) is not None:
         reasons.add(no_kernels)
@@ -592,6 +707,8 @@ def _patch_memory(model: PreTrainedModel, config: Config, handle: AccelerationHa
     policy = checkpoint.activations
     if policy == "none":
         return
+    from hasten.memory import apply_activation_checkpointing
+
     try:
         handle._undo_steps.append(apply_activation_checkpointing(model, policy))
     except ValueError as exc:
@@ -603,6 +720,8 @@ def _patch_memory(model: PreTrainedModel, config: Config, handle: AccelerationHa
 
 
 def _patch_offload(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    from hasten.memory.offload import OffloadError, OffloadManager
+
     checkpoint = config.training.checkpoint
     mode, double_buffer = checkpoint.offload_mode(), checkpoint.offload_double_buffer()
     device = next(model.parameters()).device
@@ -646,6 +765,8 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
         record_fallback("fused_cross_entropy", f"{reason}; transformers' own loss path runs (logits materialised)")
         handle.inactive.append(f"fused cross-entropy ({reason})")
         return
+    from hasten.loss import FusedLossUnsupported, install_fused_cross_entropy
+
     try:
         handle._undo_steps.append(install_fused_cross_entropy(model))
     except FusedLossUnsupported as exc:
@@ -670,6 +791,8 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
         record_fallback("fused_dense_kernels", f"{no_kernels}; transformers' RMSNorm, MLP and rotary code run")
         handle.inactive.append(f"fused RMSNorm / SwiGLU / RoPE ({no_kernels})")
         return
+    from hasten.dense import install_fused_mlp, install_fused_rms_norm, install_fused_rope
+
     done = []
     if kernels.rms_norm:
         undo, count, refused = install_fused_rms_norm(model)
@@ -708,12 +831,20 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"hasten.accelerate expects a transformers PreTrainedModel, got {type(model).__name__}; "
                         "for a PEFT model pass model.get_base_model() or call accelerate before wrapping")
+    from hasten.ops._lib import require_extension
+
+    require_extension()  # hasten._C, or an error that names the rebuild, before anything changes
     handle = AccelerationHandle(model, config, inactive=config.inactive_features())
-    _patch_attention(model, config, handle)
-    _patch_moe(model, config, handle)
-    _patch_memory(model, config, handle)
-    _patch_loss(model, config, handle)
-    _patch_dense_kernels(model, config, handle)
+    handle._undo_steps.append(_REGISTRATIONS.hold_for(model))  # first in, so the last undo step
+    try:
+        _patch_attention(model, config, handle)
+        _patch_moe(model, config, handle)
+        _patch_memory(model, config, handle)
+        _patch_loss(model, config, handle)
+        _patch_dense_kernels(model, config, handle)
+    except BaseException:
+        handle.undo()  # a failed accelerate() leaves the model, and the process, as they were
+        raise
     model_type = getattr(model.config, "model_type", "?")
     if model_type not in ARCHITECTURES:
         # said once per type: what runs on hasten's kernels and what stays transformers', piece by piece
