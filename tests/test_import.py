@@ -240,3 +240,12 @@ def test_doctor_reports_an_op_library_that_does_not_load_as_a_blocker(tmp_path, 
     assert "pip install --no-build-isolation -e ." in row["fix"]  # the rebuild
     assert "hasten._C" in row["fix"] and (op_library == "missing" or "undefined symbol" in row["fix"])  # the cause
     assert "hasten.integrations.transformers" not in modules
+
+
+def test_train_without_the_op_library_is_a_clear_error(tmp_path):
+    result, _ = run_command(tmp_path, "broken", "train", "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
+                            "--device", "cpu", "--no_progress")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "hasten._C could not be loaded" in result.stderr and "pip install --no-build-isolation -e ." in result.stderr
+    assert not (tmp_path / "run" / "final").exists()

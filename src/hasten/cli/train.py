@@ -49,6 +49,7 @@ def _check_model_is_kept(config: Config, output_dir: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hasten.data import DataError
+    from hasten.ops import ExtensionError
     from hasten.packing import PackingError
     from hasten.training.checkpoint import CheckpointError
     from hasten.training.loop import DivergenceError, parse_allowed_changes, train
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--allow_config_change applies when resuming; add --resume auto or --resume PATH")
         result = train(config, args.output_dir, log_dir, progress=not args.no_progress, resume=args.resume,
                        overwrite=args.overwrite, allow_config_change=allowed)
-    except (ConfigError, DataError, PackingError, CheckpointError, DivergenceError) as exc:
+    except (ConfigError, DataError, PackingError, CheckpointError, DivergenceError, ExtensionError) as exc:
         print(f"hasten train: error: {exc}", file=sys.stderr)
         return 2
     if result.interrupted_by is not None:

@@ -831,9 +831,9 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"hasten.accelerate expects a transformers PreTrainedModel, got {type(model).__name__}; "
                         "for a PEFT model pass model.get_base_model() or call accelerate before wrapping")
-    from hasten.ops._lib import require_extension
+    from hasten.ops._lib import load
 
-    require_extension()  # hasten._C, or an error that names the rebuild, before anything changes
+    load()  # hasten._C, or an error that names the rebuild, before anything changes
     handle = AccelerationHandle(model, config, inactive=config.inactive_features())
     handle._undo_steps.append(_REGISTRATIONS.hold_for(model))  # first in, so the last undo step
     try:
