@@ -17,6 +17,7 @@ import warnings
 from collections import Counter
 
 import torch
+import torch._dynamo
 
 logger = logging.getLogger("hasten")
 
@@ -25,6 +26,13 @@ _counts: Counter[str] = Counter()
 _reasons: dict[str, str] = {}
 
 
+# Under torch.compile, dynamo calls record_fallback while it traces (assume_constant_result: it runs
+# the call with its constant arguments and keeps the result, None) instead of tracing its lock and
+# logger, which would break the graph. The choice of a slower path is made at trace time, so a
+# compiled graph that takes one warns the first time (the same message) and counts once per
+# trace, not once per call. Callers pass strings of values that are constants at trace time (a
+# shape that is symbolic would be specialised by the formatting).
+@torch._dynamo.assume_constant_result
 def record_fallback(key: str, reason: str) -> None:
     """Count one use of a slower path; warn the first time `key` is seen."""
     with _lock:
