@@ -11,6 +11,12 @@ Layout: q (T, Hq, D), k and v (T, Hkv, D) with Hq a multiple of Hkv; `cu_seqlens
   per_sequence   scaled_dot_product_attention once per sequence: correct anywhere,
                  slow, and reported through hasten.observability when used because
                  a faster path was not available.
+
+Under torch.compile: the host facts the choice reads (the build's kernels, cuDNN's version,
+which libraries import) are read once (`BackendFacts`, at accelerate()), so the choice itself is
+Python on a tensor's device, dtype and shape, which dynamo evaluates at trace time and guards.
+The per-sequence path needs its boundaries on the host; compiled, it runs as one opaque op
+(`hasten_host::per_sequence_attention`, the same loop) so the graph does not break.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-from typing import Literal
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -63,14 +70,55 @@ BUILD_CUDNN_OP = ("pip install --no-deps nvidia-cudnn-frontend, then rebuild: ma
                   "(or pip install --no-build-isolation -e .)")
 
 
-def _cudnn_unavailable(q: torch.Tensor) -> str | None:
-    """Why hasten's cuDNN attention op cannot run these inputs (None: it can)."""
+@dataclass(frozen=True)
+class BackendFacts:
+    """What this process can run, read once: each is a host query (the dispatcher's kernel table,
+    cuDNN's version, an import) that does not change while the process runs and that torch.compile
+    cannot trace. accelerate() reads them into each patched model's attention settings."""
+
+    cudnn_op: bool  # hasten::varlen_attention has its CUDA (cuDNN) kernel in this build
+    cudnn_version: int  # 0: no cuDNN
+    flash_attn: Callable | None  # flash-attn's varlen function, when it imports
+    torch_varlen: Callable | None  # torch.nn.attention.varlen.varlen_attn, when this torch has it
+    torch_varlen_gqa_flag: bool  # varlen_attn takes enable_gqa
+
+
+@torch.compiler.disable  # host queries: a trace that gets here before any eager call breaks here once
+def _read_backend_facts() -> BackendFacts:
     from hasten.ops import has_cuda_kernel
 
-    if not has_cuda_kernel("varlen_attention"):
+    return BackendFacts(cudnn_op=has_cuda_kernel("varlen_attention"),
+                        cudnn_version=torch.backends.cudnn.version() or 0, flash_attn=_flash_attn_fn(),
+                        torch_varlen=_torch_varlen_fn(), torch_varlen_gqa_flag=_torch_varlen_takes_gqa_flag())
+
+
+_FACTS: BackendFacts | None = None
+
+
+def backend_facts() -> BackendFacts:
+    """The facts, read on the first call (in eager: accelerate() makes that call) and kept for the
+    process: a build's kernels, cuDNN's version and the importable libraries do not change."""
+    global _FACTS
+    if _FACTS is None:
+        _FACTS = _read_backend_facts()
+    return _FACTS
+
+
+def prepare_device(facts: BackendFacts, device: torch.device, gqa: str = "auto") -> None:
+    """The checks a backend runs once per device (torch varlen's native GQA), run now, before any
+    trace: a compiled layer cannot run them (a traced check would become part of the graph)."""
+    if device.type == "cuda" and gqa == "auto" and facts.torch_varlen is not None:
+        _torch_varlen_native_gqa_ok(device, facts)
+
+
+def _cudnn_unavailable(q: torch.Tensor, facts: BackendFacts | None = None) -> str | None:
+    """Why hasten's cuDNN attention op cannot run these inputs (None: it can)."""
+    if facts is None:
+        facts = backend_facts()
+    if not facts.cudnn_op:
         return ("hasten was built without its cuDNN attention op (no cudnn-frontend headers at install): "
                 + BUILD_CUDNN_OP)
-    version = torch.backends.cudnn.version() or 0
+    version = facts.cudnn_version
     if version < _MIN_CUDNN:
         return f"cuDNN {version} is older than {_MIN_CUDNN} (ragged attention with grouped K/V heads)"
     if q.shape[-1] % 8 != 0:
@@ -83,11 +131,15 @@ def _cudnn_unavailable(q: torch.Tensor) -> str | None:
 _CHAIN: tuple[Backend, ...] = ("cudnn", "flash_attn", "torch_varlen")
 
 
-def select_backend(q: torch.Tensor, requested: str = "auto", *, report: bool = True) -> Backend:
+def select_backend(q: torch.Tensor, requested: str = "auto", *, report: bool = True,
+                   facts: BackendFacts | None = None) -> Backend:
     """The first backend of cudnn -> flash_attn -> torch_varlen, starting at `requested` (auto:
     at cudnn), that can run these inputs; per_sequence when none can. A forced slower backend is
     honoured silently; a requested one that cannot run is reported once with the reason (unless
-    `report` is false: hasten's own redirects past cudnn), and the next one of the chain runs."""
+    `report` is false: hasten's own redirects past cudnn), and the next one of the chain runs.
+    `facts`: what the process can run (read now when not given)."""
+    if facts is None:
+        facts = backend_facts()
     if requested == "per_sequence":
         return "per_sequence"
     reason = None
@@ -100,7 +152,7 @@ def select_backend(q: torch.Tensor, requested: str = "auto", *, report: bool = T
     if reason is None:
         first = "cudnn" if requested == "auto" else requested
         for backend in _CHAIN[_CHAIN.index(first):]:
-            why_not = _unavailable(backend, q)
+            why_not = _unavailable(backend, q, facts)
             if why_not is None:
                 return backend
             if backend == first and report:
@@ -115,12 +167,12 @@ def select_backend(q: torch.Tensor, requested: str = "auto", *, report: bool = T
     return "per_sequence"
 
 
-def _unavailable(backend: Backend, q: torch.Tensor) -> str | None:
+def _unavailable(backend: Backend, q: torch.Tensor, facts: BackendFacts) -> str | None:
     if backend == "cudnn":
-        return _cudnn_unavailable(q)
+        return _cudnn_unavailable(q, facts)
     if backend == "flash_attn":
-        return None if _flash_attn_fn() is not None else "flash-attn is not installed"
-    return None if _torch_varlen_fn() is not None else f"torch {torch.__version__} has no torch.nn.attention.varlen"
+        return None if facts.flash_attn is not None else "flash-attn is not installed"
+    return None if facts.torch_varlen is not None else f"torch {torch.__version__} has no torch.nn.attention.varlen"
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -137,36 +189,44 @@ def _torch_varlen_takes_gqa_flag() -> bool:
 _native_gqa_checked: dict[torch.device, bool] = {}
 
 
-def _torch_varlen_native_gqa_ok(device: torch.device) -> bool:
+def _torch_varlen_native_gqa_ok(device: torch.device, facts: BackendFacts) -> bool:
     """Once per device: does torch's varlen kernel read fewer K/V heads than Q heads correctly?
 
     torch 2.11 accepts such K/V without a flag; newer releases take `enable_gqa`. The
-    answer is checked against repeated K/V on a small problem, not assumed.
+    answer is checked against repeated K/V on a small problem, not assumed. accelerate() checks
+    the model's device before any trace; a device first seen inside a torch.compile trace cannot
+    run the check there and repeats K/V heads (correct, more memory traffic), said once.
     """
-    if device not in _native_gqa_checked:
-        gen = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(40, 4, 64, device=device, dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(40, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(40, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
-        cu = torch.tensor([0, 17, 40], device=device, dtype=torch.int32)
-        try:
-            native = _call_torch_varlen(q, k, v, cu, 23, None, True, (-1, 0))
-            repeated = _call_torch_varlen(q, _repeat_kv(k, 2), _repeat_kv(v, 2), cu, 23, None, False, (-1, 0))
-            ok = torch.allclose(native.float(), repeated.float(), atol=1e-2, rtol=1e-2)
-            detail = "gave a different result from repeated K/V"
-        except (RuntimeError, ValueError) as exc:
-            ok, detail = False, f"raised {type(exc).__name__}: {exc}"
-        if not ok:
-            record_fallback("gqa_repeat_kv", f"torch's varlen attention with fewer K/V heads than Q heads {detail}; "
-                            "repeating K/V heads instead (more memory traffic)")
-        _native_gqa_checked[device] = ok
-    return _native_gqa_checked[device]
+    known = _native_gqa_checked.get(device)
+    if known is not None:
+        return known
+    if torch.compiler.is_compiling():
+        record_fallback("gqa_repeat_kv", "torch's varlen attention with fewer K/V heads than Q heads was not checked "
+                        "on this device before torch.compile traced the layer; repeating K/V heads instead (more "
+                        "memory traffic). hasten.accelerate() on the model once it is on this device checks it")
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(40, 4, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(40, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(40, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, 17, 40], device=device, dtype=torch.int32)
+    try:
+        native = _call_torch_varlen(q, k, v, cu, 23, None, True, (-1, 0), facts)
+        repeated = _call_torch_varlen(q, _repeat_kv(k, 2), _repeat_kv(v, 2), cu, 23, None, False, (-1, 0), facts)
+        ok = torch.allclose(native.float(), repeated.float(), atol=1e-2, rtol=1e-2)
+        detail = "gave a different result from repeated K/V"
+    except (RuntimeError, ValueError) as exc:
+        ok, detail = False, f"raised {type(exc).__name__}: {exc}"
+    if not ok:
+        record_fallback("gqa_repeat_kv", f"torch's varlen attention with fewer K/V heads than Q heads {detail}; "
+                        "repeating K/V heads instead (more memory traffic)")
+    _native_gqa_checked[device] = ok
+    return ok
 
 
-def _call_torch_varlen(q, k, v, cu, max_seqlen, scale, gqa: bool, window):
-    fn = _torch_varlen_fn()
-    extra = {"enable_gqa": True} if gqa and _torch_varlen_takes_gqa_flag() else {}
-    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window, **extra)
+def _call_torch_varlen(q, k, v, cu, max_seqlen, scale, gqa: bool, window, facts: BackendFacts):
+    extra = {"enable_gqa": True} if gqa and facts.torch_varlen_gqa_flag else {}
+    return facts.torch_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window, **extra)
 
 
 def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dropout: float) -> torch.Tensor:
@@ -189,44 +249,132 @@ def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dr
     return out
 
 
+# The per-sequence loop reads its boundaries on the host, which a traced graph cannot. Compiled, it
+# runs as this op: dynamo and inductor see one call with the output's shape (q's), and the loop
+# runs inside it as in eager. Its backward is the attention gradient written out per sequence in
+# float32 (what the C++ reference hasten::varlen_attention_backward computes, with the window);
+# autograd cannot run inside an op's kernel. No dropout (its mask would have to be replayed in
+# backward): attention dropout on this path stays eager.
+@torch.library.custom_op("hasten_host::per_sequence_attention", mutates_args=())
+def _per_sequence_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float | None, causal: bool, left_window: int) -> torch.Tensor:
+    return _per_sequence(q, k, v, cu_seqlens, scale, causal, left_window, 0.0)
+
+
+@_per_sequence_op.register_fake
+def _per_sequence_fake(q, k, v, cu_seqlens, scale, causal, left_window):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("hasten_host::per_sequence_attention_backward", mutates_args=())
+def _per_sequence_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu_seqlens: torch.Tensor, scale: float | None, causal: bool,
+                              left_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, kv_heads = q.shape[1] // k.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        # (heads, L, D) in float32, K/V heads repeated for their query heads
+        qs, ks, vs, dout = (x[start:end].float().transpose(0, 1) for x in
+                            (q, _repeat_kv(k, groups), _repeat_kv(v, groups), grad_out))
+        scores = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            idx = torch.arange(end - start, device=q.device)
+            dist = idx[:, None] - idx[None, :]
+            allowed = (dist >= 0) & (dist <= left_window) if left_window >= 0 else dist >= 0
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        d_probs = dout @ vs.transpose(1, 2)
+        d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+
+        def per_kv_head(x):  # (Hq, L, D) summed over each K/V head's query heads -> (L, Hkv, D)
+            return x.reshape(kv_heads, groups, *x.shape[1:]).sum(1).transpose(0, 1)
+
+        grad_q[start:end] = (d_scores @ ks * scale).transpose(0, 1).to(q.dtype)
+        grad_k[start:end] = per_kv_head(d_scores.transpose(1, 2) @ qs * scale).to(k.dtype)
+        grad_v[start:end] = per_kv_head(probs.transpose(1, 2) @ dout).to(v.dtype)
+    return grad_q, grad_k, grad_v
+
+
+@_per_sequence_backward_op.register_fake
+def _per_sequence_backward_fake(grad_out, q, k, v, cu_seqlens, scale, causal, left_window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _per_sequence_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, scale, causal, left_window = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens)
+    ctx.args = (scale, causal, left_window)
+
+
+def _per_sequence_backward(ctx, grad_out):
+    q, k, v, cu_seqlens = ctx.saved_tensors
+    grad_q, grad_k, grad_v = _per_sequence_backward_op(grad_out.contiguous(), q, k, v, cu_seqlens, *ctx.args)
+    return grad_q, grad_k, grad_v, None, None, None, None
+
+
+_per_sequence_op.register_autograd(_per_sequence_backward, setup_context=_per_sequence_setup)
+
+# Attention dropout on the per-sequence path under torch.compile: a graph break (the loop and its
+# random masks run eagerly), so a fullgraph compile of such a layer is refused by torch.compile.
+_per_sequence_eager = torch.compiler.disable(_per_sequence)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      *, scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
-                     dropout: float = 0.0, backend: str = "auto", gqa: GqaMode = "auto") -> torch.Tensor:
-    """Attention of every packed sequence to itself only. Returns (T, Hq, D)."""
+                     dropout: float = 0.0, backend: str = "auto", gqa: GqaMode = "auto",
+                     facts: BackendFacts | None = None) -> torch.Tensor:
+    """Attention of every packed sequence to itself only. Returns (T, Hq, D). `facts`: what the
+    process can run (accelerate() reads them once; read per call when not given, which
+    torch.compile cannot trace)."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if sliding_window is not None and not causal:  # no backend below takes a two-sided window
         raise NotImplementedError(f"hasten's varlen attention has no bidirectional sliding window "
                                   f"(sliding_window={sliding_window}, causal=False)")
+    if facts is None:
+        facts = backend_facts()
     # sliding_window W (transformers' meaning): a query sees itself and the W - 1 tokens before it.
     left = sliding_window - 1 if sliding_window is not None else -1
-    chosen = select_backend(q, backend)
+    chosen = select_backend(q, backend, facts=facts)
     if chosen == "cudnn" and (dropout > 0.0 or sliding_window is not None):
         record_fallback("cudnn_attention_features", "cuDNN packed attention is not used for layers with "
                         f"{'dropout' if dropout > 0.0 else 'a sliding window'}; FlashAttention-2 (flash-attn, else torch's "
                         "varlen) runs them")
-        chosen = select_backend(q, "flash_attn", report=False)
+        chosen = select_backend(q, "flash_attn", report=False, facts=facts)
     if chosen == "cudnn":
         from hasten.ops.attention import varlen_attention as cudnn_attention
 
+        if torch.compiler.is_compiling():
+            # a refusal is raised by the op when the graph runs, past any Python a trace could leave
+            # here: compiled, a batch cuDNN refuses raises its error instead of falling back
+            return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
         try:
             return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
         except RuntimeError as exc:  # a shape cuDNN refuses (the op caches the refusal per bucket)
             record_fallback("cudnn_attention", f"cuDNN refused this batch ({exc}); FlashAttention-2 runs it")
-            chosen = select_backend(q, "flash_attn", report=False)
+            chosen = select_backend(q, "flash_attn", report=False, facts=facts)
     if dropout > 0.0 and chosen == "torch_varlen":
         record_fallback("attention_dropout", "torch's varlen attention has no dropout; attention dropout "
                         f"{dropout} runs one sequence at a time (install flash-attn for the fast path)")
         chosen = "per_sequence"
     if chosen == "per_sequence":
-        return _per_sequence(q, k, v, cu_seqlens, scale, causal, left if causal else -1, dropout)
+        left_window = left if causal else -1
+        if not torch.compiler.is_compiling():
+            return _per_sequence(q, k, v, cu_seqlens, scale, causal, left_window, dropout)
+        if dropout > 0.0:
+            return _per_sequence_eager(q, k, v, cu_seqlens, scale, causal, left_window, dropout)
+        return _per_sequence_op(q, k, v, cu_seqlens, scale, causal, left_window)
 
     groups = q.shape[1] // k.shape[1]
     if chosen == "flash_attn":  # reads shared K/V heads natively
-        return _flash_attn_fn()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout,
+        return facts.flash_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout,
                                 softmax_scale=scale, causal=causal, window_size=(left, 0 if causal else -1))
     window = (left, 0) if causal else (-1, -1)
-    native = groups > 1 and gqa != "repeat" and (gqa == "native" or _torch_varlen_native_gqa_ok(q.device))
+    native = groups > 1 and gqa != "repeat" and (gqa == "native" or _torch_varlen_native_gqa_ok(q.device, facts))
     if groups > 1 and not native:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    return _call_torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale, native, window)
+    return _call_torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale, native, window, facts)

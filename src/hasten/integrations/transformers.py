@@ -30,7 +30,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
-from hasten.attention.varlen import varlen_attention
+from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.contract import (attention_features_not_implemented, check_attention_kwargs,
                                          logit_features_not_implemented, stateful_layers)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
@@ -83,6 +83,9 @@ class _AttentionSettings:
     backend: str
     gqa: str
     verify: bool
+    # what the process can run (the build's kernels, cuDNN, flash-attn, torch varlen), read once at
+    # accelerate(): host queries that a torch.compile trace of the attention call could not make
+    facts: BackendFacts
 
 
 # The attribute accelerate() sets on every attention module it inspected (removed by undo()).
@@ -158,7 +161,7 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
     out = varlen_attention(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), int(max_seqlen),
                            scale=scaling, causal=causal, sliding_window=sliding_window,
-                           dropout=dropout, backend=settings.backend, gqa=settings.gqa)
+                           dropout=dropout, backend=settings.backend, gqa=settings.gqa, facts=settings.facts)
     return out.view(batch, q_len, out.shape[1], out.shape[2]), None
 
 
@@ -586,7 +589,9 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
         _patch_dense_packing(model, handle, missing)
         return
     settings = _AttentionSettings(training.metadata_cache, config.attention.backend, config.attention.gqa,
-                                  config.attention.verify)
+                                  config.attention.verify, backend_facts())
+    for device in {p.device for p in model.parameters()}:
+        prepare_device(settings.facts, device, config.attention.gqa)
     tagged = _attention_modules(model)
     for module in tagged:
         setattr(module, _TAG, settings)
