@@ -62,6 +62,58 @@ def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+def _per_expert_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    bounds = offsets.tolist()  # the host sync of this fallback
+    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > start:
+            out[start:end] = x[start:end] @ weight[expert].transpose(0, 1)
+    return out
+
+
+# Compiled, the per-expert loop (its boundaries read on the host) runs as one opaque op, so the
+# layer's graph does not break; its backward is the same loop's gradient, written out (autograd
+# cannot run inside an op's kernel).
+@torch.library.custom_op("hasten_host::per_expert_matmul", mutates_args=())
+def _per_expert_matmul_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _per_expert_matmul(x, weight, offsets)
+
+
+@_per_expert_matmul_op.register_fake
+def _per_expert_matmul_fake(x, weight, offsets):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("hasten_host::per_expert_matmul_backward", mutates_args=())
+def _per_expert_matmul_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                   offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_weight = torch.zeros_like(x), torch.zeros_like(weight)
+    bounds = offsets.tolist()
+    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > start:  # out[s] = x[s] @ weight[e].T
+            grad_x[start:end] = grad_out[start:end] @ weight[expert]
+            grad_weight[expert] = grad_out[start:end].transpose(0, 1) @ x[start:end]
+    return grad_x, grad_weight
+
+
+@_per_expert_matmul_backward_op.register_fake
+def _per_expert_matmul_backward_fake(grad_out, x, weight, offsets):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _per_expert_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _per_expert_backward(ctx, grad_out):
+    x, weight, offsets = ctx.saved_tensors
+    grad_x, grad_weight = _per_expert_matmul_backward_op(grad_out.contiguous(), x, weight, offsets)
+    return grad_x, grad_weight, None
+
+
+_per_expert_matmul_op.register_autograd(_per_expert_backward, setup_context=_per_expert_setup)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping) -> torch.Tensor:
     """x (S, in) in expert order, weight (E, out, in) -> (S, out); rows past the valid slots are undefined."""
     reason = _grouped_mm_usable(x, weight)
@@ -69,12 +121,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping) -
         return _GROUPED_MM(x, weight.transpose(-2, -1), offs=g.group_ends)
     record_fallback("moe_grouped_gemm", f"MoE experts run one matmul per expert ({reason}); correct, slower, "
                     "and one host sync per layer")
-    out = x.new_zeros(x.shape[0], weight.shape[1])
-    bounds = g.offsets.tolist()
-    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if end > start:
-            out[start:end] = x[start:end] @ weight[expert].transpose(0, 1)
-    return out
+    if torch.compiler.is_compiling():
+        return _per_expert_matmul_op(x, weight, g.offsets)
+    return _per_expert_matmul(x, weight, g.offsets)
 
 
 class MoeLoadStats:
@@ -87,7 +136,11 @@ class MoeLoadStats:
         self._pending: dict[int, list[torch.Tensor]] = {}
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
-        if torch._C._current_graph_task_id() != -1:  # inside backward: a checkpoint recompute
+        # Inside backward (a checkpoint's recompute) nothing is added. Compiled, the trace cannot ask
+        # (a host query), and need not: the append is replayed once per forward of the compiled
+        # code, and a checkpoint inside the compiled layer recomputes in the compiled backward,
+        # which replays no Python.
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             return
         self._pending.setdefault(layer, []).append(counts)
 
