@@ -110,8 +110,10 @@ def test_callback_order_and_attach(tmp_path, corpus):
 
 def test_callback_reports_moe_load():
     stats = MoeLoadStats()
-    stats.add(0, torch.tensor([6, 2, 0, 4]))
-    stats.add(1, torch.tensor([3, 3, 3, 3]))
+    layers = [torch.nn.Module(), torch.nn.Module()]
+    for layer, counts in zip(layers, ([6, 2, 0, 4], [3, 3, 3, 3])):
+        stats.track(layer, 4, torch.device("cpu"))
+        stats.add(layer, torch.tensor(counts))
 
     class Handle:
         moe_stats = stats

@@ -674,8 +674,10 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     stats = MoeLoadStats()
     for m in experts:
         m._hasten_moe_stats = stats
+        stats.track(m, m.num_experts, m.gate_up_proj.device)
 
     def undo() -> None:
+        stats.untrack()
         for m in experts:
             m.__dict__.pop("_hasten_moe_stats", None)
         model.set_experts_implementation(previous or "eager")

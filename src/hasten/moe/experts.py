@@ -129,28 +129,44 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping) -
 class MoeLoadStats:
     """Tokens per expert per layer, read once per logging step.
 
-    The forward only keeps a reference to each layer's counts tensor (no device op, no sync,
-    nothing for activation checkpointing to replay); recomputation in backward is not counted."""
+    Each tracked experts module holds its running total on its device (`_hasten_moe_tokens`,
+    int64 (E,)); the forward adds the layer's counts to it in place: one tiny device op, no
+    sync, no Python list that grows (under torch.compile a growing list is a guard on its length,
+    a recompile per step). A checkpoint's recompute in backward does not add (eager: asked of
+    autograd; compiled: the recompute is inside the compiled backward, which replays no Python
+    and applies input mutations once)."""
 
     def __init__(self) -> None:
-        self._pending: dict[int, list[torch.Tensor]] = {}
+        self._layers: list[torch.nn.Module] = []
+        self._recorded = False  # anything added since the last read
 
-    def add(self, layer: int, counts: torch.Tensor) -> None:
-        # Inside backward (a checkpoint's recompute) nothing is added. Compiled, the trace cannot ask
-        # (a host query), and need not: the append is replayed once per forward of the compiled
-        # code, and a checkpoint inside the compiled layer recomputes in the compiled backward,
-        # which replays no Python.
+    def track(self, module: torch.nn.Module, num_experts: int, device: torch.device) -> None:
+        module._hasten_moe_tokens = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self._layers.append(module)
+
+    def untrack(self) -> None:
+        for module in self._layers:
+            module.__dict__.pop("_hasten_moe_tokens", None)
+        self._layers.clear()
+
+    def add(self, module: torch.nn.Module, counts: torch.Tensor) -> None:
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            return
-        self._pending.setdefault(layer, []).append(counts)
+            return  # inside backward: a checkpoint recompute
+        total = module._hasten_moe_tokens
+        if total.device != counts.device:  # the model moved after accelerate()
+            total = module._hasten_moe_tokens = total.to(counts.device)
+        total.add_(counts)
+        self._recorded = True
 
     def summary(self, reset: bool = True) -> dict | None:
-        if not self._pending:
+        if not self._recorded or not self._layers:
             return None
-        per_layer = [torch.stack(self._pending[k]).sum(0) for k in sorted(self._pending)]
-        table = torch.stack(per_layer).float().cpu()  # one sync
+        totals = [m._hasten_moe_tokens for m in self._layers]
+        table = torch.stack([t.to(totals[0].device) for t in totals]).float().cpu()  # one sync
         if reset:
-            self._pending.clear()
+            for total in totals:
+                total.zero_()
+            self._recorded = False
         mean = table.mean(dim=1).clamp_min(1e-9)
         imbalance = table.max(dim=1).values / mean  # 1.0 = perfectly even
         return {"tokens_per_expert_min": int(table.min()), "tokens_per_expert_max": int(table.max()),
@@ -163,7 +179,7 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     g = moe_ops.group(top_k_index, self.num_experts)
     stats: MoeLoadStats | None = getattr(self, "_hasten_moe_stats", None)
     if stats is not None:
-        stats.add(id(self), g.counts)
+        stats.add(self, g.counts)
     x = moe_ops.permute(hidden_states, g)
     act = moe_ops.swiglu(grouped_linear(x, self.gate_up_proj, g))
     y = grouped_linear(act, self.down_proj, g)
