@@ -108,6 +108,12 @@ class TrainingConfig:
     fsdp2_layers_per_unit: int = 0
     # auto: bf16 on a GPU that supports it, float32 on the CPU.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # Compile each decoder layer with torch.compile (whole layer as one graph, fullgraph) after
+    # hasten patches the model; token counts and sequence lengths are dynamic, so batches of other
+    # sizes reuse the graph. The first steps include the compile time. If a layer fails to compile,
+    # every layer runs eagerly, said once (fallback torch_compile). Needs metadata_cache: true,
+    # attention.verify: false and no activation offload.
+    compile: bool = False
 
 
 @dataclass
@@ -365,6 +371,23 @@ def validate(config: Config, *, source: str = "config") -> None:
                      "offloaded or recomputed; it cannot combine with `training.checkpoint.activations: "
                      f"{checkpoint.activations}`. Set activations: none (offload auto recomputes layers itself when "
                      "that is cheaper), or turn offload off (offload: none, double_buffer: false).")
+    if t.compile:
+        # each of these puts host work inside every decoder layer, which a compiled layer cannot run
+        blockers = []
+        if checkpoint.offload_mode() != "none":
+            which = f"offload: {checkpoint.offload}" if checkpoint.offload != "none" else "double_buffer: true"
+            blockers.append(f"`training.checkpoint.{which}` (activation offload moves what each layer saves through "
+                            "Python hooks and, in auto, times the first forwards to plan, which compiling distorts; "
+                            "the two are not verified together)")
+        if not t.metadata_cache:
+            blockers.append("`training.metadata_cache: false` (each layer then reads the batch's sequence count back "
+                            "to the host, which breaks the compiled graph)")
+        if config.attention.verify:
+            blockers.append("`attention.verify: true` (each layer re-derives the metadata and compares it on the "
+                            "host)")
+        if blockers:
+            raise refuse("`training.compile: true` compiles each decoder layer as one graph, which cannot combine "
+                         f"with {'; nor with '.join(blockers)}. Turn those off, or set training.compile: false.")
     if checkpoint.max_memory_gib is not None and checkpoint.max_memory_gib <= 0:
         raise refuse("`training.checkpoint.max_memory_gib` must be a positive number of GiB, or empty for the lowest "
                      f"memory that costs no step time; got {checkpoint.max_memory_gib}")

@@ -35,6 +35,7 @@ from hasten.data import ByteTokenizer, DataError, load_dataset
 from hasten.data.tokenizer import check_tokenizer_fits, load_model_tokenizer
 from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler
+from hasten.training.compile import compile_decoder_layers
 from hasten.training.checkpoint import (CheckpointError, CheckpointWriteError, TrainerState, load_checkpoint,
                                        read_trainer_state, remove_stale_temporaries, save_checkpoint,
                                        save_final_model)
@@ -223,6 +224,7 @@ class _Run:
     hf_model: Any = None          # the transformers (or PEFT) model inside
     tokenizer: Any = None
     handle: Any = None            # hasten.accelerate's; undone at tear-down
+    compiled: Any = None          # training.compile's CompiledLayers; undone at tear-down
     trainable: list = field(default_factory=list)
     sampler: TokenBudgetBatchSampler | None = None
     collator: PackingCollator | None = None
@@ -317,6 +319,12 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
                            layers_per_unit=t.fsdp2_layers_per_unit)
     if ctx.enabled and ctx.is_main:
         logger.info("hasten: %s over %d processes", ctx.strategy, ctx.world_size)
+    if t.compile:  # after hasten's patches and the wrappers: the layers are traced as they will run
+        run.compiled = compile_decoder_layers(run.model)
+        if ctx.is_main:
+            logger.info("hasten: training.compile: %d decoder layers compile with torch.compile (each layer one "
+                        "graph, dynamic shapes, shared by the layers); the first steps include the compile time",
+                        len(run.compiled.layers))
 
     _set_up_data(run)
 
@@ -652,6 +660,8 @@ def _finish(run: _Run, interrupted_by: str | None) -> TrainResult:
                "fallbacks": fallback_counts(), "fallback_reasons": fallback_reasons(),
                "interrupted_by": interrupted_by, "world_size": ctx.world_size,
                "distributed": ctx.strategy,
+               "compile": (None if run.compiled is None else
+                           {"layers": len(run.compiled.layers), "failure": run.compiled.failure}),
                "resumed_from": str(run.resume_from) if run.resume_from else None,
                "last_checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None}
     if ctx.is_main:
@@ -669,6 +679,8 @@ def _tear_down(run: _Run) -> None:
             stack.callback(shutdown, run.ctx, wait_for_ranks=not run.failed)
         if run.handle is not None:
             stack.callback(run.handle.undo)
+        if run.compiled is not None:  # before hasten's undo (callbacks run last-registered first)
+            stack.callback(run.compiled.undo)
         if run.tensorboard is not None:
             stack.callback(run.tensorboard.close)
         if run.metrics is not None:
