@@ -82,3 +82,22 @@ def test_dense_model_reports_fused_grouping_inactive():
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     handle = hasten.accelerate(model)
     assert any("no MoE experts" in item for item in handle.inactive)
+
+
+def test_per_expert_fallback_op_is_the_eager_loop():
+    """The per-expert matmul as torch.compile runs it (one opaque op, hasten_host::per_expert_matmul):
+    schema, fake and autograd consistent, and output and gradients those of the eager loop, with an
+    expert that gets no rows and rows past the valid slots."""
+    from hasten.moe.experts import _per_expert_matmul, _per_expert_matmul_op
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    offsets = torch.tensor([0, 3, 3, 7, 9], dtype=torch.int32)  # expert 1 empty; rows 9, 10 dropped
+    torch.library.opcheck(_per_expert_matmul_op, (x, weight, offsets))
+    upstream = torch.randn(11, 5, generator=gen, dtype=torch.float64)
+    got = _per_expert_matmul_op(x, weight, offsets)
+    want = _per_expert_matmul(x, weight, offsets)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(torch.autograd.grad(got, (x, weight), upstream), torch.autograd.grad(want, (x, weight), upstream)):
+        torch.testing.assert_close(g, w)

@@ -252,7 +252,7 @@ def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dr
 # The per-sequence loop reads its boundaries on the host, which a traced graph cannot. Compiled, it
 # runs as this op: dynamo and inductor see one call with the output's shape (q's), and the loop
 # runs inside it as in eager. Its backward is the attention gradient written out per sequence in
-# float32 (what the C++ reference hasten::varlen_attention_backward computes, with the window);
+# float32 or wider (what the C++ reference hasten::varlen_attention_backward computes, with the window);
 # autograd cannot run inside an op's kernel. No dropout (its mask would have to be replayed in
 # backward): attention dropout on this path stays eager.
 @torch.library.custom_op("hasten_host::per_sequence_attention", mutates_args=())
@@ -273,12 +273,13 @@ def _per_sequence_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     groups, kv_heads = q.shape[1] // k.shape[1], k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    compute = torch.promote_types(q.dtype, torch.float32)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
-        # (heads, L, D) in float32, K/V heads repeated for their query heads
-        qs, ks, vs, dout = (x[start:end].float().transpose(0, 1) for x in
+        # (heads, L, D) in float32 at least, K/V heads repeated for their query heads
+        qs, ks, vs, dout = (x[start:end].to(compute).transpose(0, 1) for x in
                             (q, _repeat_kv(k, groups), _repeat_kv(v, groups), grad_out))
         scores = qs @ ks.transpose(1, 2) * scale
         if causal:

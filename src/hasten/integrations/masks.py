@@ -81,6 +81,7 @@ def _fingerprint(function, depth: int = 0):
 _READINGS: dict[tuple, BandMask] = {}  # (fingerprint, length) -> band; a handful of entries per run
 
 
+@torch.compiler.disable  # host work with a cache keyed by code objects: runs eagerly under a whole-model compile
 def read_band(mask_function, length: int, device: torch.device | None = None) -> BandMask:
     """The band that `mask_function` draws on a length x length grid; raises MaskNotSupported.
 
