@@ -17,7 +17,6 @@ import warnings
 from collections import Counter
 
 import torch
-import torch._dynamo
 
 logger = logging.getLogger("hasten")
 
@@ -32,7 +31,7 @@ _reasons: dict[str, str] = {}
 # compiled graph that takes one warns the first time (the same message) and counts once per
 # trace, not once per call. Callers pass strings of values that are constants at trace time (a
 # shape that is symbolic would be specialised by the formatting).
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def record_fallback(key: str, reason: str) -> None:
     """Count one use of a slower path; warn the first time `key` is seen."""
     with _lock:
