@@ -108,6 +108,11 @@ class TrainingConfig:
     fsdp2_layers_per_unit: int = 0
     # auto: bf16 on a GPU that supports it, float32 on the CPU.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # CUDA graphs: false (none), or optimizer: the AdamW step is captured once in a CUDA graph and
+    # replayed every step (the LR schedule is read from a device tensor; gradients are zeroed in
+    # place, never freed, so each parameter keeps its gradient's memory through the forward).
+    # Runs eagerly, with one warning, on the CPU, under fsdp2, or if capture fails.
+    cuda_graphs: Literal["false", "optimizer"] = "false"
 
 
 @dataclass
