@@ -62,7 +62,8 @@ def make_samples(seed: int = 0) -> list[list[int]]:
         n = int(min(2048, max(16, math.exp(5.3 + 0.9 * torch.randn((), generator=gen).item()))))
         lengths.append(min(n, TOKENS - sum(lengths)))
     if lengths[-1] < 16:  # fold a tiny tail into the previous sample
-        lengths[-2] += lengths.pop()
+        tail = lengths.pop()  # (`lengths[-2] += lengths.pop()` read one sample and wrote another)
+        lengths[-1] += tail
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
