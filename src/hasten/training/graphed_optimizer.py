@@ -216,7 +216,7 @@ class GraphedAdamW(torch.optim.AdamW):
         return all(p.grad is None for p in self._uncaptured)
 
     def _gradients_in_place(self) -> bool:
-        for i, (p, static) in enumerate(self._captured):
+        for p, static in self._captured:
             grad = p.grad
             if grad is static:
                 continue
