@@ -35,16 +35,22 @@ def environment() -> dict:
             "torch": torch.__version__}
 
 
+def sync() -> None:
+    """Wait for the GPU (nothing without CUDA, where the scripts' CPU smoke runs go)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def time_steps(step, warmup: int, iters: int) -> list[float]:
     """Seconds per call of `step()`, each measured with a device sync around it."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     return times
 

@@ -4,18 +4,30 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
   hf_moe_eager        transformers' expert loop
   hf_moe_grouped_mm   transformers' experts_implementation="grouped_mm" (sort + histc + cumsum)
   hasten_fused        hasten: one-kernel grouping, grouped GEMM, fused SwiGLU, deterministic combine
-and the grouping alone: hasten::moe_group against sort + histc + cumsum + inverse scatter.
+  hasten_graphed      hasten_fused with forward + backward captured once in a CUDA graph (after 3
+                      warm-up iterations on a side stream) and replayed per step; parameter gradients
+                      are None before capture, so each replay writes them afresh (= zero_grad + step)
+  hasten_graphed_callables  hasten_fused through torch.cuda.make_graphed_callables: forward and
+                      backward graphed apart, autograd adds the gradients into .grad (accumulation-safe)
+  hasten_compiled     hasten_fused under torch.compile (default mode); recompiles over the timed steps
+                      and graph breaks are in the notes
+The graphed and compiled variants check their output and every gradient (input and parameters)
+against eager hasten_fused on the same inputs and print the largest relative difference. A variant
+that fails writes its error into its row and the run goes on.
+And the grouping alone: hasten::moe_group against sort + histc + cumsum + inverse scatter.
 
-    python benchmarks/moe_block.py [--tokens 16384] [--out DIR]
+    python benchmarks/moe_block.py [--tokens 16384] [--iters 10] [--variants a,b] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 import torch
+import torch._dynamo
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -26,81 +38,252 @@ from hasten.integrations.transformers import registered  # noqa: E402
 from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
 from hasten.ops import moe as moe_ops  # noqa: E402
 
-IMPL = {"hf_moe_eager": "eager", "hf_moe_grouped_mm": "grouped_mm", "hasten_fused": "hasten_fused"}
+IMPL = {"hf_moe_eager": "eager", "hf_moe_grouped_mm": "grouped_mm", "hasten_fused": "hasten_fused",
+        "hasten_graphed": "hasten_fused", "hasten_graphed_callables": "hasten_fused",
+        "hasten_compiled": "hasten_fused"}
+# graphed replays must equal eager hasten (same kernels, same inputs); compiled may reorder float math
+DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and a small block)
+GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2}
 
 
 def build_block():
     config = Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                             norm_topk_prob=True)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         block = Qwen3MoeSparseMoeBlock(config)
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
     return block.to(torch.bfloat16), config
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative difference ||a - b|| / ||b|| in float32."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def compare(out, x_grad, param_grads, want) -> tuple[float, float, bool]:
+    """(output rel diff, largest gradient rel diff, all bitwise equal) against `want`."""
+    w_out, w_x, w_params = want
+    grads = [x_grad] + list(param_grads)
+    wants = [w_x] + list(w_params)
+    missing = [i for i, g in enumerate(grads) if g is None]
+    if missing:
+        raise RuntimeError(f"gradients missing after the step: {missing} (0 is the input, then the parameters)")
+    grad_diff = max(rel(g, w) for g, w in zip(grads, wants))
+    exact = torch.equal(out.float(), w_out) and all(torch.equal(g, w) for g, w in zip(grads, wants))
+    return rel(out, w_out), grad_diff, exact
+
+
+def dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "frames_ok": int(counters["frames"].get("ok", 0))}
+
+
+def capture_forward_backward(block, x, grad, warmup: int = 3):
+    """block(x).backward(grad) captured in a CUDA graph: (graph, static output). Before capture the
+    gradients are None, so backward allocates them in the graph's pool and every replay overwrites
+    them: a replay is zero_grad(set_to_none=True) + forward + backward on whatever x holds."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            block(x).backward(grad)
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x)
+        out.backward(grad)
+    return graph, out
+
+
+def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, run_id: str) -> dict:
+    """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'."""
+    reset_fallbacks()
+    config._experts_implementation = IMPL[name]
+    notes, check = [], None
+    cleanup = []
+    if name == "hasten_graphed":
+        graph, static_out = capture_forward_backward(block, x, grad)
+        cleanup.append(lambda: block.zero_grad(set_to_none=True))
+
+        def step():
+            graph.replay()
+
+        def result():
+            return static_out, x.grad, [p.grad for p in block.parameters()]
+    elif name == "hasten_graphed_callables":
+        own, own_config = build_block()  # make_graphed_callables replaces the module's forward: its own copy
+        own_config._experts_implementation = "hasten_fused"
+        x.grad = None
+        graphed = torch.cuda.make_graphed_callables(own, (x,))
+        box = {}
+
+        def step():
+            x.grad = None
+            own.zero_grad(set_to_none=True)
+            box["out"] = graphed(x)
+            box["out"].backward(grad)
+
+        def result():
+            return box["out"], x.grad, [p.grad for p in own.parameters()]
+    elif name == "hasten_compiled":
+        torch._dynamo.reset()
+        compiled = torch.compile(block)
+        box = {}
+
+        def step():
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            box["out"] = compiled(x)
+            box["out"].backward(grad)
+
+        def result():
+            return box["out"], x.grad, [p.grad for p in block.parameters()]
+    else:
+        box = {}
+
+        def step():
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            box["out"] = block(x)
+            box["out"].backward(grad)
+
+        def result():
+            return box["out"], x.grad, [p.grad for p in block.parameters()]
+
+    before = dynamo_counts() if name == "hasten_compiled" else None
+    iters = 3 if name == "hf_moe_eager" else iters
+    times = common.time_steps(step, warmup=2, iters=iters) if name != "hasten_compiled" else None
+    if name == "hasten_compiled":
+        for _ in range(2):  # warm-up: compiles forward and backward, outside the timing
+            step()
+        warm = dynamo_counts()
+        times = common.time_steps(step, warmup=0, iters=iters)
+        after = dynamo_counts()
+        notes.append(f"compiled graphs {warm['graphs'] - before['graphs']} in warm-up, recompiles in the timed steps "
+                     f"{after['graphs'] - warm['graphs']}, graph breaks {after['graph_breaks'] - before['graph_breaks']}")
+    with count_host_syncs() as syncs:
+        step()
+    common.sync()
+    out, x_grad, param_grads = result()
+    out_err = rel(out, ref_out)
+    correct = out_err <= 1e-2
+    notes.insert(0, f"fwd+bwd ms {[round(t * 1000, 2) for t in times]}; fallbacks {fallback_counts()}")
+    notes.append(f"output rel err vs eager {out_err:.2e}")
+    if name in GRAD_TOLERANCE:
+        check = compare(out, x_grad, param_grads, want)
+        correct = correct and check[0] <= GRAD_TOLERANCE[name] and check[1] <= GRAD_TOLERANCE[name]
+        notes.append(f"vs eager hasten_fused: output max rel diff {check[0]:.2e}, grads (input + "
+                     f"{len(param_grads)} parameters) max rel diff {check[1]:.2e}, bitwise equal {check[2]}")
+        print(f"{name}: vs eager hasten_fused on the same inputs: output rel diff {check[0]:.3e}, "
+              f"largest gradient rel diff {check[1]:.3e}, bitwise equal {check[2]}", flush=True)
+    for undo in cleanup:
+        undo()
+    return {"workload": "W3", "variant": name, "run_id": run_id, **common.environment(),
+            "tokens_per_s": x.shape[1] / common.median(times), "step_s": common.median(times), "peak_gib": None,
+            "host_syncs_per_step": syncs.count, "correct": correct, "notes": "; ".join(notes)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=None, help="same as --iters")
+    parser.add_argument("--variants", default=",".join(IMPL), help=f"comma-separated, of {','.join(IMPL)}")
+    parser.add_argument("--no-grouping", action="store_true", help="skip the grouping-op rows")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in IMPL]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(IMPL)}")
+    with registered():  # the "hasten_fused" experts name, which accelerate() would register
+        return run(args, variants)
+
+
+def run(args, variants: list[str]) -> int:
+    iters = args.steps or args.iters
     block, config = build_block()
-    x = torch.randn(1, args.tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, args.tokens, config.hidden_size, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     run_id = common.new_run_id()
-    rows, outputs = [], {}
-    with registered():  # the "hasten_fused" experts name, which accelerate() would register
-        for name, impl in IMPL.items():
-            reset_fallbacks()
-            config._experts_implementation = impl
 
-            def step():
-                x.grad = None
-                block.zero_grad(set_to_none=True)
-                block(x).backward(grad)
+    # references on the same inputs: transformers' eager experts (output), eager hasten (output and grads)
+    with torch.no_grad():
+        config._experts_implementation = "eager"
+        ref_out = block(x).float()
+    config._experts_implementation = "hasten_fused"
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    out = block(x)
+    out.backward(grad)
+    want = (out.detach().float(), x.grad.clone(), [p.grad.clone() for p in block.parameters()])
+    del out
 
-            iters = 3 if name == "hf_moe_eager" else args.iters
-            times = common.time_steps(step, warmup=2, iters=iters)
-            with count_host_syncs() as syncs:
-                step()
-            with torch.no_grad():
-                outputs[name] = block(x).float()
+    rows = []
+    for name in variants:
+        try:
+            rows.append(run_variant(name, block, config, x, grad, iters, want, ref_out, run_id))
+        except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others
+            traceback.print_exc()
             rows.append({"workload": "W3", "variant": name, "run_id": run_id, **common.environment(),
-                         "tokens_per_s": args.tokens / common.median(times), "step_s": common.median(times),
-                         "peak_gib": None, "host_syncs_per_step": syncs.count, "correct": None,
-                         "notes": f"fwd+bwd ms {[round(t * 1000, 2) for t in times]}; fallbacks {fallback_counts()}"})
-    ref = outputs["hf_moe_eager"]
-    for row in rows:
-        err = ((outputs[row["variant"]] - ref).norm() / ref.norm()).item()
-        row["correct"] = err <= 1e-2
-        row["notes"] += f"; output rel err vs eager {err:.2e}"
+                         "tokens_per_s": None, "step_s": None, "peak_gib": None, "host_syncs_per_step": None,
+                         "correct": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}",
+                         "notes": "failed"})
+        finally:
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            common.sync()
+            torch.cuda.empty_cache()
+        row = rows[-1]
+        path = common.write_rows([row], "W3", args.out)  # each row as it comes: a run cut short keeps them
+        shown = f"{row['step_s'] * 1000:8.3f} ms" if row["step_s"] is not None else f"FAILED {row.get('error')}"
+        print(f"{row['variant']:>24}: {shown}  syncs {row['host_syncs_per_step']}  correct {row['correct']}", flush=True)
 
-    ids = torch.randint(0, 128, (args.tokens, 8), device="cuda")
+    grouping_rows = []
+    if not args.no_grouping:
+        experts, top_k = config.num_experts, config.num_experts_per_tok
+        ids = torch.randint(0, experts, (args.tokens, top_k), device=DEVICE)
 
-    def sort_histc_cumsum():
-        flat = ids.view(-1)
-        sorted_ids, perm = torch.sort(flat, stable=True)
-        counts = torch.histc(sorted_ids.int(), bins=128, min=0, max=127)
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel(), device="cuda")
-        return offsets, perm, inverse
+        def sort_histc_cumsum():
+            flat = ids.view(-1)
+            sorted_ids, perm = torch.sort(flat, stable=True)
+            # int histc as before on the GPU (the row's figures stay comparable); the CPU has no int histc
+            counts = torch.histc(sorted_ids.int() if DEVICE == "cuda" else sorted_ids.float(), bins=experts, min=0,
+                                 max=experts - 1)
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.numel(), device=DEVICE)
+            return offsets, perm, inverse
 
-    for name, fn in (("torch_sort_histc_cumsum", sort_histc_cumsum), ("hasten_moe_group", lambda: moe_ops.group(ids, 128))):
-        times = common.time_steps(fn, warmup=5, iters=50)
-        rows.append({"workload": "W3_grouping", "variant": name, "run_id": run_id, **common.environment(),
-                     "tokens_per_s": None, "step_s": common.median(times), "peak_gib": None,
-                     "host_syncs_per_step": 0, "correct": True, "notes": f"{args.tokens} tokens x top-8, 128 experts"})
-    path = common.write_rows(rows, "W3", args.out)
+        for name, fn in (("torch_sort_histc_cumsum", sort_histc_cumsum),
+                         ("hasten_moe_group", lambda: moe_ops.group(ids, experts))):
+            times = common.time_steps(fn, warmup=5, iters=50)
+            grouping_rows.append({"workload": "W3_grouping", "variant": name, "run_id": run_id, **common.environment(),
+                         "tokens_per_s": None, "step_s": common.median(times), "peak_gib": None,
+                         "host_syncs_per_step": 0, "correct": True,
+                         "notes": f"{args.tokens} tokens x top-{top_k}, {experts} experts"})
+    path = common.write_rows(grouping_rows, "W3", args.out)
+    rows += grouping_rows
     for r in rows:
-        print(f"{r['workload']:>12} {r['variant']:>24}: {r['step_s'] * 1000:8.3f} ms  syncs {r['host_syncs_per_step']:>4}"
-              f"  correct {r['correct']}  {r['notes'][:90]}")
-    by = {r["variant"]: r for r in rows}
-    print(f"hasten_fused vs hf_moe_grouped_mm: {by['hf_moe_grouped_mm']['step_s'] / by['hasten_fused']['step_s']:.2f}x; "
-          f"vs eager {by['hf_moe_eager']['step_s'] / by['hasten_fused']['step_s']:.1f}x; grouping op "
-          f"{by['torch_sort_histc_cumsum']['step_s'] / by['hasten_moe_group']['step_s']:.2f}x")
+        shown = f"{r['step_s'] * 1000:8.3f} ms" if r["step_s"] is not None else "  FAILED  "
+        print(f"{r['workload']:>12} {r['variant']:>24}: {shown}  syncs {r['host_syncs_per_step']}"
+              f"  correct {r['correct']}  {r.get('error') or r['notes'][:110]}")
+    by = {r["variant"]: r["step_s"] for r in rows if r["step_s"]}
+    for a, b in (("hf_moe_grouped_mm", "hasten_fused"), ("hf_moe_eager", "hasten_fused"),
+                 ("hasten_fused", "hasten_graphed"), ("hasten_fused", "hasten_graphed_callables"),
+                 ("hasten_fused", "hasten_compiled"), ("torch_sort_histc_cumsum", "hasten_moe_group")):
+        if a in by and b in by:
+            print(f"{b} vs {a}: {by[a] / by[b]:.2f}x")
     print(f"rows appended to {path}")
     return 0
 

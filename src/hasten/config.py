@@ -114,6 +114,11 @@ class TrainingConfig:
     # every layer runs eagerly, said once (fallback torch_compile). Needs metadata_cache: true,
     # attention.verify: false and no activation offload.
     compile: bool = False
+    # CUDA graphs: false (none), or optimizer: the AdamW step is captured once in a CUDA graph and
+    # replayed every step (the LR schedule is read from a device tensor; gradients are zeroed in
+    # place, never freed, so each parameter keeps its gradient's memory through the forward).
+    # Runs eagerly, with one warning, on the CPU, under fsdp2, or if capture fails.
+    cuda_graphs: Literal["false", "optimizer"] = "false"
 
 
 @dataclass

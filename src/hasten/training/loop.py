@@ -41,6 +41,7 @@ from hasten.training.checkpoint import (CheckpointError, CheckpointWriteError, T
                                        save_final_model)
 from hasten.training.defaults import embedded_model_config
 from hasten.training.distributed import all_reduce_sum, from_environment, gradient_sync, shutdown, wrap_model
+from hasten.training.graphed_optimizer import build_adamw, optimizer_graph_summary
 from hasten.training.metrics import HostLeadMeter, MetricsLog, format_row, peak_memory_gib, profiled_step
 from hasten.training.prefetch import NextBatchPrefetcher
 from hasten.training.run_folder import (check_resume_config, config_record, guard_earlier_run, metrics_rows,
@@ -330,8 +331,10 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
 
     # optimizer, and the state to continue from
     run.trainable = [p for p in run.model.parameters() if p.requires_grad]
-    run.optimizer = torch.optim.AdamW(run.trainable, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                      fused=device.type == "cuda")
+    # fused AdamW on CUDA; training.cuda_graphs optimizer captures its step in a CUDA graph (a
+    # GraphedAdamW: gradients zeroed in place, the LR read from a device tensor), or says once why not
+    run.optimizer = build_adamw(run.trainable, lr=t.learning_rate, weight_decay=t.weight_decay, device=device,
+                                cuda_graphs=t.cuda_graphs, distributed=ctx.strategy)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer,
                                                       lambda s: _lr_factor(s, t.warmup_steps, t.max_steps))
     run.state = TrainerState(step=0, epoch=0, batches_in_epoch=0)
@@ -658,6 +661,7 @@ def _finish(run: _Run, interrupted_by: str | None) -> TrainResult:
                "masked_batches": run.masked_batches,
                "hasten_active": run.handle.active, "hasten_inactive": run.handle.inactive,
                "fallbacks": fallback_counts(), "fallback_reasons": fallback_reasons(),
+               "optimizer_graph": optimizer_graph_summary(run.optimizer),
                "interrupted_by": interrupted_by, "world_size": ctx.world_size,
                "distributed": ctx.strategy,
                "compile": (None if run.compiled is None else

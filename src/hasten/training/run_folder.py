@@ -136,7 +136,8 @@ RESUME_MAY_CHANGE = (
     "training.checkpoint.keep_last", "training.checkpoint.activations", "training.checkpoint.offload",
     "training.checkpoint.double_buffer", "training.checkpoint.max_memory_gib", "training.device",
     "training.distributed", "training.fsdp2_reshard_after_forward", "training.fsdp2_layers_per_unit",
-    "training.metadata_cache", "training.compile", "training.moe.", "kernels.", "attention.", "logging.",
+    "training.metadata_cache", "training.compile", "training.cuda_graphs", "training.moe.", "kernels.", "attention.",
+    "logging.",
 )
 
 

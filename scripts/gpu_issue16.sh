@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Issue 16 part 3 on the GPU machine (one H200), in one call of at most BUDGET (530) seconds, in
+# this order (what matters most first; a part gets at most its cap and never more than is left):
+#   build     pip install -e . (wheels in .whl/ go to /tmp/site first, as in gpu_check.sh)     cap 300 s
+#   gpu       tests/gpu/test_cuda_graphs_cuda.py (GraphedAdamW, the captured MoE block), -s     cap 120 s
+#   w3        W3 --steps 10: hf_moe_grouped_mm, hasten_fused, hasten_graphed,
+#             hasten_graphed_callables, hasten_compiled                                      cap 150 s
+#   w1        W1 --steps 10: hasten, hasten_graphed_optimizer, hasten_compiled, liger (last: it
+#             patches transformers' Qwen3 for the rest of the process; where liger_kernel imports)
+#   ops       tests/ops, and tests/integrations/test_compile.py when it exists (mostly CPU tests:
+#             last, with the time that is left)                                              cap 90 s
+# Each part's log, rc and seconds go to $OUT/logs/summary.txt (key lines too); benchmark rows are
+# written per variant, so a part cut short keeps the rows it finished. At the end everything is
+# packed into ONE file, $OUT/issue16.tgz, and the loose files are removed.
+# Estimates (fresh machine, benchmarks/results/gpu-*): build 145-175 s, gpu ~60 s, w3 ~90 s
+# (torch.compile of the block ~40 s), w1 ~170 s (of it ~120 s compiling the layers, eval and
+# train), ops ~30 s: about 520 s.
+#   OUT=/tmp/out HASTEN_COMMIT=<commit> bash scripts/gpu_issue16.sh      (PARTS="gpu w3" for a subset)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export HASTEN_COMMIT=${HASTEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+BUDGET=${BUDGET:-530}
+PARTS=" ${PARTS:-build gpu w3 w1 ops} "
+START=$SECONDS
+SUMMARY="$LOGS/summary.txt"
+echo "issue16 at $HASTEN_COMMIT, budget ${BUDGET} s, parts:$PARTS" | tee "$SUMMARY"
+
+# part NAME CAP CMD...: CMD under timeout (CAP, or less when less time is left), output in $LOGS/NAME.log
+part() {
+  local name=$1 cap=$2; shift 2
+  local limit=$(( BUDGET - (SECONDS - START) - 15 ))  # 15 s: timeout's grace (5 s) and the tar
+  (( limit > cap )) && limit=$cap
+  if (( limit < 20 )); then
+    echo "$name: SKIPPED, ${limit} s left" | tee -a "$SUMMARY"
+    return 124
+  fi
+  local t0=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  local note=""
+  (( rc == 124 || rc == 137 )) && note=" (TIMED OUT)"
+  echo "$name: rc $rc in $(( SECONDS - t0 )) s, limit $limit s$note" | tee -a "$SUMMARY"
+  return $rc
+}
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+    > "$LOGS/wheels.log" 2>&1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+timeout 60 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tee -a "$SUMMARY"
+
+built=1
+if [[ $PARTS == *" build "* ]]; then
+  part build 300 python3 -m pip install -v --no-build-isolation --no-deps -e . || built=0
+  grep "hasten: " "$LOGS/build.log" 2>/dev/null | sort -u | tee -a "$SUMMARY"
+  (( built )) || tail -30 "$LOGS/build.log"
+fi
+
+if (( built )); then
+  if [[ $PARTS == *" gpu "* ]]; then
+    part gpu 120 python3 -m pytest tests/gpu/test_cuda_graphs_cuda.py -q -rs -s
+    grep -E "graphed vs eager|replay [0-9]|make_graphed_callables|eager losses|graphed losses|optimizer_graph|passed|failed|skipped|^FAILED|^ERROR" \
+      "$LOGS/gpu.log" 2>/dev/null | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" w3 "* ]]; then
+    part w3 150 python3 benchmarks/moe_block.py --steps 10 --out "$LOGS" \
+      --variants hf_moe_grouped_mm,hasten_fused,hasten_graphed,hasten_graphed_callables,hasten_compiled
+    grep -E "^ +W3|vs eager hasten_fused|x$|FAILED|Error" "$LOGS/w3.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" w1 "* ]]; then
+    W1_VARIANTS=hasten,hasten_graphed_optimizer,hasten_compiled
+    timeout 60 python3 -c "import liger_kernel" 2>/dev/null && W1_VARIANTS=$W1_VARIANTS,liger
+    part w1 330 python3 benchmarks/packed_sft.py --steps 10 --out "$LOGS" --variants "$W1_VARIANTS"
+    grep -E "tok/s|FAILED|vs |compiled graphs|optimizer graph|losses vs" "$LOGS/w1.log" 2>/dev/null | tail -14 \
+      | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" ops "* ]]; then
+    OPS_TESTS="tests/ops"
+    [ -f tests/integrations/test_compile.py ] && OPS_TESTS="$OPS_TESTS tests/integrations/test_compile.py"
+    part ops 90 python3 -m pytest $OPS_TESTS -q -rs
+    grep -E "passed|failed|skipped|^FAILED|^ERROR" "$LOGS/ops.log" 2>/dev/null | tail -12 | tee -a "$SUMMARY"
+  fi
+fi
+
+echo "total $(( SECONDS - START )) s" | tee -a "$SUMMARY"
+tar czf "$OUT/issue16.tgz" -C "$OUT" logs && rm -rf "$LOGS" && echo "packed: $OUT/issue16.tgz" \
+  || echo "tar failed: the logs stay in $LOGS"
