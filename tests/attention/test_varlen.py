@@ -76,3 +76,28 @@ def test_per_sequence_op_under_compile_equals_eager(causal, window):
     torch.testing.assert_close(got, want)
     for g, w in zip(torch.autograd.grad(got, (q, k, v), upstream), torch.autograd.grad(want, (q, k, v), upstream)):
         torch.testing.assert_close(g, w)
+
+
+def test_cudnn_op_under_compile_recompiles_per_power_of_two_of_the_longest_sequence():
+    """hasten::varlen_attention takes `int max_seqlen` (not SymInt): compiled, the dispatch passes the
+    op's own power-of-two bucket, so new longest sequences within a bucket reuse the graph. Run
+    with the op's CPU kernel (the float32 reference), which accepts any max_seqlen above the
+    longest sequence, as the cuDNN kernel does."""
+    from torch._dynamo.utils import counters
+
+    from hasten.attention.varlen import _cudnn_max_seqlen
+    from hasten.ops.attention import varlen_attention as cudnn_op
+
+    def attend(q, k, v, cu, longest):
+        return cudnn_op(q, k, v, cu, _cudnn_max_seqlen(longest), 0.25, True)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(2)
+    for lengths in ([5, 1, 9], [3, 20], [1, 1, 1, 40, 2], [70, 3]):
+        q, k, v = (torch.randn(sum(lengths), h, 16, generator=gen) for h in (6, 3, 3))
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        torch.testing.assert_close(compiled(q, k, v, cu, max(lengths)), attend(q, k, v, cu, max(lengths)))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # longest <= 64, then 128
+    assert [_cudnn_max_seqlen(n) for n in (1, 64, 65, 1000)] == [64, 64, 128, 1024]

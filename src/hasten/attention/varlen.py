@@ -324,6 +324,19 @@ _per_sequence_op.register_autograd(_per_sequence_backward, setup_context=_per_se
 _per_sequence_eager = torch.compiler.disable(_per_sequence)
 
 
+def _cudnn_max_seqlen(max_seqlen: int) -> int:
+    """max_seqlen for hasten's cuDNN op under torch.compile: the power of two (at least 64) that the
+    op keys its cuDNN graphs on (`bucket(max_seqlen, 64)` in varlen_attention_cuda.cpp), so the op
+    computes exactly what it computes for the exact value. The op's schema takes `int max_seqlen`,
+    not SymInt, so a symbolic longest sequence would be specialised to its value (one recompile per
+    new longest sequence); the comparisons below leave dynamo a range guard instead, one graph per
+    power of two."""
+    bucket = 64
+    while bucket < max_seqlen:
+        bucket *= 2
+    return bucket
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      *, scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                      dropout: float = 0.0, backend: str = "auto", gqa: GqaMode = "auto",
@@ -352,7 +365,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if torch.compiler.is_compiling():
             # a refusal is raised by the op when the graph runs, past any Python a trace could leave
             # here: compiled, a batch cuDNN refuses raises its error instead of falling back
-            return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+            return cudnn_attention(q, k, v, cu_seqlens, _cudnn_max_seqlen(max_seqlen), scale, causal)
         try:
             return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
         except RuntimeError as exc:  # a shape cuDNN refuses (the op caches the refusal per bucket)
