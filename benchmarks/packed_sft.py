@@ -11,8 +11,9 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
   hasten_gqa_repeat  hasten with K/V heads repeated instead of read natively
   hasten_fa2         hasten with attention.backend torch_varlen (FlashAttention-2) instead of auto
   hasten_no_cache    hasten with training.metadata_cache false (metadata derived in every layer)
-  hasten_compiled    hasten with each decoder layer under torch.compile (default mode); compiled graphs
-                     in the warm-up, recompiles over the timed steps and graph breaks are in the notes
+  hasten_compiled    hasten with each decoder layer under torch.compile (default mode), as training.compile
+                     does it (hasten.training.compile: one graph per layer, dynamic shapes); compiled
+                     graphs in the warm-up, recompiles over the timed steps and graph breaks are in the notes
   hasten_graphed_optimizer  hasten with the AdamW step captured in a CUDA graph (GraphedAdamW, one eager
                      warm-up step; training.cuda_graphs: optimizer in hasten train)
   liger              hasten's packed attention with every kernels.* switch off, and Liger-Kernel's
@@ -50,6 +51,7 @@ import hasten  # noqa: E402
 from hasten.config import Config, KernelsConfig  # noqa: E402
 from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
 from hasten.packing import move_batch  # noqa: E402
+from hasten.training.compile import compile_decoder_layers  # noqa: E402
 from hasten.training.graphed_optimizer import GraphedAdamW  # noqa: E402
 
 TOKENS = 16384
@@ -192,7 +194,7 @@ def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] =
     try:
         return _run_variant(name, model, samples, refs, steps, profile, handles := [])
     finally:
-        for h in handles:  # also when the variant failed: the next one starts from an unpatched model
+        for h in reversed(handles):  # also when the variant failed: the next one starts from an unpatched model
             h.undo()
         if name == "hasten_compiled":
             torch._dynamo.reset()
@@ -219,13 +221,14 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
         handles.append(handle)
         apply_liger_kernel_to_qwen3(model=model)
     extra_notes = []
+    compiled = None
     if name == "hasten_compiled":
         torch._dynamo.reset()
-        # 28 layers of one class: the limit on compiled versions per code object must not send
-        # layers back to eager without a word
-        torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
-        for layer in model.model.layers:
-            layer.compile()  # in place: same module, same parameters, hasten's patches inside
+        # what training.compile does in hasten train: every decoder layer's forward through
+        # torch.compile (default mode, one graph per layer, dynamic shapes, shared by the layers),
+        # after hasten's patches; a layer that fails to compile sends all back to eager, said once
+        compiled = compile_decoder_layers(model)
+        handles.append(compiled)
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), DEVICE)
     if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat",
                 "hasten_fa2", "liger", "hasten_compiled", "hasten_graphed_optimizer"):
@@ -273,6 +276,7 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
         step()
     step_s = common.median(times)
     if name == "hasten_compiled":
+        extra_notes.append(f"training.compile's layers: {len(compiled.layers)}, failure {compiled.failure}")
         extra_notes.append(f"compiled graphs: {compiled_before['graphs']} in the isolation check (eval), "
                            f"{compiled_warm['graphs'] - compiled_before['graphs']} in the 2 warm-up steps, "
                            f"recompiles in the {steps} timed steps {compiled_after['graphs'] - compiled_warm['graphs']}; "
