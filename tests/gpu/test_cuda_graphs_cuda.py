@@ -264,6 +264,9 @@ def _captured_moe_block_forward_backward_equals_eager():
         _check((out, x.grad, [p.grad for p in block.parameters()]), want[i % 2], f"replay {i}")
 
 
+@pytest.mark.xfail(strict=True, reason="measured on one H200 at b17c98e: after 2 accumulated micro-batches through "
+                   "make_graphed_callables the parameter gradients were off by a relative 1.0 against eager; not "
+                   "understood yet, so W3's hasten_graphed_callables row is measured with a zero_grad per step only")
 def test_graphed_callables_moe_block_accumulates_gradients_like_eager():
     with registered():
         _graphed_callables_moe_block_accumulates_gradients_like_eager()

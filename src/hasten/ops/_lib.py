@@ -43,6 +43,47 @@ def load() -> None:
     _loaded = True
 
 
+# op name -> the autograd.Function eager calls take (see register_autograd)
+_EAGER_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
+
+
+def register_autograd(name: str, backward, setup_context) -> None:
+    """Register the formula (backward, setup_context) on hasten::<name> for torch.compile and
+    AOTAutograd, and build from the same two functions the autograd.Function that eager calls
+    take: the op's Python autograd kernel costs about twice the host time of an
+    autograd.Function per call (measured, docs/design.md), and hasten's small-model steps are
+    host-bound. One formula, two entry points; tests/ops/test_op_pattern.py compares them."""
+    torch.library.register_autograd(f"hasten::{name}", backward, setup_context=setup_context)
+    op = getattr(torch.ops.hasten, name).default
+
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():  # straight to the CPU/CUDA kernel
+            output = op(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    _EAGER_FUNCTIONS[name] = type(f"Eager_{name}", (torch.autograd.Function,),
+                                  {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+def call(name: str, *args):
+    """hasten::<name>(*args) with autograd: traced as the op under torch.compile, through the op's
+    eager autograd.Function otherwise."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.hasten, name)(*args)
+    return _EAGER_FUNCTIONS[name].apply(*args)
+
+
+def call_in_backward(name: str, *args):
+    """An op inside a backward formula. Without create_graph (grad mode off) it goes straight to
+    the kernel; with it, through the op's autograd (a formula, or the refusal of a backward op)."""
+    op = getattr(torch.ops.hasten, name)
+    if torch.is_grad_enabled():
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
 def no_double_backward(op: str) -> None:
     """Register an autograd formula on a backward op (hasten::<op>) that refuses: hasten's
     kernels have no second derivative, and without a formula autograd would only warn and let

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hasten.ops import _checks
-from hasten.ops._lib import load, no_double_backward
+from hasten.ops._lib import call, call_in_backward, load, no_double_backward, register_autograd
 
 
 def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale, causal):
@@ -35,7 +35,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    grads = torch.ops.hasten.varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
+    grads = call_in_backward("varlen_attention_backward", grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
                                                        ctx.scale, ctx.causal)
     return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3])), None, None, None, None)
 
@@ -44,7 +44,7 @@ def _register() -> None:
     """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
     torch.library.register_fake("hasten::varlen_attention", _varlen_attention_fake)
     torch.library.register_fake("hasten::varlen_attention_backward", _varlen_attention_backward_fake)
-    torch.library.register_autograd("hasten::varlen_attention", _backward, setup_context=_setup)
+    register_autograd("varlen_attention", _backward, setup_context=_setup)
     no_double_backward("varlen_attention_backward")
 
 
@@ -53,4 +53,4 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """Each packed sequence attends to itself only; returns (T, Hq, D)."""
     load()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return torch.ops.hasten.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)[0]
+    return call("varlen_attention", q, k, v, cu_seqlens, max_seqlen, scale, causal)[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hasten.ops import _checks
-from hasten.ops._lib import load, no_double_backward
+from hasten.ops._lib import call, call_in_backward, load, no_double_backward, register_autograd
 
 
 def _rms_norm_fake(x, weight, eps, offset):
@@ -52,7 +52,7 @@ def _rms_norm_setup(ctx, inputs, output):
 
 def _rms_norm_backward(ctx, grad_y, _grad_rstd):
     x, weight, rstd = ctx.saved_tensors
-    grad_x, grad_weight = torch.ops.hasten.rms_norm_backward(grad_y, x, weight, rstd, ctx.offset)
+    grad_x, grad_weight = call_in_backward("rms_norm_backward", grad_y, x, weight, rstd, ctx.offset)
     return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
             None, None)
 
@@ -63,7 +63,7 @@ def _silu_mul_setup(ctx, inputs, output):
 
 def _silu_mul_backward(ctx, grad_act):
     gate, up = ctx.saved_tensors
-    grad_gate, grad_up = torch.ops.hasten.silu_mul_backward(grad_act, gate, up)
+    grad_gate, grad_up = call_in_backward("silu_mul_backward", grad_act, gate, up)
     return grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None
 
 
@@ -81,7 +81,7 @@ def _rope_backward(ctx, grad):
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum; the kernel reads rows of head_dim
         grad = grad.contiguous()
     # the rotation's gradient map is its transpose: the same op with `backward` flipped
-    return torch.ops.hasten.rope(grad, cos, sin, not ctx.backward), None, None, None
+    return call_in_backward("rope", grad, cos, sin, not ctx.backward), None, None, None
 
 
 def _register() -> None:
@@ -92,9 +92,9 @@ def _register() -> None:
     torch.library.register_fake(lib + "silu_mul", _silu_mul_fake)
     torch.library.register_fake(lib + "silu_mul_backward", _silu_mul_backward_fake)
     torch.library.register_fake(lib + "rope", _rope_fake)
-    torch.library.register_autograd(lib + "rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
-    torch.library.register_autograd(lib + "silu_mul", _silu_mul_backward, setup_context=_silu_mul_setup)
-    torch.library.register_autograd(lib + "rope", _rope_backward, setup_context=_rope_setup)
+    register_autograd("rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+    register_autograd("silu_mul", _silu_mul_backward, setup_context=_silu_mul_setup)
+    register_autograd("rope", _rope_backward, setup_context=_rope_setup)
     for op in ("rms_norm_backward", "silu_mul_backward"):
         no_double_backward(op)
 
@@ -103,16 +103,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     """(weight + offset) * (x * rsqrt(mean(x^2) + eps)), the normalised value cast to x's dtype
     before the weight multiplies it (transformers' Llama/Qwen order)."""
     load()
-    return torch.ops.hasten.rms_norm(x, weight, float(eps), float(offset))[0]
+    return call("rms_norm", x, weight, float(eps), float(offset))[0]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel; backward keeps only gate and up."""
     load()
-    return torch.ops.hasten.silu_mul(gate, up)
+    return call("silu_mul", gate, up)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin for x (B, heads, L, D), cos/sin (B or 1, L, D)."""
     load()
-    return torch.ops.hasten.rope(x, cos, sin, False)
+    return call("rope", x, cos, sin, False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hasten.ops import _checks
-from hasten.ops._lib import load
+from hasten.ops._lib import call, load, register_autograd
 
 IGNORE_INDEX = -100
 
@@ -59,7 +59,7 @@ def _register() -> None:
     """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
     torch.library.register_fake("hasten::cross_entropy_rows_", _cross_entropy_rows_fake)
     torch.library.register_fake("hasten::linear_cross_entropy", _linear_cross_entropy_fake)
-    torch.library.register_autograd("hasten::linear_cross_entropy", _backward, setup_context=_setup)
+    register_autograd("linear_cross_entropy", _backward, setup_context=_setup)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -83,7 +83,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device)
     # the gradients come out of the forward pass (no logits are kept), so the forward must know
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    loss = torch.ops.hasten.linear_cross_entropy(hidden2d, weight, bias, flat_targets, denominator, int(ignore_index),
+    loss = call("linear_cross_entropy", hidden2d, weight, bias, flat_targets, denominator, int(ignore_index),
                                                  float(label_smoothing), float(softcap or 0.0), int(chunk_tokens),
                                                  compute_grad)[0]
     return loss

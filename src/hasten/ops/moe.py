@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from hasten.ops import _checks
-from hasten.ops._lib import load, no_double_backward
+from hasten.ops._lib import call, call_in_backward, load, no_double_backward, register_autograd
 
 
 def _moe_group_fake(expert_ids, num_experts):
@@ -73,10 +73,10 @@ def _permute_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         # each token sums the gradients of its k slots (scaled): a gather, deterministic
         weights = slot_scale.reshape(-1, ctx.top_k) if ctx.has_scale else None
-        grad_x = torch.ops.hasten.moe_combine(grad, inverse, offsets, ctx.top_k, weights)
+        grad_x = call_in_backward("moe_combine", grad, inverse, offsets, ctx.top_k, weights)
     if ctx.needs_input_grad[4]:
         # d slot_scale[s] = dot(grad[inverse[s]], x[s // k])
-        grad_scale = torch.ops.hasten.moe_combine_weight_grad(x, grad, inverse, offsets, ctx.top_k).reshape(-1)
+        grad_scale = call_in_backward("moe_combine_weight_grad", x, grad, inverse, offsets, ctx.top_k).reshape(-1)
     return grad_x, None, None, None, grad_scale
 
 
@@ -97,9 +97,9 @@ def _combine_backward(ctx, grad_out):
     grad_y = grad_weights = None
     if ctx.needs_input_grad[0]:
         slot_scale = weights.reshape(-1) if ctx.has_weights else None
-        grad_y = torch.ops.hasten.moe_permute(grad_out, _inverse_of(inverse), offsets, ctx.top_k, slot_scale)
+        grad_y = call_in_backward("moe_permute", grad_out, _inverse_of(inverse), offsets, ctx.top_k, slot_scale)
     if ctx.needs_input_grad[4]:
-        grad_weights = torch.ops.hasten.moe_combine_weight_grad(grad_out, y, inverse, offsets, ctx.top_k)
+        grad_weights = call_in_backward("moe_combine_weight_grad", grad_out, y, inverse, offsets, ctx.top_k)
         grad_weights = grad_weights.reshape(ctx.weights_shape)
     return grad_y, None, None, None, grad_weights
 
@@ -110,7 +110,7 @@ def _swiglu_setup(ctx, inputs, output):
 
 def _swiglu_backward(ctx, grad_act):
     (gate_up,) = ctx.saved_tensors
-    return torch.ops.hasten.swiglu_backward(grad_act.contiguous(), gate_up)
+    return call_in_backward("swiglu_backward", grad_act.contiguous(), gate_up)
 
 
 def _register() -> None:
@@ -120,9 +120,9 @@ def _register() -> None:
                        ("moe_combine", _moe_combine_fake), ("moe_combine_weight_grad", _moe_combine_weight_grad_fake),
                        ("swiglu", _swiglu_fake), ("swiglu_backward", _swiglu_backward_fake)):
         torch.library.register_fake(lib + name, fake)
-    torch.library.register_autograd(lib + "moe_permute", _permute_backward, setup_context=_permute_setup)
-    torch.library.register_autograd(lib + "moe_combine", _combine_backward, setup_context=_combine_setup)
-    torch.library.register_autograd(lib + "swiglu", _swiglu_backward, setup_context=_swiglu_setup)
+    register_autograd("moe_permute", _permute_backward, setup_context=_permute_setup)
+    register_autograd("moe_combine", _combine_backward, setup_context=_combine_setup)
+    register_autograd("swiglu", _swiglu_backward, setup_context=_swiglu_setup)
     for op in ("moe_combine_weight_grad", "swiglu_backward"):
         no_double_backward(op)
 
@@ -153,16 +153,16 @@ def group(expert_ids: torch.Tensor, num_experts: int) -> Grouping:
 def permute(x: torch.Tensor, g: Grouping) -> torch.Tensor:
     """Tokens (T, H) -> slots in expert order (S, H); dropped slots are zero rows."""
     load()
-    return torch.ops.hasten.moe_permute(x, g.permutation, g.offsets, g.top_k, None)
+    return call("moe_permute", x, g.permutation, g.offsets, g.top_k, None)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, g: Grouping) -> torch.Tensor:
     """Expert outputs in expert order (S, H) -> tokens (T, H), weighted by the router's (T, k)."""
     load()
-    return torch.ops.hasten.moe_combine(y, g.inverse, g.offsets, g.top_k, weights)
+    return call("moe_combine", y, g.inverse, g.offsets, g.top_k, weights)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[gate | up] rows (R, 2I) -> silu(gate) * up (R, I), one kernel each way."""
     load()
-    return torch.ops.hasten.swiglu(gate_up)
+    return call("swiglu", gate_up)
