@@ -2,12 +2,11 @@ import pytest
 import torch
 
 from hasten.observability import reset_fallbacks
-from hasten.ops import is_loaded, load
+from hasten.ops import is_loaded
 
 # Many tests call torch.ops.hasten.* directly, some at collection; the package loads hasten._C on
 # first use only (tests/test_import.py checks, in fresh interpreters, that import loads nothing).
-if is_loaded():
-    load()
+is_loaded()  # loads it (a broken build shows in tests/test_import.py and the ops' own tests)
 
 
 def pytest_collection_modifyitems(config, items):

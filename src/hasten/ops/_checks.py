@@ -192,6 +192,12 @@ def check_cross_entropy_rows_args(logits, targets, grad_scale, label_smoothing, 
         check(grad_scale.numel() == 1 and grad_scale.dtype == torch.float32, op,
               "`grad_scale` must be one float32 value (1 / the loss denominator)")
         check_same_device(logits, grad_scale, op, "logits", "grad_scale")
+    check_smoothing_and_softcap(label_smoothing, softcap)
+
+
+def check_smoothing_and_softcap(label_smoothing, softcap) -> None:
+    """cross_entropy_rows_'s scalar checks, which linear_cross_entropy reaches through it."""
+    op = "cross_entropy_rows_"
     check(0.0 <= label_smoothing <= 1.0, op, lambda: f"`label_smoothing` must be in [0, 1], got {label_smoothing:f}")
     check(softcap >= 0.0, op, lambda: f"`softcap` must be 0 (off) or positive, got {softcap:f}")
 

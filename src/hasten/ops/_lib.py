@@ -97,10 +97,6 @@ def no_double_backward(op: str) -> None:
     torch.library.register_autograd(f"hasten::{op}", refuse)
 
 
-def require_extension() -> None:
-    load()
-
-
 def is_loaded() -> bool:
     """Whether hasten._C loads (tries to load it)."""
     try:

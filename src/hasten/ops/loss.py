@@ -23,9 +23,7 @@ def _cross_entropy_rows_fake(logits, targets, grad_scale, ignore_index, label_sm
 def _linear_cross_entropy_fake(hidden, weight, bias, targets, denominator, ignore_index, label_smoothing, softcap,
                                chunk_tokens, compute_grad):
     _checks.check_linear_cross_entropy_args(hidden, weight, bias, targets, denominator)
-    _checks.check(0.0 <= label_smoothing <= 1.0, "cross_entropy_rows_",
-                  lambda: f"`label_smoothing` must be in [0, 1], got {label_smoothing:f}")
-    _checks.check(softcap >= 0.0, "cross_entropy_rows_", lambda: f"`softcap` must be 0 (off) or positive, got {softcap:f}")
+    _checks.check_smoothing_and_softcap(label_smoothing, softcap)
     loss = hidden.new_empty((), dtype=torch.float32)
     if not compute_grad:
         return loss, *(hidden.new_empty((0,)) for _ in range(3))  # three tensors, as the kernel: none aliases
