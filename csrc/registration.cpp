@@ -48,6 +48,9 @@ TORCH_LIBRARY(hasten, m) {
   // The same on two tensors of one shape (..., I): gate and up of a dense MLP (two projections).
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("silu_mul_backward(Tensor grad_act, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
+  // GeGLU (Gemma's MLP) on gate and up (..., I): gelu(gate, approximate="tanh") * up -> (..., I).
+  m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("gelu_tanh_mul_backward(Tensor grad_act, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
   // Attention of each packed sequence to itself (causal or full): q (T, Hq, D), k and v (T, Hk, D),
   // Hq a multiple of Hk, cu_seqlens (N+1) int32 boundaries, max_seqlen >= the longest sequence.
   // out (T, Hq, D); lse (T, Hq) float32, the log-sum-exp of each query's scaled scores, which the

@@ -1,6 +1,7 @@
-// Argument checks of the SwiGLU ops, shared by their CPU and CUDA implementations:
+// Argument checks of the gated-MLP ops, shared by their CPU and CUDA implementations:
 //   swiglu / swiglu_backward        one (rows, 2 * inner) tensor [gate | up] (MoE experts)
-//   silu_mul / silu_mul_backward    gate and up as two (rows, inner) tensors (dense MLPs)
+//   silu_mul / silu_mul_backward,   gate and up as two (..., inner) tensors of one shape (dense
+//   gelu_tanh_mul / _backward       MLPs); both pairs take the same arguments: one check, by op name
 #pragma once
 
 #include <torch/types.h>
@@ -24,7 +25,7 @@ inline void check_swiglu_backward_args(const at::Tensor& grad_act, const at::Ten
   check_same_device(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
 }
 
-inline void check_silu_mul_args(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+inline void check_gated_mul_args(const char* op, const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.sizes() == up.sizes(), "hasten::", op, ": `gate` and `up` must have one shape, got ",
               shape(gate.sizes()), " and ", shape(up.sizes()));
   TORCH_CHECK(gate.dim() >= 1, "hasten::", op, ": `gate` must have at least one dimension");
@@ -32,12 +33,13 @@ inline void check_silu_mul_args(const char* op, const at::Tensor& gate, const at
   check_same_device(gate, up, op, "gate", "up");
 }
 
-inline void check_silu_mul_backward_args(const at::Tensor& grad_act, const at::Tensor& gate, const at::Tensor& up) {
-  check_silu_mul_args("silu_mul_backward", gate, up);
-  TORCH_CHECK(grad_act.sizes() == gate.sizes(), "hasten::silu_mul_backward: `grad_act` must have the shape of `gate` ",
+inline void check_gated_mul_backward_args(const char* op, const at::Tensor& grad_act, const at::Tensor& gate,
+                                          const at::Tensor& up) {
+  check_gated_mul_args(op, gate, up);
+  TORCH_CHECK(grad_act.sizes() == gate.sizes(), "hasten::", op, ": `grad_act` must have the shape of `gate` ",
               shape(gate.sizes()), ", got ", shape(grad_act.sizes()));
-  check_same_dtype(gate, grad_act, "silu_mul_backward", "gate", "grad_act");
-  check_same_device(gate, grad_act, "silu_mul_backward", "gate", "grad_act");
+  check_same_dtype(gate, grad_act, op, "gate", "grad_act");
+  check_same_device(gate, grad_act, op, "gate", "grad_act");
 }
 
 }  // namespace hasten

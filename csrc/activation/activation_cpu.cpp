@@ -1,40 +1,66 @@
-// CPU reference of the SwiGLU ops: one strided routine for both layouts (see activation_checks.h).
+// CPU reference of the gated-MLP ops (SwiGLU, GeGLU-tanh): one strided routine for both layouts
+// (see activation_checks.h), parametrised by the gate's activation (kernels/gate_activation.h).
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <cmath>
 #include <tuple>
 
+#include "../kernels/gate_activation.h"
 #include "activation_checks.h"
 
 namespace hasten {
 namespace {
 
+using kernels::GateActivation;
+
+// float math for float and the 16-bit types, double for double (the CUDA kernels compute in float)
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+// f(g) and f'(g) of the gate activation.
+template <typename A>
+struct GateValue {
+  A value, slope;
+};
+
+template <GateActivation F, typename A>
+GateValue<A> gate_activation(A g) {
+  if constexpr (F == GateActivation::kSilu) {
+    const A sg = A(1) / (A(1) + std::exp(-g));
+    return {g * sg, sg * (A(1) + g * (A(1) - sg))};
+  } else {
+    // torch's gelu(approximate="tanh") and its derivative (aten GeluBackward)
+    const A sqrt_2_over_pi = A(0.7978845608028654), cubic = A(0.044715);
+    const A t = std::tanh(sqrt_2_over_pi * (g + cubic * g * g * g));
+    return {A(0.5) * g * (A(1) + t),
+            A(0.5) * (A(1) + t) + A(0.5) * g * (A(1) - t * t) * sqrt_2_over_pi * (A(1) + A(3) * cubic * g * g)};
+  }
+}
+
 // Rows of gate and up at a common stride `in_stride`; act (rows, inner) contiguous.
-template <typename T>
-void swiglu_rows(const T* gate, const T* up, int64_t in_stride, T* act, int64_t rows, int64_t inner) {
+template <GateActivation F, typename T>
+void gated_rows(const T* gate, const T* up, int64_t in_stride, T* act, int64_t rows, int64_t inner) {
   using A = acc_t<T>;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < inner; ++c) {
       const A g = static_cast<A>(gate[r * in_stride + c]), u = static_cast<A>(up[r * in_stride + c]);
-      act[r * inner + c] = static_cast<T>(g / (A(1) + std::exp(-g)) * u);
+      act[r * inner + c] = static_cast<T>(gate_activation<F>(g).value * u);
     }
 }
 
-template <typename T>
-void swiglu_rows_backward(const T* gate, const T* up, int64_t in_stride, const T* grad_act, T* grad_gate, T* grad_up,
-                          int64_t out_stride, int64_t rows, int64_t inner) {
+// grad_gate = grad_act * up * f'(gate), grad_up = grad_act * f(gate); both at `out_stride`.
+template <GateActivation F, typename T>
+void gated_rows_backward(const T* gate, const T* up, int64_t in_stride, const T* grad_act, T* grad_gate, T* grad_up,
+                         int64_t out_stride, int64_t rows, int64_t inner) {
   using A = acc_t<T>;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < inner; ++c) {
       const A g = static_cast<A>(gate[r * in_stride + c]), u = static_cast<A>(up[r * in_stride + c]);
       const A d = static_cast<A>(grad_act[r * inner + c]);
-      const A sg = A(1) / (A(1) + std::exp(-g));
-      grad_gate[r * out_stride + c] = static_cast<T>(d * u * sg * (A(1) + g * (A(1) - sg)));
-      grad_up[r * out_stride + c] = static_cast<T>(d * g * sg);
+      const GateValue<A> f = gate_activation<F>(g);
+      grad_gate[r * out_stride + c] = static_cast<T>(d * u * f.slope);
+      grad_up[r * out_stride + c] = static_cast<T>(d * f.value);
     }
 }
 
@@ -45,7 +71,7 @@ at::Tensor swiglu_cpu(const at::Tensor& gate_up) {
   auto out = at::empty({rows, inner}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "swiglu_cpu", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
-    swiglu_rows(in, in + inner, 2 * inner, out.data_ptr<scalar_t>(), rows, inner);
+    gated_rows<GateActivation::kSilu>(in, in + inner, 2 * inner, out.data_ptr<scalar_t>(), rows, inner);
   });
   return out;
 }
@@ -59,33 +85,55 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gat
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "swiglu_backward_cpu", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    swiglu_rows_backward(in, in + inner, 2 * inner, d.data_ptr<scalar_t>(), o, o + inner, 2 * inner, rows, inner);
+    gated_rows_backward<GateActivation::kSilu>(in, in + inner, 2 * inner, d.data_ptr<scalar_t>(), o, o + inner,
+                                               2 * inner, rows, inner);
   });
   return out;
 }
 
-at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
-  check_silu_mul_args("silu_mul", gate, up);
+// gate and up (..., inner) of one shape, read as contiguous rows of `inner`.
+template <GateActivation F>
+at::Tensor gated_mul_cpu(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  check_gated_mul_args(op, gate, up);
   const auto g = gate.contiguous(), u = up.contiguous();
   const int64_t inner = g.size(-1), rows = rows_of(g);
   auto out = at::empty_like(g);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "silu_mul_cpu", [&] {
-    swiglu_rows(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), inner, out.data_ptr<scalar_t>(), rows, inner);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "gated_mul_cpu", [&] {
+    gated_rows<F>(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), inner, out.data_ptr<scalar_t>(), rows, inner);
   });
   return out;
+}
+
+template <GateActivation F>
+std::tuple<at::Tensor, at::Tensor> gated_mul_backward_cpu(const char* op, const at::Tensor& grad_act,
+                                                          const at::Tensor& gate, const at::Tensor& up) {
+  check_gated_mul_backward_args(op, grad_act, gate, up);
+  const auto g = gate.contiguous(), u = up.contiguous(), d = grad_act.contiguous();
+  const int64_t inner = g.size(-1), rows = rows_of(g);
+  auto grad_gate = at::empty_like(g), grad_up = at::empty_like(u);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "gated_mul_backward_cpu", [&] {
+    gated_rows_backward<F>(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), inner, d.data_ptr<scalar_t>(),
+                           grad_gate.data_ptr<scalar_t>(), grad_up.data_ptr<scalar_t>(), inner, rows, inner);
+  });
+  return {grad_gate, grad_up};
+}
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  return gated_mul_cpu<GateActivation::kSilu>("silu_mul", gate, up);
 }
 
 std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gate,
                                                           const at::Tensor& up) {
-  check_silu_mul_backward_args(grad_act, gate, up);
-  const auto g = gate.contiguous(), u = up.contiguous(), d = grad_act.contiguous();
-  const int64_t inner = g.size(-1), rows = rows_of(g);
-  auto grad_gate = at::empty_like(g), grad_up = at::empty_like(u);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "silu_mul_backward_cpu", [&] {
-    swiglu_rows_backward(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), inner, d.data_ptr<scalar_t>(),
-                         grad_gate.data_ptr<scalar_t>(), grad_up.data_ptr<scalar_t>(), inner, rows, inner);
-  });
-  return {grad_gate, grad_up};
+  return gated_mul_backward_cpu<GateActivation::kSilu>("silu_mul_backward", grad_act, gate, up);
+}
+
+at::Tensor gelu_tanh_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  return gated_mul_cpu<GateActivation::kGeluTanh>("gelu_tanh_mul", gate, up);
+}
+
+std::tuple<at::Tensor, at::Tensor> gelu_tanh_mul_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gate,
+                                                               const at::Tensor& up) {
+  return gated_mul_backward_cpu<GateActivation::kGeluTanh>("gelu_tanh_mul_backward", grad_act, gate, up);
 }
 
 }  // namespace
@@ -95,6 +143,8 @@ TORCH_LIBRARY_IMPL(hasten, CPU, m) {
   m.impl("swiglu_backward", &swiglu_backward_cpu);
   m.impl("silu_mul", &silu_mul_cpu);
   m.impl("silu_mul_backward", &silu_mul_backward_cpu);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul_cpu);
+  m.impl("gelu_tanh_mul_backward", &gelu_tanh_mul_backward_cpu);
 }
 
 }  // namespace hasten

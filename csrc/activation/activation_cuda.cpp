@@ -1,4 +1,5 @@
-// CUDA glue of the SwiGLU ops: checks, device guard, one launch each on the current stream.
+// CUDA glue of the gated-MLP ops (SwiGLU, GeGLU-tanh): checks, device guard, one launch each on
+// the current stream.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -13,6 +14,8 @@
 namespace hasten {
 namespace {
 
+using kernels::GateActivation;
+
 // The kernels read raw pointers: every tensor they touch is held contiguous for the launch.
 at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
   check_device(gate_up, "swiglu", "gate_up", c10::DeviceType::CUDA);
@@ -23,7 +26,7 @@ at::Tensor swiglu_cuda(const at::Tensor& gate_up) {
   auto out = at::empty({rows, inner}, x.options());
   const char* base = static_cast<const char*>(x.data_ptr());
   kernels::SwigluParams p{base, base + inner * x.element_size(), 2 * inner, nullptr, out.data_ptr(), nullptr,
-                          inner, rows, inner, element_type(x, "swiglu")};
+                          inner, rows, inner, element_type(x, "swiglu"), GateActivation::kSilu};
   check_launch(kernels::launch_swiglu_forward(p, c10::cuda::getCurrentCUDAStream()), "swiglu");
   return out;
 }
@@ -40,36 +43,56 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& ga
   char* out_base = static_cast<char*>(out.data_ptr());
   kernels::SwigluParams p{base, base + inner * x.element_size(), 2 * inner, d.data_ptr(), out_base,
                           out_base + inner * out.element_size(), 2 * inner, rows, inner,
-                          element_type(x, "swiglu_backward")};
+                          element_type(x, "swiglu_backward"), GateActivation::kSilu};
   check_launch(kernels::launch_swiglu_backward(p, c10::cuda::getCurrentCUDAStream()), "swiglu_backward");
   return out;
 }
 
-at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
-  check_device(gate, "silu_mul", "gate", c10::DeviceType::CUDA);
-  check_silu_mul_args("silu_mul", gate, up);
+// gate and up (..., inner) of one shape, as contiguous rows of `inner`: act = f(gate) * up.
+at::Tensor gated_mul_cuda(const char* op, GateActivation activation, const at::Tensor& gate, const at::Tensor& up) {
+  check_device(gate, op, "gate", c10::DeviceType::CUDA);
+  check_gated_mul_args(op, gate, up);
   const c10::cuda::CUDAGuard guard(gate.device());
   const auto g = gate.contiguous(), u = up.contiguous();
   const int64_t inner = g.size(-1), rows = rows_of(g);
   auto out = at::empty_like(g);
   kernels::SwigluParams p{g.data_ptr(), u.data_ptr(), inner, nullptr, out.data_ptr(), nullptr, inner, rows, inner,
-                          element_type(g, "silu_mul")};
-  check_launch(kernels::launch_swiglu_forward(p, c10::cuda::getCurrentCUDAStream()), "silu_mul");
+                          element_type(g, op), activation};
+  check_launch(kernels::launch_swiglu_forward(p, c10::cuda::getCurrentCUDAStream()), op);
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& grad_act, const at::Tensor& gate,
+std::tuple<at::Tensor, at::Tensor> gated_mul_backward_cuda(const char* op, GateActivation activation,
+                                                           const at::Tensor& grad_act, const at::Tensor& gate,
                                                            const at::Tensor& up) {
-  check_device(gate, "silu_mul_backward", "gate", c10::DeviceType::CUDA);
-  check_silu_mul_backward_args(grad_act, gate, up);
+  check_device(gate, op, "gate", c10::DeviceType::CUDA);
+  check_gated_mul_backward_args(op, grad_act, gate, up);
   const c10::cuda::CUDAGuard guard(gate.device());
   const auto g = gate.contiguous(), u = up.contiguous(), d = grad_act.contiguous();
   const int64_t inner = g.size(-1), rows = rows_of(g);
   auto grad_gate = at::empty_like(g), grad_up = at::empty_like(u);
   kernels::SwigluParams p{g.data_ptr(), u.data_ptr(), inner, d.data_ptr(), grad_gate.data_ptr(), grad_up.data_ptr(),
-                          inner, rows, inner, element_type(g, "silu_mul_backward")};
-  check_launch(kernels::launch_swiglu_backward(p, c10::cuda::getCurrentCUDAStream()), "silu_mul_backward");
+                          inner, rows, inner, element_type(g, op), activation};
+  check_launch(kernels::launch_swiglu_backward(p, c10::cuda::getCurrentCUDAStream()), op);
   return {grad_gate, grad_up};
+}
+
+at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
+  return gated_mul_cuda("silu_mul", GateActivation::kSilu, gate, up);
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& grad_act, const at::Tensor& gate,
+                                                           const at::Tensor& up) {
+  return gated_mul_backward_cuda("silu_mul_backward", GateActivation::kSilu, grad_act, gate, up);
+}
+
+at::Tensor gelu_tanh_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
+  return gated_mul_cuda("gelu_tanh_mul", GateActivation::kGeluTanh, gate, up);
+}
+
+std::tuple<at::Tensor, at::Tensor> gelu_tanh_mul_backward_cuda(const at::Tensor& grad_act, const at::Tensor& gate,
+                                                                const at::Tensor& up) {
+  return gated_mul_backward_cuda("gelu_tanh_mul_backward", GateActivation::kGeluTanh, grad_act, gate, up);
 }
 
 }  // namespace
@@ -79,6 +102,8 @@ TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
   m.impl("swiglu_backward", &swiglu_backward_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
   m.impl("silu_mul_backward", &silu_mul_backward_cuda);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul_cuda);
+  m.impl("gelu_tanh_mul_backward", &gelu_tanh_mul_backward_cuda);
 }
 
 }  // namespace hasten

@@ -1,5 +1,6 @@
-// Torch-free, host-includable interface of the SwiGLU kernels: act = silu(gate) * up over rows
-// whose gate and up halves sit at a common row stride. Two layouts use it:
+// Torch-free, host-includable interface of the gated-MLP kernels: act = f(gate) * up over rows
+// whose gate and up halves sit at a common row stride, f = silu (SwiGLU) or tanh GELU (GeGLU,
+// gate_activation.h). Two layouts use it:
 //   MoE experts  one (R, 2I) tensor [gate | up]: gate = base, up = base + I, stride 2I
 //   dense MLPs   two (R, I) tensors from gate_proj and up_proj: stride I
 #pragma once
@@ -8,6 +9,7 @@
 #include <cstdint>
 
 #include "element_type.h"
+#include "gate_activation.h"
 
 namespace hasten {
 namespace kernels {
@@ -22,10 +24,11 @@ struct SwigluParams {
   int64_t out_stride;
   int64_t rows, inner;   // R, I
   ElementType type;
+  GateActivation activation;  // f
 };
-// act = silu(gate) * up
+// act = f(gate) * up
 cudaError_t launch_swiglu_forward(const SwigluParams& params, cudaStream_t stream);
-// d_gate = d_act * up * silu'(gate), d_up = d_act * silu(gate)
+// d_gate = d_act * up * f'(gate), d_up = d_act * f(gate)
 cudaError_t launch_swiglu_backward(const SwigluParams& params, cudaStream_t stream);
 
 }  // namespace kernels

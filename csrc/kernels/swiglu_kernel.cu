@@ -1,8 +1,9 @@
-// SwiGLU, forward and backward, over rows of gate and up at a common row stride (swiglu.cuh):
-// one pass reads both and writes the activation, or reads them with the incoming gradient and
-// writes both gradients. float math. Rows sit on blockIdx.y (looping past the grid's limit) and
-// columns on x in 16-byte chunks where every row is aligned for them (one element otherwise), so
-// no thread divides an index.
+// Gated MLP activations (SwiGLU, GeGLU-tanh), forward and backward, over rows of gate and up at a
+// common row stride (swiglu.cuh): one pass reads both and writes the activation, or reads them
+// with the incoming gradient and writes both gradients. float math. The gate's activation is a
+// template parameter (one kernel body for every activation, no branch per element). Rows sit on
+// blockIdx.y (looping past the grid's limit) and columns on x in 16-byte chunks where every row
+// is aligned for them (one element otherwise), so no thread divides an index.
 #include "dtype_utils.cuh"
 #include "swiglu.cuh"
 
@@ -12,9 +13,34 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+// f(g) and f'(g) of the gate activation; the forward kernels use only f, the compiler drops f'.
+struct GateValue {
+  float value, slope;
+};
 
-template <typename T, int V>
+template <GateActivation A>
+__device__ __forceinline__ GateValue gate_activation(float g);
+
+template <>
+__device__ __forceinline__ GateValue gate_activation<GateActivation::kSilu>(float g) {
+  const float sg = 1.0f / (1.0f + __expf(-g));
+  return {g * sg, sg * (1.0f + g * (1.0f - sg))};
+}
+
+// torch's tanh-approximate GELU and its derivative (aten GeluBackward, approximate="tanh"):
+// t = tanh(k (g + c g^3)), f = 0.5 g (1 + t), f' = 0.5 (1 + t) + 0.5 g (1 - t^2) k (1 + 3 c g^2).
+// tanhf, not a fast approximation: the result must match torch to float rounding.
+template <>
+__device__ __forceinline__ GateValue gate_activation<GateActivation::kGeluTanh>(float g) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  const float g2 = g * g;
+  const float t = tanhf(kSqrt2OverPi * (g + kCubic * g2 * g));
+  const float half_g = 0.5f * g, one_plus_t = 1.0f + t;
+  return {half_g * one_plus_t,
+          0.5f * one_plus_t + half_g * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * g2)};
+}
+
+template <typename T, int V, GateActivation A>
 __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(SwigluParams p) {
   const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // chunk in the row
   if (v * V >= p.inner) return;
@@ -24,14 +50,13 @@ __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(SwigluParams p
     load_chunk<T, V>(static_cast<const T*>(p.up) + r * p.in_stride, v, u);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float gf = to_float(g[i]);
-      g[i] = from_float<T>(gf * sigmoid(gf) * to_float(u[i]));
+      g[i] = from_float<T>(gate_activation<A>(to_float(g[i])).value * to_float(u[i]));
     }
     store_chunk<T, V>(static_cast<T*>(p.out) + r * p.inner, v, g);
   }
 }
 
-template <typename T, int V>
+template <typename T, int V, GateActivation A>
 __global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(SwigluParams p) {
   const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v * V >= p.inner) return;
@@ -42,10 +67,10 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(SwigluParams 
     load_chunk<T, V>(static_cast<const T*>(p.grad_act) + r * p.inner, v, d);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float gf = to_float(g[i]), uf = to_float(u[i]), df = to_float(d[i]);
-      const float sg = sigmoid(gf);
-      g[i] = from_float<T>(df * uf * sg * (1.0f + gf * (1.0f - sg)));
-      u[i] = from_float<T>(df * gf * sg);
+      const float uf = to_float(u[i]), df = to_float(d[i]);
+      const GateValue f = gate_activation<A>(to_float(g[i]));
+      g[i] = from_float<T>(df * uf * f.slope);
+      u[i] = from_float<T>(df * f.value);
     }
     store_chunk<T, V>(static_cast<T*>(p.out) + r * p.out_stride, v, g);
     store_chunk<T, V>(static_cast<T*>(p.out_up) + r * p.out_stride, v, u);
@@ -68,31 +93,36 @@ dim3 grid_for(const SwigluParams& p, int elements_per_chunk) {
   return dim3(static_cast<unsigned>((chunks + kThreads - 1) / kThreads), static_cast<unsigned>(rows));
 }
 
+template <typename T, GateActivation A>
+cudaError_t launch_with(const SwigluParams& p, bool backward, cudaStream_t stream) {
+  const bool vectors = vectors_fit<T>(p, backward);
+  const dim3 grid = grid_for(p, vectors ? kVec<T> : 1);
+  if (backward) {
+    if (vectors) swiglu_backward_kernel<T, kVec<T>, A><<<grid, kThreads, 0, stream>>>(p);
+    else swiglu_backward_kernel<T, 1, A><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    if (vectors) swiglu_forward_kernel<T, kVec<T>, A><<<grid, kThreads, 0, stream>>>(p);
+    else swiglu_forward_kernel<T, 1, A><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch(const SwigluParams& p, bool backward, cudaStream_t stream) {
+  if (p.rows * p.inner == 0) return cudaSuccess;
+  return HASTEN_DISPATCH_ELEMENT(p.type, {
+    switch (p.activation) {
+      case GateActivation::kSilu: return launch_with<T, GateActivation::kSilu>(p, backward, stream);
+      case GateActivation::kGeluTanh: return launch_with<T, GateActivation::kGeluTanh>(p, backward, stream);
+    }
+    return cudaErrorInvalidValue;
+  });
+}
+
 }  // namespace
 
-cudaError_t launch_swiglu_forward(const SwigluParams& p, cudaStream_t stream) {
-  if (p.rows * p.inner == 0) return cudaSuccess;
-  return HASTEN_DISPATCH_ELEMENT(p.type, {
-    if (vectors_fit<T>(p, false)) {
-      swiglu_forward_kernel<T, kVec<T>><<<grid_for(p, kVec<T>), kThreads, 0, stream>>>(p);
-    } else {
-      swiglu_forward_kernel<T, 1><<<grid_for(p, 1), kThreads, 0, stream>>>(p);
-    }
-    return cudaGetLastError();
-  });
-}
+cudaError_t launch_swiglu_forward(const SwigluParams& p, cudaStream_t stream) { return launch(p, false, stream); }
 
-cudaError_t launch_swiglu_backward(const SwigluParams& p, cudaStream_t stream) {
-  if (p.rows * p.inner == 0) return cudaSuccess;
-  return HASTEN_DISPATCH_ELEMENT(p.type, {
-    if (vectors_fit<T>(p, true)) {
-      swiglu_backward_kernel<T, kVec<T>><<<grid_for(p, kVec<T>), kThreads, 0, stream>>>(p);
-    } else {
-      swiglu_backward_kernel<T, 1><<<grid_for(p, 1), kThreads, 0, stream>>>(p);
-    }
-    return cudaGetLastError();
-  });
-}
+cudaError_t launch_swiglu_backward(const SwigluParams& p, cudaStream_t stream) { return launch(p, true, stream); }
 
 }  // namespace kernels
 }  // namespace hasten

@@ -1,11 +1,11 @@
-"""RMSNorm, SwiGLU and RoPE CUDA kernels equal the CPU ops, and a model trains the same with them."""
+"""RMSNorm, SwiGLU, GeGLU and RoPE CUDA kernels equal the CPU ops, and a model trains the same with them."""
 
 import math
 
 import pytest
 import torch
 
-from hasten.ops.dense import rms_norm, rope, silu_mul
+from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
 from tests.gpu.training_curves import learnable_batches, train_curve
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
@@ -69,6 +69,17 @@ def test_silu_mul_cuda_equals_cpu(dtype, shape):
         torch.testing.assert_close(g, c, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7, 129), (4096, 3072), (70001, 8)])  # rows past the grid's 65535
+def test_gelu_tanh_mul_cuda_equals_cpu(dtype, shape):
+    gen = torch.Generator().manual_seed(len(shape) + 1)
+    gate, up = (torch.randn(shape, generator=gen) * 3).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    (cpu_out, cpu_grads), (gpu_out, gpu_grads) = _both(gelu_tanh_mul, gate, up)
+    torch.testing.assert_close(gpu_out, cpu_out, **TOL[dtype])
+    for g, c in zip(gpu_grads, cpu_grads):
+        torch.testing.assert_close(g, c, **TOL[dtype])
+
+
 def _misaligned(shape, dtype, gen):
     """A contiguous CUDA tensor whose data starts one element past a 16-byte boundary."""
     numel = math.prod(shape)
@@ -84,6 +95,8 @@ def test_rows_off_the_16_byte_grid_take_the_element_path():
                                **TOL[torch.bfloat16])
     gate, up = _misaligned((40, 256), torch.bfloat16, gen), _misaligned((40, 256), torch.bfloat16, gen)
     torch.testing.assert_close(silu_mul(gate, up).cpu().float(), silu_mul(gate.cpu(), up.cpu()).float(),
+                               **TOL[torch.bfloat16])
+    torch.testing.assert_close(gelu_tanh_mul(gate, up).cpu().float(), gelu_tanh_mul(gate.cpu(), up.cpu()).float(),
                                **TOL[torch.bfloat16])
     q = _misaligned((1, 3, 10, 64), torch.bfloat16, gen)
     cos, sin = torch.randn(1, 10, 64, generator=gen).to(torch.bfloat16), torch.randn(1, 10, 64, generator=gen).to(torch.bfloat16)

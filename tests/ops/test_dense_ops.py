@@ -1,10 +1,10 @@
-"""hasten::rms_norm, silu_mul and rope (with their backward ops) against plain PyTorch, CPU."""
+"""hasten::rms_norm, silu_mul, gelu_tanh_mul and rope (with their backward ops) against plain PyTorch, CPU."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hasten.ops.dense import rms_norm, rope, silu_mul
+from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
 
 
 def _reference_rms_norm(x, weight, eps):
@@ -89,6 +89,43 @@ def test_rope_backward_is_exact_for_any_cos_sin():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (4, 3), (2, 7, 129), (0, 5), (3, 0), (5, 33)])
+def test_gelu_tanh_mul_matches_pytorch(shape, dtype):
+    gen = torch.Generator().manual_seed(len(shape) + shape[-1])
+    gate = torch.randn(shape, generator=gen, dtype=dtype) * 4  # both tails of the tanh
+    up = torch.randn(shape, generator=gen, dtype=dtype)
+    got, got_grads = _grads(gelu_tanh_mul, gate, up)
+    want, _ = _grads(lambda g, u: F.gelu(g, approximate="tanh") * u, gate, up)
+    torch.testing.assert_close(got, want)
+    # gradients against torch in float64: torch's float32 backward rounds 1 + tanh(...) to 0 below
+    # gate ~ -5, where the gradient is ~1e-6 (ours keeps it); float32 rounding is the yardstick
+    upstream = torch.randn(shape, generator=torch.Generator().manual_seed(99), dtype=dtype)  # _grads' one
+    leaves = [gate.double().requires_grad_(), up.double().requires_grad_()]
+    want_grads = torch.autograd.grad(F.gelu(leaves[0], approximate="tanh") * leaves[1], leaves, upstream.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    for g, r in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, r.to(dtype), **tol)
+
+
+def test_gelu_tanh_mul_of_a_fused_projection_and_its_float64_gradient():
+    """gate and up as the two non-contiguous halves of one (rows, 2I) projection; gradcheck in float64."""
+    gen = torch.Generator().manual_seed(11)
+    gate_up = torch.randn(6, 2 * 9, generator=gen, dtype=torch.float64) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    torch.testing.assert_close(gelu_tanh_mul(gate, up), F.gelu(gate, approximate="tanh") * up)
+    leaves = (gate.clone().requires_grad_(), up.clone().requires_grad_())
+    assert torch.autograd.gradcheck(gelu_tanh_mul, leaves)
+
+
+def test_gelu_tanh_mul_refuses_a_second_derivative():
+    gate, up = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    (grad_gate,) = torch.autograd.grad(gelu_tanh_mul(gate, up).sum(), gate, create_graph=True)
+    with pytest.raises(NotImplementedError, match="gelu_tanh_mul_backward has no derivative"):
+        grad_gate.sum().backward()
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(RuntimeError, match=r"`weight` must be \(8,\)"):
         rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
@@ -98,3 +135,5 @@ def test_bad_inputs_are_named():
         silu_mul(torch.randn(2, 3), torch.randn(3, 2))
     with pytest.raises(RuntimeError, match="partial rotary"):
         rope(torch.randn(1, 1, 3, 8), torch.randn(1, 3, 4), torch.randn(1, 3, 4))
+    with pytest.raises(RuntimeError, match="`gate` and `up` must have one shape"):
+        gelu_tanh_mul(torch.randn(2, 3), torch.randn(3, 2))

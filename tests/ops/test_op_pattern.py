@@ -19,10 +19,10 @@ from hasten.ops import moe as moe_ops
 from hasten.ops import op_names
 
 ops = torch.ops.hasten
-DIFFERENTIABLE = {"rms_norm", "silu_mul", "rope", "varlen_attention", "linear_cross_entropy", "moe_permute",
-                  "moe_combine", "swiglu"}
-BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "varlen_attention_backward", "moe_combine_weight_grad",
-                "swiglu_backward"}
+DIFFERENTIABLE = {"rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "varlen_attention", "linear_cross_entropy",
+                  "moe_permute", "moe_combine", "swiglu"}
+BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
+                "moe_combine_weight_grad", "swiglu_backward"}
 # integer-valued or in-place ops, with no derivative to define
 NOT_DIFFERENTIABLE = {"varlen_meta", "moe_group", "cross_entropy_rows_"}
 
@@ -61,6 +61,9 @@ def _cases(requires_grad: bool):
         ("rms_norm_backward", (t(3, 17, grad=False), x_rms.detach(), w_rms.detach(), rstd, 0.0)),
         ("silu_mul", (t(4, 6), t(4, 6))),
         ("silu_mul_backward", (t(4, 6, grad=False), t(4, 6, grad=False), t(4, 6, grad=False))),
+        ("gelu_tanh_mul", (t(4, 6), t(4, 6))),
+        ("gelu_tanh_mul", (t(2, 3, 5), t(2, 3, 5))),
+        ("gelu_tanh_mul_backward", (t(4, 6, grad=False), t(4, 6, grad=False), t(4, 6, grad=False))),
         ("rope", (t(2, 3, 5, 8), t(1, 5, 8, grad=False), t(1, 5, 8, grad=False), False)),
         ("rope", (t(2, 5, 3, 8).transpose(1, 2), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), True)),
         ("varlen_attention", (q, k, v, cu, 5, 0.3, True)),
@@ -147,6 +150,9 @@ def _bad_inputs():
         ("rms_norm_backward", (f(2, 7), f(2, 8), f(8), torch.ones(2), 0.0)),
         ("silu_mul", (f(2, 3), f(3, 2))),
         ("silu_mul_backward", (f(2, 3), f(2, 3), f(2, 3, dtype=torch.bfloat16))),
+        ("gelu_tanh_mul", (f(2, 3), f(3, 2))),
+        ("gelu_tanh_mul_backward", (f(2, 3), f(2, 3), f(2, 3, dtype=torch.bfloat16))),
+        ("gelu_tanh_mul_backward", (f(2, 4), f(2, 3), f(2, 3))),
         ("rope", (f(1, 1, 3, 8), f(1, 3, 4), f(1, 3, 4), False)),
         ("rope", (f(1, 1, 3, 7), f(1, 3, 7), f(1, 3, 7), False)),
         ("varlen_attention", (f(3, 4, 8), f(3, 3, 8), f(3, 3, 8), cu, 3, 0.3, True)),

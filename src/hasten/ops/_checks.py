@@ -3,7 +3,7 @@
 FakeTensor, meta) refuses what the kernels refuse, at trace time.
 
 Every check goes through torch._check: on symbolic sizes it becomes a guard or a runtime
-assertion instead of a data-dependent branch. tests/ops/test_fakes.py runs each bad input
+assertion instead of a data-dependent branch. tests/ops/test_op_pattern.py runs each bad input
 through the CPU kernel and through the fake and asserts one message, so the two cannot drift.
 """
 
@@ -104,7 +104,8 @@ def check_swiglu_backward_args(grad_act, gate_up) -> None:
     check_same_device(gate_up, grad_act, op, "gate_up", "grad_act")
 
 
-def check_silu_mul_args(op: str, gate, up) -> None:
+def check_gated_mul_args(op: str, gate, up) -> None:
+    """silu_mul and gelu_tanh_mul: gate and up (..., inner) of one shape."""
     check(gate.shape == up.shape, op, lambda: f"`gate` and `up` must have one shape, got {shape(gate.shape)} and "
           f"{shape(up.shape)}")
     check(gate.dim() >= 1, op, "`gate` must have at least one dimension")
@@ -112,9 +113,8 @@ def check_silu_mul_args(op: str, gate, up) -> None:
     check_same_device(gate, up, op, "gate", "up")
 
 
-def check_silu_mul_backward_args(grad_act, gate, up) -> None:
-    op = "silu_mul_backward"
-    check_silu_mul_args(op, gate, up)
+def check_gated_mul_backward_args(op: str, grad_act, gate, up) -> None:
+    check_gated_mul_args(op, gate, up)
     check(grad_act.shape == gate.shape, op, lambda: f"`grad_act` must have the shape of `gate` {shape(gate.shape)}, "
           f"got {shape(grad_act.shape)}")
     check_same_dtype(gate, grad_act, op, "gate", "grad_act")

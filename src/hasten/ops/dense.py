@@ -1,7 +1,9 @@
-"""Dense-path ops with autograd: RMSNorm, SwiGLU on two tensors (silu_mul), rotary embedding.
+"""Dense-path ops with autograd: RMSNorm, gated MLP products on two tensors (silu_mul for SwiGLU,
+gelu_tanh_mul for GeGLU), rotary embedding.
 
-Shapes: x (..., H) for RMSNorm; gate and up (..., I) for silu_mul; q or k (B, heads, L, D) with
-cos, sin (B or 1, L, D) for rope. Each is one kernel forward and one backward (csrc/).
+Shapes: x (..., H) for RMSNorm; gate and up (..., I) for silu_mul and gelu_tanh_mul; q or k
+(B, heads, L, D) with cos, sin (B or 1, L, D) for rope. Each is one kernel forward and one
+backward (csrc/).
 The autograd formulas are registered on the ops themselves (torch.library.register_autograd), so
 torch.compile and AOTAutograd see one op each way, and the saved tensors are what the backward
 needs for the inputs that require a gradient.
@@ -25,15 +27,20 @@ def _rms_norm_backward_fake(grad_y, x, weight, rstd, offset):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
-def _silu_mul_fake(gate, up):
-    _checks.check_silu_mul_args("silu_mul", gate, up)
-    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+def _gated_mul_fake(op: str):
+    """The fake of silu_mul or gelu_tanh_mul: (..., I) contiguous, like the kernels' output."""
+    def fake(gate, up):
+        _checks.check_gated_mul_args(op, gate, up)
+        return torch.empty_like(gate, memory_format=torch.contiguous_format)
+    return fake
 
 
-def _silu_mul_backward_fake(grad_act, gate, up):
-    _checks.check_silu_mul_backward_args(grad_act, gate, up)
-    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
-            torch.empty_like(up, memory_format=torch.contiguous_format))
+def _gated_mul_backward_fake(op: str):
+    def fake(grad_act, gate, up):
+        _checks.check_gated_mul_backward_args(op, grad_act, gate, up)
+        return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+                torch.empty_like(up, memory_format=torch.contiguous_format))
+    return fake
 
 
 def _rope_fake(x, cos, sin, backward):
@@ -57,14 +64,17 @@ def _rms_norm_backward(ctx, grad_y, _grad_rstd):
             None, None)
 
 
-def _silu_mul_setup(ctx, inputs, output):
+def _gated_mul_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)  # both gradients need both gate and up
 
 
-def _silu_mul_backward(ctx, grad_act):
-    gate, up = ctx.saved_tensors
-    grad_gate, grad_up = call_in_backward("silu_mul_backward", grad_act, gate, up)
-    return grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None
+def _gated_mul_backward(backward_op: str):
+    """The formula of silu_mul or gelu_tanh_mul: its backward op, one kernel for both gradients."""
+    def backward(ctx, grad_act):
+        gate, up = ctx.saved_tensors
+        grad_gate, grad_up = call_in_backward(backward_op, grad_act, gate, up)
+        return grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None
+    return backward
 
 
 def _rope_setup(ctx, inputs, output):
@@ -89,13 +99,14 @@ def _register() -> None:
     lib = "hasten::"
     torch.library.register_fake(lib + "rms_norm", _rms_norm_fake)
     torch.library.register_fake(lib + "rms_norm_backward", _rms_norm_backward_fake)
-    torch.library.register_fake(lib + "silu_mul", _silu_mul_fake)
-    torch.library.register_fake(lib + "silu_mul_backward", _silu_mul_backward_fake)
+    for op in ("silu_mul", "gelu_tanh_mul"):
+        torch.library.register_fake(lib + op, _gated_mul_fake(op))
+        torch.library.register_fake(lib + op + "_backward", _gated_mul_backward_fake(op + "_backward"))
+        register_autograd(op, _gated_mul_backward(op + "_backward"), setup_context=_gated_mul_setup)
     torch.library.register_fake(lib + "rope", _rope_fake)
     register_autograd("rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
-    register_autograd("silu_mul", _silu_mul_backward, setup_context=_silu_mul_setup)
     register_autograd("rope", _rope_backward, setup_context=_rope_setup)
-    for op in ("rms_norm_backward", "silu_mul_backward"):
+    for op in ("rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward"):
         no_double_backward(op)
 
 
@@ -110,6 +121,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel; backward keeps only gate and up."""
     load()
     return call("silu_mul", gate, up)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up in one kernel (GeGLU, Gemma's MLP); backward keeps only
+    gate and up."""
+    load()
+    return call("gelu_tanh_mul", gate, up)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
