@@ -74,7 +74,7 @@ def rope_rows() -> list[dict]:
     q = torch.randn(1, HEADS, TOKENS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     cos, sin = (torch.randn(1, TOKENS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     size = q.numel() * BF16
-    fwd = time_us(lambda: torch.ops.hasten.rope(q, cos, sin, False))
+    fwd = time_us(lambda: torch.ops.hasten.rope(q, cos, sin, False, False))
     return [{"kernel": "rope q forward", "us": fwd, "min_bytes": 2 * size}]
 
 

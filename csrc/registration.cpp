@@ -68,9 +68,12 @@ TORCH_LIBRARY(hasten, m) {
   m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd, float offset) "
         "-> (Tensor grad_x, Tensor grad_weight)");
 
-  // Rotary embedding (rotate_half convention) of x (batch, heads, length, head_dim) with cos, sin
-  // (batch or 1, length, head_dim); backward=true applies the transpose (the gradient map).
-  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward) -> Tensor");
+  // Rotary embedding of x (batch, heads, length, head_dim) with cos, sin (batch or 1, length, R),
+  // R even, 0 < R <= head_dim (kernels/rope.cuh): the first R features rotate in pairs, the
+  // others pass through unchanged (partial rotary when R < head_dim). Pairs (j, j + R/2), j < R/2
+  // (transformers' rotate_half), or with interleaved=true (2j, 2j + 1) (GLM, Cohere).
+  // backward=true applies the transpose (the gradient map). Out keeps x's strides.
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward, bool interleaved) -> Tensor");
 
   // Cross-entropy over rows of LM-head logits (rows, vocab), float accumulation. Returns the
   // per-row loss (rows,) float32: lse - (1 - eps) * z_t - eps / vocab * sum_j z_j with

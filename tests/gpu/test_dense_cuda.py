@@ -147,3 +147,29 @@ def test_twenty_steps_with_fused_kernels_follow_the_unfused_curve():
     print("fused  ", [round(x, 4) for x in curves["fused"]])
     assert curves["fused"][-1] < curves["fused"][0] - 1.0
     assert max(abs(a - b) for a, b in zip(curves["fused"], curves["unfused"])) <= 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+# (heads, length, head_dim, rotary dim): 16-byte items for rotation and pass-through (64 of 128,
+# 32 of 64), rotate_half's half not a vector in bf16 (R = 8: scalar, interleaved vector), a pass-
+# through not a vector (D = 72), scalar everywhere (D = 10, R = 4; odd D = 7), full rotary
+# (R = D = 128), a long sequence (16384 positions)
+@pytest.mark.parametrize("heads,length,dim,rotary", [(8, 333, 128, 64), (4, 50, 64, 32), (2, 17, 16, 8),
+                                                     (2, 17, 72, 64), (3, 9, 10, 4), (2, 5, 7, 4),
+                                                     (4, 40, 128, 128), (2, 16384, 64, 32)])
+def test_rope_partial_and_interleaved_cuda_equals_cpu(dtype, interleaved, heads, length, dim, rotary):
+    gen = torch.Generator().manual_seed(dim + rotary + length)
+    x = torch.randn(2, length, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    cos = torch.randn(2, length, rotary, generator=gen).to(dtype)  # per element: any cos, sin
+    sin = torch.randn(2, length, rotary, generator=gen).to(dtype)
+    upstream = torch.randn(x.shape, generator=gen).to(dtype)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaf = x.detach().to(device).requires_grad_()
+        out = rope(leaf, cos.to(device), sin.to(device), interleaved=interleaved)
+        out.backward(upstream.to(device))
+        results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
+    torch.testing.assert_close(results[1][0], results[0][0], **TOL[dtype])
+    torch.testing.assert_close(results[1][1], results[0][1], **TOL[dtype])
+    assert torch.equal(results[1][0][..., rotary:], x[..., rotary:].float())  # the pass-through is a copy

@@ -18,8 +18,25 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _reference_rope(x, cos, sin):
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+def _rotate_interleaved(x):
+    # GLM / Cohere: pairs (2j, 2j + 1) -> (-x[2j + 1], x[2j])
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _reference_rope(x, cos, sin, interleaved=False):
+    """x (B, heads, L, D), cos/sin (B or 1, L, R): the first R features rotate, the rest pass through."""
+    rotary = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    rotated = _rotate_interleaved(x_rot) if interleaved else _rotate_half(x_rot)
+    return torch.cat((x_rot * cos.unsqueeze(1) + rotated * sin.unsqueeze(1), x_pass), dim=-1)
+
+
+def _cos_sin(cs_batch, length, rotary, interleaved, gen, dtype=torch.float32):
+    """cos, sin (cs_batch, L, R) laid out as the models make them: each angle twice, as the halves
+    (rotate_half) or as neighbours (interleaved)."""
+    angles = 3 * torch.randn(cs_batch, length, rotary // 2, generator=gen, dtype=dtype)
+    emb = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def _grads(fn, *inputs):
@@ -126,6 +143,49 @@ def test_gelu_tanh_mul_refuses_a_second_derivative():
         grad_gate.sum().backward()
 
 
+# (batch, heads, length, head_dim D, rotary dim R, batch of cos/sin): full rotary, Phi/GLM-like
+# halves (D=16, R=8), a rotary dim that is no power of two (D=10, R=4), an odd head_dim (D=7, R=4)
+ROPE_CASES = [(1, 1, 1, 2, 2, 1), (2, 3, 5, 8, 8, 2), (2, 3, 5, 16, 8, 1), (2, 2, 6, 16, 8, 2), (1, 2, 4, 10, 4, 1),
+              (2, 1, 3, 10, 4, 2), (1, 2, 3, 7, 4, 1), (1, 2, 0, 8, 4, 1)]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch,heads,length,dim,rotary,cs_batch", ROPE_CASES)
+def test_rope_partial_and_interleaved_match_pytorch_and_their_gradient(batch, heads, length, dim, rotary, cs_batch,
+                                                                       dtype, interleaved):
+    gen = torch.Generator().manual_seed(dim * 10 + rotary + length)
+    # q as transformers makes it: (B, L, heads, D) viewed as (B, heads, L, D)
+    x = torch.randn(batch, length, heads, dim, generator=gen, dtype=dtype).transpose(1, 2)
+    cos, sin = _cos_sin(cs_batch, length, rotary, interleaved, gen, dtype=dtype)
+    got, (got_grad,) = _grads(lambda a: rope(a, cos, sin, interleaved=interleaved), x)
+    want, (want_grad,) = _grads(lambda a: _reference_rope(a, cos, sin, interleaved), x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+    torch.testing.assert_close(got[..., rotary:], x[..., rotary:], rtol=0, atol=0)  # passed through, bit for bit
+    assert got.stride() == x.stride() or length == 0  # the layout of q is kept
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dim,rotary", [(6, 6), (10, 4), (7, 2)])
+def test_rope_backward_is_the_exact_transpose_for_any_cos_sin(dim, rotary, interleaved):
+    """Random cos and sin (the two elements of a pair use different values): gradcheck in float64."""
+    gen = torch.Generator().manual_seed(dim + rotary)
+    x = torch.randn(2, 2, 3, dim, generator=gen, dtype=torch.float64).requires_grad_()
+    cos = torch.randn(2, 3, rotary, generator=gen, dtype=torch.float64)
+    sin = torch.randn(2, 3, rotary, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a: rope(a, cos, sin, interleaved=interleaved), (x,))
+    torch.testing.assert_close(rope(x, cos, sin, interleaved=interleaved), _reference_rope(x, cos, sin, interleaved))
+
+
+def test_rope_layouts_differ():
+    """The flag is honoured: the two pairings of one input disagree."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 1, 2, 8, generator=gen)
+    cos, sin = torch.randn(1, 2, 8, generator=gen), torch.randn(1, 2, 8, generator=gen)
+    assert not torch.allclose(rope(x, cos, sin), rope(x, cos, sin, interleaved=True))
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(RuntimeError, match=r"`weight` must be \(8,\)"):
         rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
@@ -133,7 +193,11 @@ def test_bad_inputs_are_named():
         rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), 1e-6)
     with pytest.raises(RuntimeError, match="`gate` and `up` must have one shape"):
         silu_mul(torch.randn(2, 3), torch.randn(3, 2))
-    with pytest.raises(RuntimeError, match="partial rotary"):
-        rope(torch.randn(1, 1, 3, 8), torch.randn(1, 3, 4), torch.randn(1, 3, 4))
+    with pytest.raises(RuntimeError, match=r"must be even and in \[2, head_dim=8\], got 3"):
+        rope(torch.randn(1, 1, 3, 8), torch.randn(1, 3, 3), torch.randn(1, 3, 3))
+    with pytest.raises(RuntimeError, match=r"must be even and in \[2, head_dim=4\], got 6"):
+        rope(torch.randn(1, 1, 3, 4), torch.randn(1, 3, 6), torch.randn(1, 3, 6), interleaved=True)
+    with pytest.raises(RuntimeError, match="`cos` and `sin` must have one shape"):
+        rope(torch.randn(2, 1, 3, 4), torch.randn(1, 3, 4), torch.randn(2, 3, 4))
     with pytest.raises(RuntimeError, match="`gate` and `up` must have one shape"):
         gelu_tanh_mul(torch.randn(2, 3), torch.randn(3, 2))

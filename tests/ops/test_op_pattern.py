@@ -64,8 +64,12 @@ def _cases(requires_grad: bool):
         ("gelu_tanh_mul", (t(4, 6), t(4, 6))),
         ("gelu_tanh_mul", (t(2, 3, 5), t(2, 3, 5))),
         ("gelu_tanh_mul_backward", (t(4, 6, grad=False), t(4, 6, grad=False), t(4, 6, grad=False))),
-        ("rope", (t(2, 3, 5, 8), t(1, 5, 8, grad=False), t(1, 5, 8, grad=False), False)),
-        ("rope", (t(2, 5, 3, 8).transpose(1, 2), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), True)),
+        ("rope", (t(2, 3, 5, 8), t(1, 5, 8, grad=False), t(1, 5, 8, grad=False), False, False)),
+        ("rope", (t(2, 5, 3, 8).transpose(1, 2), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), True, False)),
+        # partial rotary (R = 4 of D = 10), both pairings; interleaved on transposed q
+        ("rope", (t(2, 3, 5, 10), t(1, 5, 4, grad=False), t(1, 5, 4, grad=False), False, False)),
+        ("rope", (t(2, 5, 3, 8).transpose(1, 2), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), False, True)),
+        ("rope", (t(2, 3, 5, 16), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), True, True)),
         ("varlen_attention", (q, k, v, cu, 5, 0.3, True)),
         ("varlen_attention", (q, k, v, cu, 5, 0.3, False)),
         ("varlen_attention_backward", (t(11, 4, 8, grad=False), q.detach(), k.detach(), v.detach(), out, lse, cu, 5,
@@ -126,6 +130,8 @@ def test_rope_refuses_a_gradient_for_cos_and_sin():
     x, cos, sin = torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4, requires_grad=True), torch.randn(1, 3, 4)
     with pytest.raises(NotImplementedError, match="no gradient for cos and sin"):
         rope(x, cos, sin)
+    with pytest.raises(NotImplementedError, match="no gradient for cos and sin"):
+        rope(x, cos[..., :2], sin[..., :2], interleaved=True)
 
 
 def test_moe_gradients_match_finite_differences():
@@ -153,8 +159,13 @@ def _bad_inputs():
         ("gelu_tanh_mul", (f(2, 3), f(3, 2))),
         ("gelu_tanh_mul_backward", (f(2, 3), f(2, 3), f(2, 3, dtype=torch.bfloat16))),
         ("gelu_tanh_mul_backward", (f(2, 4), f(2, 3), f(2, 3))),
-        ("rope", (f(1, 1, 3, 8), f(1, 3, 4), f(1, 3, 4), False)),
-        ("rope", (f(1, 1, 3, 7), f(1, 3, 7), f(1, 3, 7), False)),
+        ("rope", (f(1, 1, 3, 8), f(1, 3, 3), f(1, 3, 3), False, False)),  # odd rotary dim
+        ("rope", (f(1, 1, 3, 7), f(1, 3, 7), f(1, 3, 7), False, True)),
+        ("rope", (f(1, 1, 3, 4), f(1, 3, 6), f(1, 3, 6), False, False)),  # rotary dim > head_dim
+        ("rope", (f(2, 1, 3, 8), f(1, 3, 8), f(2, 3, 8), False, False)),  # cos and sin differ
+        ("rope", (f(1, 1, 3, 8), f(1, 4, 8), f(1, 4, 8), False, False)),  # another length
+        ("rope", (f(1, 1, 3, 8), f(1, 3, 0), f(1, 3, 0), False, False)),  # no rotary dim
+        ("rope", (torch.zeros(1, 1, 3, 8, dtype=i32), f(1, 3, 8), f(1, 3, 8), False, False)),
         ("varlen_attention", (f(3, 4, 8), f(3, 3, 8), f(3, 3, 8), cu, 3, 0.3, True)),
         ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu.long(), 3, 0.3, True)),
         ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 4), cu, 3, 0.3, True)),

@@ -124,17 +124,22 @@ def check_gated_mul_backward_args(op: str, grad_act, gate, up) -> None:
 def check_rope_args(x, cos, sin) -> None:
     op = "rope"
     check(x.dim() == 4, op, lambda: f"`x` must be (batch, heads, length, head_dim), got shape {shape(x.shape)}")
-    check(x.shape[3] % 2 == 0, op, lambda: f"head_dim must be even, got {x.shape[3]}")
     check(x.stride(3) == 1 or x.shape[3] <= 1, op, "`x` must be contiguous along head_dim")
+    check(cos.shape == sin.shape, op, lambda: f"`cos` and `sin` must have one shape, got {shape(cos.shape)} and "
+          f"{shape(sin.shape)}")
     for t in (cos, sin):
-        check(t.dim() == 3 and t.shape[1] == x.shape[2] and t.shape[2] == x.shape[3]
-              and (t.shape[0] == x.shape[0] or t.shape[0] == 1), op,
-              lambda t=t: f"`cos` and `sin` must be (batch or 1, length={x.shape[2]}, head_dim={x.shape[3]}), got "
-              f"shape {shape(t.shape)}; partial rotary embeddings (rotary dim < head_dim) are not covered")
-        check(t.stride(2) == 1 or t.shape[2] <= 1, op, "`cos` and `sin` must be contiguous along head_dim")
+        check(t.dim() == 3 and t.shape[1] == x.shape[2] and (t.shape[0] == x.shape[0] or t.shape[0] == 1), op,
+              lambda t=t: f"`cos` and `sin` must be (batch or 1, length={x.shape[2]}, rotary_dim), got shape "
+              f"{shape(t.shape)}")
+        check(t.shape[2] % 2 == 0 and t.shape[2] > 0 and t.shape[2] <= x.shape[3], op,
+              lambda t=t: f"the rotary dim (last dimension of `cos` and `sin`) must be even and in "
+              f"[2, head_dim={x.shape[3]}], got {t.shape[2]}")
+        check(t.stride(2) == 1 or t.shape[2] <= 1, op, "`cos` and `sin` must be contiguous along their last dimension")
         check_same_device(x, t, op, "x", "cos/sin")
-    check_dtype(x, op, "x", FLOATS)
-    check_dtype(cos, op, "cos", FLOATS)
+    # float64 on the CPU too: the reference computes in double; the kernel takes 16/32-bit
+    allowed = FLOATS + (torch.float64,) if x.device.type == "cpu" else FLOATS
+    check_dtype(x, op, "x", allowed)
+    check_dtype(cos, op, "cos", allowed)
     check_same_dtype(cos, sin, op, "cos", "sin")
 
 

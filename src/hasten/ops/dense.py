@@ -2,8 +2,8 @@
 gelu_tanh_mul for GeGLU), rotary embedding.
 
 Shapes: x (..., H) for RMSNorm; gate and up (..., I) for silu_mul and gelu_tanh_mul; q or k
-(B, heads, L, D) with cos, sin (B or 1, L, D) for rope. Each is one kernel forward and one
-backward (csrc/).
+(B, heads, L, D) with cos, sin (B or 1, L, R), R <= D the rotary dim, for rope. Each is one
+kernel forward and one backward (csrc/).
 The autograd formulas are registered on the ops themselves (torch.library.register_autograd), so
 torch.compile and AOTAutograd see one op each way, and the saved tensors are what the backward
 needs for the inputs that require a gradient.
@@ -43,7 +43,7 @@ def _gated_mul_backward_fake(op: str):
     return fake
 
 
-def _rope_fake(x, cos, sin, backward):
+def _rope_fake(x, cos, sin, backward, interleaved):
     _checks.check_rope_args(x, cos, sin)
     return torch.empty_like(x)  # the kernel keeps x's strides (q and k arrive transposed)
 
@@ -78,11 +78,12 @@ def _gated_mul_backward(backward_op: str):
 
 
 def _rope_setup(ctx, inputs, output):
-    x, cos, sin, backward = inputs
+    x, cos, sin, backward, interleaved = inputs
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         raise NotImplementedError("hasten::rope has no gradient for cos and sin (transformers computes them without "
                                   "one); detach them, or leave this model's rotary embedding to transformers")
     ctx.backward = backward
+    ctx.interleaved = interleaved
     ctx.save_for_backward(cos, sin)
 
 
@@ -90,8 +91,9 @@ def _rope_backward(ctx, grad):
     cos, sin = ctx.saved_tensors
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum; the kernel reads rows of head_dim
         grad = grad.contiguous()
-    # the rotation's gradient map is its transpose: the same op with `backward` flipped
-    return call_in_backward("rope", grad, cos, sin, not ctx.backward), None, None, None
+    # the rotation's gradient map is its transpose: the same op with `backward` flipped, the same
+    # pairs; the pass-through features' gradient passes through
+    return call_in_backward("rope", grad, cos, sin, not ctx.backward, ctx.interleaved), None, None, None, None
 
 
 def _register() -> None:
@@ -130,7 +132,11 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return call("gelu_tanh_mul", gate, up)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin for x (B, heads, L, D), cos/sin (B or 1, L, D)."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding of x (B, heads, L, D) with cos, sin (B or 1, L, R), R even, R <= D: the
+    first R features become x * cos + rotate(x) * sin, the other D - R pass through unchanged
+    (partial rotary). rotate pairs (j, j + R/2) (transformers' rotate_half), or with
+    interleaved=True (2j, 2j + 1) (GLM, Cohere: x[..., ::2] and x[..., 1::2]). The output keeps
+    x's strides; cos and sin get no gradient."""
     load()
-    return call("rope", x, cos, sin, False)
+    return call("rope", x, cos, sin, False, bool(interleaved))
