@@ -1,5 +1,9 @@
 """W1: packed SFT throughput on a Qwen3-0.6B-shaped model, one H200 (see docs/benchmarks.md).
 
+`--model` picks another family's shape for the same workload (W1-<model> rows): gemma3_1b
+(Gemma-3-1B), olmo2_1b (OLMo-2-1B), smollm3_3b (SmolLM3-3B), phi4_mini (Phi-4-mini, model type
+phi3); random weights of the real shape, the same 16,384-token batch.
+
 One run measures every variant on the same 16,384-token batch of 61 samples:
   hf_padded          transformers, micro-batches of 8 samples padded, sdpa, gradient accumulation
   hf_packed_sdpa     transformers, one packed row with position_ids, sdpa, use_cache=False (dense mask)
@@ -42,7 +46,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -55,14 +59,41 @@ from hasten.training.compile import compile_decoder_layers  # noqa: E402
 from hasten.training.graphed_optimizer import GraphedAdamW  # noqa: E402
 
 TOKENS = 16384
-VOCAB = 151936
+VOCAB = 151936  # Qwen3's; other shapes draw their tokens below this too (every vocabulary here is larger)
 DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and small shapes)
 
 
-def qwen3_06b() -> Qwen3Config:
-    return Qwen3Config(vocab_size=VOCAB, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                       max_position_embeddings=40960)
+def qwen3_06b() -> PretrainedConfig:
+    return AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=1024, intermediate_size=3072,
+                                num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                tie_word_embeddings=True, max_position_embeddings=40960)
+
+
+# The published configs' shapes (hidden, intermediate, layers, heads, head size, vocabulary, windows).
+SHAPES = {
+    "qwen3_0.6b": qwen3_06b,
+    "gemma3_1b": lambda: AutoConfig.for_model(
+        "gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(26)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        max_position_embeddings=32768, tie_word_embeddings=True, final_logit_softcapping=None),
+    "olmo2_1b": lambda: AutoConfig.for_model(
+        "olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096, tie_word_embeddings=False,
+        pad_token_id=1, bos_token_id=None, eos_token_id=2),
+    "smollm3_3b": lambda: AutoConfig.for_model(
+        "smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=4, no_rope_layer_interval=4, max_position_embeddings=65536,
+        tie_word_embeddings=True, pad_token_id=128004, bos_token_id=128000, eos_token_id=128001),
+    "phi4_mini": lambda: AutoConfig.for_model(
+        "phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        pad_token_id=199999, bos_token_id=199999, eos_token_id=199999),
+}
+MODEL = "qwen3_0.6b"  # set by --model
 
 
 def make_samples(seed: int = 0) -> list[list[int]]:
@@ -78,11 +109,11 @@ def make_samples(seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def build_model() -> Qwen3ForCausalLM:
+def build_model() -> PreTrainedModel:
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = Qwen3ForCausalLM(qwen3_06b())
-    return model.to(torch.bfloat16).train()
+        model = AutoModelForCausalLM.from_config(SHAPES[MODEL](), dtype=torch.bfloat16)
+    return model.train()
 
 
 def padded_microbatches(samples: list[list[int]], size: int = 8) -> list[dict]:
@@ -215,11 +246,11 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
         handles.append(handle)
     elif name == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
         handle = hasten.accelerate(model, Config.from_dict({"kernels": unfused}))
         handles.append(handle)
-        apply_liger_kernel_to_qwen3(model=model)
+        MODEL_TYPE_TO_APPLY_LIGER_FN[model.config.model_type](model=model)
     extra_notes = []
     compiled = None
     if name == "hasten_compiled":
@@ -286,7 +317,7 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
                            f"steps {optimizer.eager_steps}, disabled {optimizer.disabled_reason}")
     if name in profile:
         print_profile(name, step)
-    row = {"workload": "W1", "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
+    row = {"workload": workload(), "variant": name, "model": MODEL, **common.environment(), "tokens_per_s": TOKENS / step_s,
            "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count, "correct": correct,
            "losses": [round(float(v), 5) for v in losses],  # every step's loss, warm-up included (same batch)
            "notes": f"isolation rel err {err:.2e}; first loss {float(losses[0]):.4f}; "
@@ -298,8 +329,14 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
     return row
 
 
+def workload() -> str:
+    return "W1" if MODEL == "qwen3_0.6b" else "W1-" + MODEL
+
+
 def main() -> int:
+    global MODEL
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(SHAPES), default=MODEL, help="the shape (default: W1's Qwen3-0.6B)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for one step")
     parser.add_argument("--out", type=Path, default=None)
@@ -307,11 +344,12 @@ def main() -> int:
                                               "hasten_posids,"
                                               "hasten_gqa_repeat,hasten_no_cache")
     args = parser.parse_args()
+    MODEL = args.model
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("W1 needs a CUDA GPU", file=sys.stderr)
         return 1
     samples = make_samples()
-    print(f"W1: {len(samples)} samples, {sum(map(len, samples))} tokens, max {max(map(len, samples))}")
+    print(f"{workload()}: {len(samples)} samples, {sum(map(len, samples))} tokens, max {max(map(len, samples))}")
     refs = reference_logits(samples)
     run_id = common.new_run_id()
     rows = []
@@ -321,7 +359,7 @@ def main() -> int:
             row = run_variant(name, samples, refs, args.steps, tuple(args.profile.split(","))) | {"run_id": run_id}
         except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others
             traceback.print_exc()
-            row = {"workload": "W1", "variant": name, **common.environment(), "tokens_per_s": None, "step_s": None,
+            row = {"workload": workload(), "variant": name, "model": MODEL, **common.environment(), "tokens_per_s": None, "step_s": None,
                    "peak_gib": None, "host_syncs_per_step": None, "correct": False, "run_id": run_id,
                    "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}", "notes": "failed"}
             gc.collect()
@@ -336,7 +374,7 @@ def main() -> int:
             row["notes"] += f"; loss vs hasten over {min(len(mine), len(want))} steps: max abs diff {worst:.2e}"
             print(f"{name}: losses vs hasten over {min(len(mine), len(want))} steps: max abs diff {worst:.2e}",
                   flush=True)
-        path = common.write_rows([row], "W1", args.out)  # each row as it comes: a run cut short keeps them
+        path = common.write_rows([row], workload(), args.out)  # each row as it comes: a run cut short keeps them
         if row["step_s"] is None:
             print(f"{name:>18}: FAILED {row['error']}", flush=True)
             continue

@@ -31,6 +31,9 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.08,
             tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 SLIDING_3 = ["sliding_attention", "full_attention", "sliding_attention"]
+FULL_3 = ["full_attention"] * 3
+# half of each head rotates (Phi-3 and GLM-4 configs set partial_rotary_factor), the rest passes
+PARTIAL_HALF = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
 
 
 @dataclass(frozen=True)
@@ -74,15 +77,30 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("olmoe", dict(num_experts=4, num_experts_per_tok=2), "hasten"),
     Entry("gemma3_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, query_pre_attn_scalar=24,
                               final_logit_softcapping=2.0), "hasten", feature_off=dict(final_logit_softcapping=None)),
-    Entry("phi3", dict(sliding_window=WINDOW), "hasten", feature_off=dict(sliding_window=None)),
+    Entry("phi3", dict(sliding_window=WINDOW, rope_parameters=PARTIAL_HALF), "hasten",
+          feature_off=dict(sliding_window=None)),
     Entry("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                           logits_scaling=4.0), "hasten", feature_off=dict(logits_scaling=1.0)),
     Entry("olmo2", dict(), "hasten"),
-    Entry("glm4", dict(), "hasten"),
+    Entry("glm4", dict(rope_parameters=PARTIAL_HALF), "hasten"),
     Entry("cohere", dict(logit_scale=0.5, use_qk_norm=True), "hasten", feature_off=dict(logit_scale=1.0)),
     Entry("starcoder2", dict(sliding_window=WINDOW, use_bias=True, residual_dropout=0.0, embedding_dropout=0.0),
           "hasten", feature_off=dict(sliding_window=None)),
     Entry("smollm3", dict(no_rope_layer_interval=2), "hasten"),
+    Entry("gemma", dict(hidden_act="gelu_pytorch_tanh"), "hasten"),
+    Entry("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
+          feature_off=dict(layer_types=FULL_3)),
+    Entry("cohere2", dict(sliding_window=WINDOW, layer_types=SLIDING_3, logit_scale=0.5), "hasten",
+          feature_off=dict(logit_scale=1.0)),
+    Entry("ministral", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
+          feature_off=dict(layer_types=FULL_3)),
+    Entry("exaone4", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
+          feature_off=dict(layer_types=FULL_3)),
+    Entry("hunyuan_v1_dense", dict(), "hasten"),
+    Entry("helium", dict(), "hasten"),
+    Entry("seed_oss", dict(attention_bias=True, residual_dropout=0.0), "hasten"),
+    Entry("ernie4_5", dict(use_bias=True), "hasten"),
+    Entry("glm", dict(rope_parameters=PARTIAL_HALF), "hasten"),
     Entry("gemma2", dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0, sliding_window=WINDOW,
                          query_pre_attn_scalar=24), "transformers", feature_off=dict(attn_logit_softcapping=None),
           attn_implementation="eager", notes="transformers 5.17 picks sdpa for it, which drops the softcap"),

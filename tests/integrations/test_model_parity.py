@@ -111,3 +111,41 @@ def test_own_attention_keeps_samples_apart_over_several_padded_rows(name):
     loss = patched(**batch).loss
     loss.backward()
     _assert_equal_to_reference(name, loss.detach(), zoo.gradients(patched), want_loss, want)
+
+
+def test_every_table_type_has_a_parity_case():
+    """Adding a model type to the table means adding its case here (and so to the GPU parity run)."""
+    from hasten.integrations.architectures import ARCHITECTURES
+
+    assert set(ARCHITECTURES) <= set(zoo.ENTRIES), sorted(set(ARCHITECTURES) - set(zoo.ENTRIES))
+
+
+def _table_types():
+    from hasten.integrations.architectures import ARCHITECTURES
+
+    return sorted(n for n in zoo.ENTRIES if n in ARCHITECTURES)
+
+
+@pytest.mark.parametrize("name", _table_types())
+def test_table_types_run_every_piece_their_entry_declares(name):
+    """No "not in the tested table" notice, and each piece the entry declares is on hasten's
+    kernels: the norm, the gated MLP, the rotary embedding, the fused loss."""
+    from hasten.integrations.architectures import ARCHITECTURES
+
+    spec = ARCHITECTURES[name]
+    handle = hasten.accelerate(zoo.build(zoo.ENTRIES[name]))
+    assert f"model_type_not_in_table:{name}" not in fallback_reasons()
+    fused = next((item for item in handle.active if item.startswith("fused kernels (")), "")
+    expected = ["RoPE"]
+    expected += {"rms": ["RMSNorm"], "layer": ["LayerNorm"]}.get(spec.norm.kind, [])
+    if spec.family == "dense":  # MoE models may have no dense MLP at all (Mixtral, OLMoE)
+        expected += {"swiglu": ["SwiGLU MLP"], "geglu_tanh": ["GeGLU MLP"]}.get(spec.mlp.kind, [])
+    for piece in expected:
+        assert piece in fused, (piece, handle.report())
+    assert any(item.startswith("fused cross-entropy (LM head") for item in handle.active), handle.report()
+    # what stays off is only what the entry says is torch's own kernel already
+    allowed = ("fused norm (the model's", "fused MLP (an ungated MLP") + (
+        ("fused SwiGLU (no gated MLP modules",) if spec.family == "moe" else ())
+    off = [item for item in handle.inactive if item.startswith("fused") and not item.startswith(allowed)]
+    assert not off, handle.report()
+    handle.undo()

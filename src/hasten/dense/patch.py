@@ -1,20 +1,23 @@
-"""Swap a transformers model's RMSNorm, SwiGLU MLP and rotary embedding for hasten's kernels.
+"""Swap a transformers model's norms, gated MLP and rotary embedding for hasten's kernels, as its
+model-table entry (dense/spec.py) declares them.
 
-  RMSNorm   every `*RMSNorm` module with a 1-D `weight` and `variance_epsilon` (Llama/Qwen
-            semantics: normalise in float32, cast, multiply by the weight); its forward is
-            replaced on the instance
-  MLP       every `*MLP` module with gate_proj / up_proj / down_proj and a SiLU activation:
-            down_proj(silu_mul(gate_proj(x), up_proj(x))), one kernel for silu(gate) * up and
-            only gate and up kept for backward (the projections stay the model's, LoRA included)
-  RoPE      the modeling module's `apply_rotary_pos_emb` (a module-level function every attention
-            layer calls): q and k through hasten::rope, one kernel each instead of five
-            elementwise ones. Shared by all models of that architecture in the process, so it is
-            reference-counted and restored when the last patched model is undone (or dropped).
+  norms   modules whose class name ends in the spec's suffix with a 1-D weight: RMSNorm through
+          hasten::rms_norm (weight + offset: Gemma's `1 + weight`), a bias-free LayerNorm through
+          torch's fused layer_norm (Cohere); replaced on the instance
+  MLP     down_proj(act(gate) * up): silu (hasten::silu_mul) or tanh GELU (hasten::gelu_tanh_mul)
+          on gate_proj / up_proj, or silu on one gate_up_proj's [gate | up] (hasten::swiglu); only
+          gate and up kept for backward (the projections stay the model's, LoRA included)
+  RoPE    the modeling module's `apply_rotary_pos_emb` (a module-level function every attention
+          layer calls): q and k through hasten::rope, halves or interleaved pairs, partial rotary
+          passing the rest of the head through. Shared by all models of that module in the
+          process, so it is reference-counted and restored when the last patched model is undone
+          (or dropped).
 
 Before a class is patched, its own forward is run on random inputs against what the kernel
-computes (`rms_norm_mismatch`, `swiglu_mlp_mismatch`, `rope_mismatch`): a class that computes
-anything else is left alone, with the reason. A call that falls outside what a kernel covers (another dtype for weight and input, partial
-rotary dims, another unsqueeze layout) runs the original code, counted once per reason.
+computes (`rms_norm_mismatch`, `gated_mlp_mismatch`, `rope_mismatch`): a class that computes
+anything else is left alone, with the reason, whatever the table says. A call that falls outside
+what a kernel covers (another dtype for weight and input, another unsqueeze layout) runs the
+original code, counted once per reason.
 """
 
 from __future__ import annotations
@@ -29,22 +32,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hasten.dense.spec import MlpSpec, NormSpec, RotarySpec
 from hasten.observability import record_fallback
-from hasten.ops.dense import rms_norm, rope, silu_mul
+from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
+from hasten.ops.moe import swiglu
 
 # modeling module name -> [original apply_rotary_pos_emb, the models patched with it (weak)]
 _ROPE_PATCHES: dict[str, list] = {}
 
+_LLAMA_NORM = NormSpec()
+_SWIGLU = MlpSpec()
+_HALVES = RotarySpec()
 
-def _is_rms_norm(module: nn.Module) -> bool:
+
+def _is_norm(module: nn.Module, spec: NormSpec) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and hasattr(module, "variance_epsilon"))
-
-
-def _is_swiglu_mlp(module: nn.Module, activation: str) -> bool:
-    return (type(module).__name__.endswith("MLP") and activation in ("silu", "swish")
-            and all(isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj")))
+    return (type(module).__name__.endswith(spec.class_suffix) and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1 and isinstance(getattr(module, spec.eps_attribute, None), float)
+            and getattr(module, "bias", None) is None)
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -58,8 +63,25 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 _FP32_TOLERANCE = 1e-5
 
 
-def rms_norm_mismatch(module: nn.Module) -> str | None:
-    """None when type(module).forward computes hasten::rms_norm (checked on a float32 CPU copy)."""
+def _norm_formula(spec: NormSpec) -> str:
+    weight = "(weight + 1)" if spec.weight_offset == 1.0 else "weight"
+    if spec.kind == "layer":
+        return f"(x - mean(x)) * rsqrt(var(x) + eps) * {weight}"
+    return f"x * rsqrt(mean(x^2) + eps) * {weight}"
+
+
+def _fused_norm(module: nn.Module, x: torch.Tensor, spec: NormSpec) -> torch.Tensor:
+    """What the patched norm computes (the kernel's formula, spec's layout)."""
+    eps = getattr(module, spec.eps_attribute)
+    if spec.kind == "layer":  # torch's one-kernel LayerNorm, float32 as the models compute it
+        return F.layer_norm(x.float(), x.shape[-1:], module.weight.float() + spec.weight_offset, None,
+                            eps).to(x.dtype)
+    return rms_norm(x, module.weight, eps, spec.weight_offset)
+
+
+def rms_norm_mismatch(module: nn.Module, spec: NormSpec = _LLAMA_NORM) -> str | None:
+    """None when type(module).forward computes what the patched norm computes (checked on a
+    float32 CPU copy)."""
     try:
         if module.weight.device.type == "meta":
             probe = copy.deepcopy(module).to_empty(device="cpu").float()
@@ -69,15 +91,15 @@ def rms_norm_mismatch(module: nn.Module) -> str | None:
         hidden = probe.weight.shape[0]
         with torch.no_grad():
             probe.weight.copy_(1 + 0.5 * torch.randn(hidden, generator=gen))
-            # rows of small, unit and large magnitude: eps shows in the first
-            x = torch.randn(3, 4, hidden, generator=gen) * torch.tensor([1e-3, 1.0, 30.0]).view(3, 1, 1)
+            # rows of small, unit and large magnitude, off-centre (a centred norm shows): eps shows in the first
+            x = torch.randn(3, 4, hidden, generator=gen) * torch.tensor([1e-3, 1.0, 30.0]).view(3, 1, 1) + 0.5
             want = type(probe).forward(probe, x)
-            got = rms_norm(x, probe.weight, probe.variance_epsilon)
+            got = _fused_norm(probe, x, spec)
     except Exception as exc:  # a forward that cannot run on a copy cannot be vouched for
         return f"{type(module).__name__} could not be checked ({type(exc).__name__}: {exc})"
     error = _relative_error(got, want)
     if not error <= _FP32_TOLERANCE:
-        return (f"{type(module).__name__} computes something other than x * rsqrt(mean(x^2) + eps) * weight "
+        return (f"{type(module).__name__} computes something other than {_norm_formula(spec)} "
                 f"(relative difference {error:.1e} on random inputs)")
     return None
 
@@ -93,8 +115,28 @@ def _eval_mode(module: nn.Module):
             m.training = training
 
 
-def swiglu_mlp_mismatch(module: nn.Module) -> str | None:
-    """None when type(module).forward is down_proj(silu(gate_proj(x)) * up_proj(x)) exactly.
+_GATES = {"swiglu": ("silu", F.silu), "geglu_tanh": ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))}
+
+
+def _is_gated_mlp(module: nn.Module, spec: MlpSpec) -> bool:
+    projections = ("gate_up_proj", "down_proj") if spec.fused_gate_up else ("gate_proj", "up_proj", "down_proj")
+    return (spec.kind in _GATES and type(module).__name__.endswith("MLP")
+            and all(isinstance(getattr(module, name, None), nn.Module) for name in projections))
+
+
+def _gated_formula(module: nn.Module, x: torch.Tensor, spec: MlpSpec) -> torch.Tensor:
+    """down(act(gate) * up) in plain PyTorch, from the module's projections."""
+    act = _GATES[spec.kind][1]
+    if spec.fused_gate_up:
+        gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        gate, up = module.gate_proj(x), module.up_proj(x)
+    return module.down_proj(act(gate) * up)
+
+
+def gated_mlp_mismatch(module: nn.Module, spec: MlpSpec = _SWIGLU) -> str | None:
+    """None when type(module).forward is down_proj(act(gate) * up) exactly, act and projections as
+    the spec says.
 
     Checked in place (the module's own weights, device and dtype, dropout off) on three random
     tokens; a dropout inside the MLP stops it, since the fused forward applies none."""
@@ -102,10 +144,10 @@ def swiglu_mlp_mismatch(module: nn.Module) -> str | None:
     for child in module.modules():
         if isinstance(child, nn.Dropout) and child.p > 0:
             return f"{name} applies dropout (p={child.p}) inside the MLP"
-    weight = getattr(module.gate_proj, "weight", None)
-    in_features = getattr(module.gate_proj, "in_features", None)
+    first = module.gate_up_proj if spec.fused_gate_up else module.gate_proj
+    weight, in_features = getattr(first, "weight", None), getattr(first, "in_features", None)
     if not isinstance(weight, torch.Tensor) or in_features is None:
-        return f"{name}.gate_proj is not a linear layer hasten can feed"
+        return f"{name}'s input projection is not a linear layer hasten can feed"
     if weight.device.type == "meta":
         return f"{name}'s weights are on the meta device, so its forward cannot be checked"
     gen = torch.Generator(device=weight.device).manual_seed(0)
@@ -113,35 +155,57 @@ def swiglu_mlp_mismatch(module: nn.Module) -> str | None:
     try:
         with torch.no_grad(), _eval_mode(module):
             want = type(module).forward(module, x)
-            got = module.down_proj(F.silu(module.gate_proj(x)) * module.up_proj(x))
+            got = _gated_formula(module, x, spec)
     except Exception as exc:
         return f"{name} could not be checked ({type(exc).__name__}: {exc})"
     error = _relative_error(got, want)
     if not error <= _FP32_TOLERANCE:
-        return f"{name} computes something other than down_proj(silu(gate_proj(x)) * up_proj(x)) " \
-               f"(relative difference {error:.1e} on random inputs)"
+        gate = "gate_up_proj's [gate | up]" if spec.fused_gate_up else "gate_proj(x), up_proj(x)"
+        return (f"{name} computes something other than down_proj({_GATES[spec.kind][0]}(gate) * up) on {gate} "
+                f"(relative difference {error:.1e} on random inputs)")
     return None
 
 
-def rope_mismatch(original, head_dim: int) -> str | None:
-    """None when `original(q, k, cos, sin)` is hasten::rope on q and k (float32, CPU, random angles)."""
+swiglu_mlp_mismatch = gated_mlp_mismatch  # the name the SwiGLU-only check had
+
+
+def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _hasten_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
+    """hasten::rope as the spec lays it out; cos/sin (B or 1, L, R) as the model passes them."""
+    if spec.cos_first_half:
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    return rope(x, cos, sin, interleaved=spec.interleaved)
+
+
+def rope_mismatch(original, head_dim: int, spec: RotarySpec = _HALVES, rotary_dim: int | None = None) -> str | None:
+    """None when `original(q, k, cos, sin)` is hasten::rope on q and k as the spec lays it out
+    (float32, CPU, random cos and sin of the model's rotary width)."""
     head_dim = max(2, head_dim - head_dim % 2)
+    width = rotary_dim or head_dim
+    width = max(2, width - width % 2)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 5, head_dim, generator=gen)
     k = torch.randn(2, 2, 5, head_dim, generator=gen)
-    angles = 3 * torch.randn(2, 5, head_dim // 2, generator=gen)
-    emb = torch.cat([angles, angles], dim=-1)  # how transformers' rotary embeddings lay out cos and sin
-    cos, sin = emb.cos(), emb.sin()
+    # any cos and sin, not only rotary ones: the kernel reads them per element, as the model does
+    cos, sin = torch.randn(2, 5, width, generator=gen), torch.randn(2, 5, width, generator=gen)
     try:
         with torch.no_grad():
             want_q, want_k = original(q, k, cos, sin)
-            got_q, got_k = rope(q, cos, sin), rope(k, cos, sin)
+            got_q, got_k = _hasten_rope(q, cos, sin, spec), _hasten_rope(k, cos, sin, spec)
     except Exception as exc:
         return f"its apply_rotary_pos_emb could not be checked ({type(exc).__name__}: {exc})"
     error = max(_relative_error(got_q, want_q), _relative_error(got_k, want_k))
     if not error <= _FP32_TOLERANCE:
-        return ("its apply_rotary_pos_emb computes something other than x * cos + rotate_half(x) * sin "
-                f"(relative difference {error:.1e} on random angles; interleaved or partial rotary?)")
+        layout = "interleaved pairs" if spec.interleaved else "rotate_half"
+        return (f"its apply_rotary_pos_emb computes something other than x * cos + rotate(x) * sin with {layout} "
+                f"on the first {width} of {head_dim} features (relative difference {error:.1e} on random inputs)")
     return None
 
 
@@ -162,30 +226,56 @@ def _checked_by_class(candidates: list[nn.Module], check) -> tuple[list[nn.Modul
     return passed, sorted({reason for reason in verdicts.values() if reason is not None})
 
 
-def install_fused_rms_norm(model: nn.Module):
-    """Returns (undo, number of modules patched, reasons other RMSNorm classes were left alone)."""
-    patched, refused = _checked_by_class([m for m in model.modules() if _is_rms_norm(m)], rms_norm_mismatch)
+def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
+    """Returns (undo, number of modules patched, reasons other norm classes were left alone)."""
+    if spec.kind == "torch":
+        return (lambda: None), 0, []
+    patched, refused = _checked_by_class([m for m in model.modules() if _is_norm(m, spec)],
+                                         lambda m: rms_norm_mismatch(m, spec))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dtype != self.weight.dtype:
+        if spec.kind == "rms" and hidden_states.dtype != self.weight.dtype:
             record_fallback("fused_rms_norm", f"input {hidden_states.dtype} and weight {self.weight.dtype} differ "
                             "(mixed precision without a bf16 model); transformers' RMSNorm runs")
             return type(self).forward(self, hidden_states)
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return _fused_norm(self, hidden_states, spec)
 
     for module in patched:
         module.forward = types.MethodType(forward, module)
     return _restore_forwards(patched), len(patched), refused
 
 
-def install_fused_mlp(model: nn.Module):
-    """Returns (undo, number of modules patched, reasons other MLP classes were left alone)."""
-    activation = str(getattr(model.config, "hidden_act", ""))
-    patched, refused = _checked_by_class([m for m in model.modules() if _is_swiglu_mlp(m, activation)],
-                                         swiglu_mlp_mismatch)
+install_fused_rms_norm = install_fused_norms  # the name it had when only RMSNorm was covered
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+def _activation(config) -> str:
+    return str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "")
+
+
+# config activations that are the spec's gate: anything else leaves the MLP to transformers
+_ACTIVATIONS = {"swiglu": ("silu", "swish"), "geglu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+
+
+def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
+    """Returns (undo, number of modules patched, reasons other MLP classes were left alone)."""
+    if spec.kind not in _GATES:
+        return (lambda: None), 0, []
+    activation = _activation(config if config is not None else model.config)
+    if activation not in _ACTIVATIONS[spec.kind]:
+        return (lambda: None), 0, [f"the config's activation '{activation}' is not the table's "
+                                   f"{_GATES[spec.kind][0]} gate"]
+    patched, refused = _checked_by_class([m for m in model.modules() if _is_gated_mlp(m, spec)],
+                                         lambda m: gated_mlp_mismatch(m, spec))
+    if spec.fused_gate_up:
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            gate_up = self.gate_up_proj(x)  # (..., 2I): [gate | up]
+            act = swiglu(gate_up.reshape(-1, gate_up.shape[-1]))  # (tokens, I)
+            return self.down_proj(act.view(*gate_up.shape[:-1], act.shape[-1]))
+    else:
+        gated = silu_mul if spec.kind == "swiglu" else gelu_tanh_mul
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(gated(self.gate_proj(x), self.up_proj(x)))
 
     for module in patched:
         module.forward = types.MethodType(forward, module)
@@ -199,28 +289,41 @@ def _head_dim(config) -> int:
     return int(getattr(config, "hidden_size", 64) // max(1, getattr(config, "num_attention_heads", 1)))
 
 
-def install_fused_rope(model: nn.Module):
+def _rotary_dim(config, spec: RotarySpec) -> int:
+    """The width cos and sin have: head_dim, or its `partial_rotary_factor` share."""
+    head_dim = _head_dim(config)
+    if not spec.partial:
+        return head_dim
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return int(head_dim * float(factor))
+
+
+def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None):
     """Returns (undo, None) when the modeling module's `apply_rotary_pos_emb` was replaced, else
     (no-op, the reason). Shared by every model of that modeling module in the process: restored
     when the last patched model is undone or garbage-collected."""
+    config = config if config is not None else model.config
     name = type(model).__module__
     modeling = sys.modules.get(name)
     original = getattr(modeling, "apply_rotary_pos_emb", None)
     if modeling is None or original is None:
         return (lambda: None), f"{name} has no apply_rotary_pos_emb to replace"
     if name not in _ROPE_PATCHES:
-        mismatch = rope_mismatch(original, _head_dim(model.config))
+        mismatch = rope_mismatch(original, _head_dim(config), spec, _rotary_dim(config, spec))
         if mismatch is not None:
             return (lambda: None), mismatch
 
         def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
             unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+            width = cos.shape[-1] // 2 * 2 if spec.cos_first_half else cos.shape[-1]
             if (len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or unsqueeze_dim != 1 or q.dim() != 4
-                    or cos.dim() != 3 or cos.shape[-1] != q.shape[-1] or q.shape[-1] % 2):
-                record_fallback("fused_rope", "a rotary layout hasten::rope does not cover (partial rotary dims, "
-                                "another unsqueeze_dim or extra arguments); transformers' rotary code runs")
+                    or cos.dim() != 3 or width > q.shape[-1] or width % 2 or width == 0):
+                record_fallback("fused_rope", "a rotary layout hasten::rope does not cover (another unsqueeze_dim, "
+                                "extra arguments, an odd or too wide rotary dim); transformers' rotary code runs")
                 return original(q, k, cos, sin, *args, **kwargs)
-            return rope(q, cos, sin), rope(k, cos, sin)
+            return _hasten_rope(q, cos, sin, spec), _hasten_rope(k, cos, sin, spec)
 
         _ROPE_PATCHES[name] = [original, weakref.WeakSet()]
         modeling.apply_rotary_pos_emb = apply_rotary_pos_emb

@@ -91,15 +91,20 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     return missing
 
 
-def logit_features_not_implemented(model: nn.Module) -> list[str]:
-    """Output-logit transforms the fused loss does not apply (it applies final_logit_softcapping)."""
+def logit_transforms(model: nn.Module) -> dict[str, str]:
+    """Output-logit transforms the model's config switches on, by config key, with a line for the
+    report: the fused loss must apply each one (its table entry declares which) or stay off."""
     config = text_config(model)
-    missing = []
-    for key in ("logits_scaling", "logit_scale", "output_multiplier_scale", "logit_multiplier"):
+    found = {}
+    for key in ("final_logit_softcapping", "logits_scaling", "logit_scale", "output_multiplier_scale",
+                "logit_multiplier"):
         value = getattr(config, key, None)
-        if value is not None and value != 1:
-            missing.append(f"logit scaling ({key}={value})")
-    return missing
+        if key == "final_logit_softcapping":
+            if _nonzero(value):
+                found[key] = f"final logit softcapping ({key}={value})"
+        elif value is not None and value != 1:
+            found[key] = f"logit scaling ({key}={value})"
+    return found
 
 
 # Arguments hasten's attention reads, or that carry nothing attention computes with (each named

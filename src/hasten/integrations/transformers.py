@@ -30,9 +30,10 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
+from hasten.integrations.architectures import ARCHITECTURES, ArchSpec, model_type_of, spec_for
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.contract import (attention_features_not_implemented, check_attention_kwargs,
-                                         logit_features_not_implemented, stateful_layers)
+                                         logit_transforms, stateful_layers, text_config)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.config import Config
 from hasten.observability import logger, record_fallback
@@ -50,29 +51,6 @@ ATTN_NAME = "hasten_varlen"
 # implementation's own mask (a float mask for eager, a boolean one for sdpa)
 DENSE_NAMES = {"eager": "hasten_dense_eager", "sdpa": "hasten_dense_sdpa"}
 EXPERTS_NAME = "hasten_fused"
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """What hasten knows about one transformers architecture (by `config.model_type`)."""
-
-    family: str  # "dense" | "moe"
-    notes: str = ""
-
-
-# Architectures tested against transformers' own attention (tests/integrations,
-# tests/gpu). Others that use the standard attention interface are patched too,
-# with a one-time notice.
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec("dense"),
-    "qwen2": ArchSpec("dense", "sliding window honoured where the config enables it"),
-    "qwen3": ArchSpec("dense"),
-    "mistral": ArchSpec("dense", "sliding window honoured"),
-    "qwen3_moe": ArchSpec("moe"),
-    "qwen2_moe": ArchSpec("moe", "the shared expert stays transformers' own MLP"),
-    "mixtral": ArchSpec("moe"),
-    "olmoe": ArchSpec("moe"),
-}
 
 
 @dataclass
@@ -756,75 +734,94 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
     if not config.kernels.fused_cross_entropy:
         handle.inactive.append("fused cross-entropy (kernels.fused_cross_entropy is false)")
         return
-    model_type = getattr(model.config, "model_type", "?")
-    if model_type not in ARCHITECTURES:
+    model_type, spec = model_type_of(model.config), spec_for(model.config)
+    if spec is None:
         record_fallback("fused_cross_entropy", f"model type '{model_type}' is not in hasten's architecture table; "
                         "transformers' own loss path runs (logits materialised)")
         handle.inactive.append(f"fused cross-entropy (model type '{model_type}' not supported)")
         return
-    missing = logit_features_not_implemented(model)
     if (no_kernels := _cuda_kernels_missing(model, "linear_cross_entropy")) is not None:
         record_fallback("fused_cross_entropy", f"{no_kernels}; transformers' own loss path runs")
         handle.inactive.append(f"fused cross-entropy ({no_kernels})")
         return
+    text = text_config(model)
+    # a logit transform the model's config sets that its table entry does not declare
+    declared = {key for key in (spec.logits.softcap_key, spec.logits.scale_key) if key}
+    missing = [line for key, line in logit_transforms(model).items() if key not in declared]
     if missing:
-        reason = "; ".join(missing) + " (the fused loss applies only final_logit_softcapping)"
+        reason = "; ".join(missing) + f" (not in the '{model_type}' table entry)"
         record_fallback("fused_cross_entropy", f"{reason}; transformers' own loss path runs (logits materialised)")
         handle.inactive.append(f"fused cross-entropy ({reason})")
         return
     from hasten.loss import FusedLossUnsupported, install_fused_cross_entropy
 
+    softcap, scale = spec.logits.softcap(text), spec.logits.scale(text)
     try:
-        handle._undo_steps.append(install_fused_cross_entropy(model))
+        handle._undo_steps.append(install_fused_cross_entropy(model, softcap=softcap, logit_scale=scale))
     except FusedLossUnsupported as exc:
         record_fallback("fused_cross_entropy", f"{exc}; transformers' own loss path runs (logits materialised)")
         handle.inactive.append(f"fused cross-entropy ({exc})")
         return
-    handle.active.append("fused cross-entropy (LM head + loss in chunks, no full logits; training forwards return "
-                         "logits=None)")
+    applied = [f"softcap {softcap:g}"] if softcap else []
+    applied += [f"logit scale {scale:g}"] if scale != 1.0 else []
+    handle.active.append("fused cross-entropy (LM head + loss in chunks, no full logits"
+                         + ("".join(f", {item}" for item in applied)) + "; training forwards return logits=None)")
 
 
 def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
     kernels = config.kernels
     if not (kernels.rms_norm or kernels.swiglu or kernels.rope):
         return
-    model_type = getattr(model.config, "model_type", "?")
-    if model_type not in ARCHITECTURES:
+    model_type, spec = model_type_of(model.config), spec_for(model.config)
+    if spec is None:
         reason = f"model type '{model_type}' is not in hasten's architecture table"
-        record_fallback("fused_dense_kernels", f"{reason}; transformers' RMSNorm, MLP and rotary code run")
-        handle.inactive.append(f"fused RMSNorm / SwiGLU / RoPE ({reason})")
+        record_fallback("fused_dense_kernels", f"{reason}; transformers' norm, MLP and rotary code run")
+        handle.inactive.append(f"fused norm / MLP / RoPE ({reason})")
         return
-    if (no_kernels := _cuda_kernels_missing(model, "rms_norm", "silu_mul", "rope")) is not None:
-        record_fallback("fused_dense_kernels", f"{no_kernels}; transformers' RMSNorm, MLP and rotary code run")
-        handle.inactive.append(f"fused RMSNorm / SwiGLU / RoPE ({no_kernels})")
+    gated_op = "swiglu" if spec.mlp.fused_gate_up else {"swiglu": "silu_mul", "geglu_tanh": "gelu_tanh_mul"}.get(
+        spec.mlp.kind)
+    ops = (("rms_norm",) if spec.norm.kind == "rms" else ()) + ((gated_op,) if gated_op else ()) + ("rope",)
+    if (no_kernels := _cuda_kernels_missing(model, *ops)) is not None:
+        record_fallback("fused_dense_kernels", f"{no_kernels}; transformers' norm, MLP and rotary code run")
+        handle.inactive.append(f"fused norm / MLP / RoPE ({no_kernels})")
         return
-    from hasten.dense import install_fused_mlp, install_fused_rms_norm, install_fused_rope
+    from hasten.dense import install_fused_mlp, install_fused_norms, install_fused_rope
 
+    text = text_config(model)
     done = []
-    if kernels.rms_norm:
-        undo, count, refused = install_fused_rms_norm(model)
+    norm_name = {"rms": "RMSNorm", "layer": "LayerNorm"}.get(spec.norm.kind)
+    if kernels.rms_norm and norm_name is None:
+        handle.inactive.append(f"fused norm (the model's {spec.norm.class_suffix} is torch's own kernel already)")
+    elif kernels.rms_norm:
+        undo, count, refused = install_fused_norms(model, spec.norm)
         handle._undo_steps.append(undo)
         if count:
-            done.append(f"RMSNorm x{count}")
+            offset = " (weight + 1)" if spec.norm.weight_offset == 1.0 else ""
+            done.append(f"{norm_name}{offset} x{count}")
         for reason in refused:
-            handle.inactive.append(f"fused RMSNorm ({reason})")
+            handle.inactive.append(f"fused {norm_name} ({reason})")
         if not count and not refused:
-            handle.inactive.append("fused RMSNorm (no Llama/Qwen-style RMSNorm modules, with `variance_epsilon`, "
-                                   "in this model)")
-    if kernels.swiglu:
-        undo, count, refused = install_fused_mlp(model)
+            handle.inactive.append(f"fused {norm_name} (no {spec.norm.class_suffix} modules with a 1-D weight and "
+                                   f"`{spec.norm.eps_attribute}` in this model)")
+    mlp_name = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU"}.get(spec.mlp.kind)
+    if kernels.swiglu and mlp_name is None:
+        handle.inactive.append("fused MLP (an ungated MLP: torch's own GELU kernel runs between the projections)")
+    elif kernels.swiglu:
+        undo, count, refused = install_fused_mlp(model, spec.mlp, text)
         handle._undo_steps.append(undo)
         if count:
-            done.append(f"SwiGLU MLP x{count}")
+            done.append(f"{mlp_name} MLP{' (fused gate/up)' if spec.mlp.fused_gate_up else ''} x{count}")
         for reason in refused:
-            handle.inactive.append(f"fused SwiGLU ({reason})")
+            handle.inactive.append(f"fused {mlp_name} ({reason})")
         if not count and not refused:
-            handle.inactive.append("fused SwiGLU (no SiLU-gated MLP modules in this model)")
+            handle.inactive.append(f"fused {mlp_name} (no gated MLP modules of the table's layout in this model)")
     if kernels.rope:
-        undo, refused = install_fused_rope(model)
+        undo, refused = install_fused_rope(model, spec.rotary, text)
         handle._undo_steps.append(undo)
         if refused is None:
-            done.append("RoPE")
+            layout = ", ".join(x for x in ("interleaved" if spec.rotary.interleaved else "",
+                                           "partial" if spec.rotary.partial else "") if x)
+            done.append(f"RoPE ({layout})" if layout else "RoPE")
         else:
             record_fallback("fused_rope", f"{type(model).__module__}: {refused}; transformers' rotary code runs")
             handle.inactive.append(f"fused RoPE ({refused})")
@@ -852,7 +849,7 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     except BaseException:
         handle.undo()  # a failed accelerate() leaves the model, and the process, as they were
         raise
-    model_type = getattr(model.config, "model_type", "?")
+    model_type = model_type_of(model.config)
     if model_type not in ARCHITECTURES:
         # said once per type: what runs on hasten's kernels and what stays transformers', piece by piece
         record_fallback(f"model_type_not_in_table:{model_type}", f"model type '{model_type}' is not in hasten's "

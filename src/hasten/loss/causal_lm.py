@@ -33,8 +33,18 @@ def _shifted_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None) ->
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
-    """Replace `model.forward` for training with labels; returns a function that undoes it."""
+_FROM_CONFIG = "config"
+
+
+def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap: float | None | str = _FROM_CONFIG,
+                                logit_scale: float = 1.0):
+    """Replace `model.forward` for training with labels; returns a function that undoes it.
+
+    The loss is that of softcap(logit_scale * lm_head(hidden)): `softcap` the final logit
+    softcapping (default: the config's `final_logit_softcapping`), `logit_scale` the factor the
+    model multiplies its logits by (Cohere's logit_scale, 1 / Granite's logits_scaling). The scale
+    is applied to the hidden states before the LM head, which is the same product for a head
+    without bias (one rounding of the scaled hidden state in its dtype; exact for powers of two)."""
     for attribute in ("model", "lm_head"):
         if not isinstance(getattr(model, attribute, None), nn.Module):
             raise FusedLossUnsupported(f"{type(model).__name__} has no `{attribute}` module (not a transformers "
@@ -42,8 +52,12 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
     if not isinstance(model.lm_head, nn.Linear):
         raise FusedLossUnsupported(f"the LM head is a {type(model.lm_head).__name__}, not a plain nn.Linear "
                                    "(wrapped by PEFT or quantized); the fused loss reads its weight directly")
+    if logit_scale != 1.0 and model.lm_head.bias is not None:
+        raise FusedLossUnsupported(f"a logit scale ({logit_scale:g}) with an LM head bias: the fused loss scales the "
+                                   "hidden states, which scales the bias too")
     original = model.forward
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap == _FROM_CONFIG:
+        softcap = getattr(model.config, "final_logit_softcapping", None)
     output_class = None
     cache_fields = None  # (field of the model's output, field of ours): `cache` from transformers 5.24
 
@@ -66,6 +80,8 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0):
                              inputs_embeds=inputs_embeds, use_cache=use_cache,
                              **kwargs)
         hidden = outputs.last_hidden_state
+        if logit_scale != 1.0:
+            hidden = hidden * logit_scale
         targets = _shifted_targets(labels, kwargs.get("shift_labels"))
         loss = linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device), bias=self.lm_head.bias,
                                     num_items_in_batch=kwargs.get("num_items_in_batch"),

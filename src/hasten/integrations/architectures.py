@@ -1,0 +1,118 @@
+"""hasten's model table: what each transformers model type computes, piece by piece.
+
+One entry per `config.model_type` (of the text config, so the text model inside a multimodal
+checkpoint finds its entry). accelerate() reads the entry and patches each piece the entry
+declares, after checking the model's own code against the kernel (dense/patch.py's probes); a
+model type outside the table gets hasten's attention where the contract allows it and nothing
+else, with one notice. Adding a model type is an entry here and its case in tests/model_zoo.py
+(which the CPU and GPU parity tests run), never a patch function of its own.
+
+What the model's own code computes around hasten's pieces (embedding scale, residual and
+attention multipliers, the query scale, q/k norms as modules, parallel attention and MLP, layers
+without rotary) stays the model's: hasten replaces the norm, MLP, rotary and loss functions, not
+the decoder layer. The entry names them in `model_code` so the report can say what runs where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hasten.dense.spec import LogitSpec, MlpSpec, NormSpec, RotarySpec
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What hasten knows about one transformers model type."""
+
+    family: str  # "dense" | "moe"
+    norm: NormSpec = field(default_factory=NormSpec)
+    mlp: MlpSpec = field(default_factory=MlpSpec)
+    rotary: RotarySpec = field(default_factory=RotarySpec)
+    logits: LogitSpec = field(default_factory=LogitSpec)
+    # attention features the model's config can switch on and what hasten's attention does with
+    # them (its varlen kernels compute windows and the query scale; a softcap sends the attention
+    # back to transformers' own code, with hasten's packed mask)
+    attention: tuple[str, ...] = ()
+    model_code: tuple[str, ...] = ()  # computed by the model's own code around hasten's pieces
+    notes: str = ""
+
+
+_LLAMA = ArchSpec("dense")
+_GEMMA_NORM = NormSpec(weight_offset=1.0, eps_attribute="eps")
+_GEMMA_MLP = MlpSpec(kind="geglu_tanh")
+_SOFTCAP = LogitSpec(softcap_key="final_logit_softcapping")
+_WINDOWS = "a sliding window where the config sets one"
+_LAYER_WINDOWS = "sliding windows on the layers `layer_types` marks"
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    # --- dense: Llama-style pre-norm decoders ------------------------------------------------
+    "llama": _LLAMA,
+    "qwen2": ArchSpec("dense", attention=(_WINDOWS, "qkv bias")),
+    "qwen3": ArchSpec("dense", norm=NormSpec(qk_norm=True), attention=(_WINDOWS,)),
+    "mistral": ArchSpec("dense", attention=(_WINDOWS,)),
+    "ministral": ArchSpec("dense", attention=(_LAYER_WINDOWS,)),
+    "smollm3": ArchSpec("dense", rotary=RotarySpec(note="layers without rotary (no_rope_layers) skip it in the "
+                                                        "model's own attention")),
+    "hunyuan_v1_dense": ArchSpec("dense", norm=NormSpec(qk_norm=True)),
+    "helium": ArchSpec("dense", rotary=RotarySpec(interleaved=True, cos_first_half=True)),
+    "seed_oss": ArchSpec("dense", attention=("qkv bias",)),
+    "ernie4_5": ArchSpec("dense", rotary=RotarySpec(interleaved=True, cos_first_half=True)),
+    "granite": ArchSpec("dense", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
+                        attention=("the query scale attention_multiplier",),
+                        model_code=("embedding_multiplier", "residual_multiplier")),
+    # --- post-norm decoders (norms after attention and MLP) ---------------------------------
+    "olmo2": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True),
+                      notes="q/k norms over the whole projection, before the head split"),
+    "olmo3": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True), attention=(_LAYER_WINDOWS,)),
+    "exaone4": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True), attention=(_LAYER_WINDOWS,)),
+    # --- fused gate/up projections, partial rotary -------------------------------------------
+    "phi3": ArchSpec("dense", mlp=MlpSpec(fused_gate_up=True), rotary=RotarySpec(partial=True),
+                     attention=(_WINDOWS,), model_code=("fused qkv_proj",)),
+    "glm": ArchSpec("dense", mlp=MlpSpec(fused_gate_up=True),
+                    rotary=RotarySpec(interleaved=True, cos_first_half=True, partial=True)),
+    "glm4": ArchSpec("dense", norm=NormSpec(placement="pre_post"), mlp=MlpSpec(fused_gate_up=True),
+                     rotary=RotarySpec(interleaved=True, cos_first_half=True, partial=True),
+                     notes="post-attention and post-MLP norms beside the pre-norms"),
+    # --- Gemma: weight + 1 norms, GeGLU, final softcap ----------------------------------------
+    "gemma": ArchSpec("dense", norm=_GEMMA_NORM, mlp=_GEMMA_MLP, model_code=("embedding scale sqrt(hidden)",)),
+    "gemma2": ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute="eps", placement="pre_post"),
+                       mlp=_GEMMA_MLP, logits=_SOFTCAP,
+                       attention=("attention logit softcapping: transformers' eager attention runs, with hasten's "
+                                  "packed mask", _LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
+                       model_code=("embedding scale sqrt(hidden)",)),
+    "gemma3_text": ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute="eps", placement="pre_post",
+                                                   qk_norm=True),
+                            mlp=_GEMMA_MLP, logits=_SOFTCAP,
+                            rotary=RotarySpec(note="two rotary bases (local and global layers), chosen per layer "
+                                                   "by the model"),
+                            attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
+                            model_code=("embedding scale sqrt(hidden)",)),
+    # --- Cohere: LayerNorm without bias, interleaved rotary, parallel blocks, logit scale -----
+    "cohere": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
+                       rotary=RotarySpec(interleaved=True), logits=LogitSpec(scale_key="logit_scale"),
+                       model_code=("attention and MLP in parallel on one norm",
+                                   "q/k LayerNorms over (heads, head_dim) where use_qk_norm is set")),
+    "cohere2": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
+                        rotary=RotarySpec(interleaved=True), logits=LogitSpec(scale_key="logit_scale"),
+                        attention=(_LAYER_WINDOWS,), model_code=("attention and MLP in parallel on one norm",)),
+    # --- StarCoder2: nn.LayerNorm with bias, ungated GELU MLP with biases ---------------------
+    "starcoder2": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
+                           mlp=MlpSpec(kind="ungated"), attention=(_WINDOWS, "projection biases")),
+    # --- MoE -----------------------------------------------------------------------------------
+    "qwen3_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), attention=(_WINDOWS,)),
+    "qwen2_moe": ArchSpec("moe", attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),
+    "mixtral": ArchSpec("moe", attention=(_WINDOWS,)),
+    "olmoe": ArchSpec("moe", norm=NormSpec(qk_norm=True)),
+}
+
+
+def model_type_of(config) -> str:
+    """The model type the table is keyed by: the text config's (Gemma 3's `gemma3_text` inside a
+    `gemma3` checkpoint), else the config's own."""
+    getter = getattr(config, "get_text_config", None)
+    text = getter() if callable(getter) else config
+    return str(getattr(text, "model_type", None) or getattr(config, "model_type", "?"))
+
+
+def spec_for(config) -> ArchSpec | None:
+    return ARCHITECTURES.get(model_type_of(config))
