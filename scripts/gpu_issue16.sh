@@ -25,35 +25,8 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export HASTEN_COMMIT=${HASTEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 BUDGET=${BUDGET:-530}
 PARTS=" ${PARTS:-build gpu w3 w1 ops} "
-START=$SECONDS
-SUMMARY="$LOGS/summary.txt"
-echo "issue16 at $HASTEN_COMMIT, budget ${BUDGET} s, parts:$PARTS" | tee "$SUMMARY"
-
-# part NAME CAP CMD...: CMD under timeout (CAP, or less when less time is left), output in $LOGS/NAME.log
-part() {
-  local name=$1 cap=$2; shift 2
-  local limit=$(( BUDGET - (SECONDS - START) - 15 ))  # 15 s: timeout's grace (5 s) and the tar
-  (( limit > cap )) && limit=$cap
-  if (( limit < 20 )); then
-    echo "$name: SKIPPED, ${limit} s left" | tee -a "$SUMMARY"
-    return 124
-  fi
-  local t0=$SECONDS
-  timeout --kill-after=5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
-  local rc=$?
-  local note=""
-  (( rc == 124 || rc == 137 )) && note=" (TIMED OUT)"
-  echo "$name: rc $rc in $(( SECONDS - t0 )) s, limit $limit s$note" | tee -a "$SUMMARY"
-  return $rc
-}
-
-if compgen -G ".whl/*.whl" > /dev/null; then
-  timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-    > "$LOGS/wheels.log" 2>&1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-timeout 60 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
-'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tee -a "$SUMMARY"
+RUN_NAME=issue16
+source scripts/gpu_parts.sh  # part(), the summary, the carried wheels
 
 built=1
 if [[ $PARTS == *" build "* ]]; then
