@@ -6,7 +6,8 @@
 #           tests/gpu/test_model_parity_cuda.py (every zoo type, bf16 vs fp32 one sample at a
 #           time; one JSON row per type in logs/parity.jsonl)                              cap 240 s
 #   w1      benchmarks/packed_sft.py --model M for each M in $MODELS (default gemma3_1b):
-#           hasten, hasten_unfused and liger (where liger_kernel imports) in one run       cap 330 s
+#           hasten, hasten_unfused and liger (where liger_kernel imports) in one run, with
+#           $W1_ARGS (e.g. "--profile hasten")                                              cap 330 s
 #   ops     tests/ops (mostly CPU)                                                         cap 90 s
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue17.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu" bash scripts/gpu_issue17.sh
@@ -42,8 +43,8 @@ if (( built )); then
     timeout 60 python3 -c "import liger_kernel" 2>/dev/null && VARIANTS=$VARIANTS,liger
     for model in $MODELS; do
       part "w1-$model" 330 python3 benchmarks/packed_sft.py --model "$model" --steps "$STEPS" --out "$LOGS" \
-        --variants "$VARIANTS"
-      grep -E "tok/s|FAILED|vs |Error" "$LOGS/w1-$model.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
+        --variants "$VARIANTS" ${W1_ARGS:-}
+      grep -E "tok/s|FAILED|vs |Error|ms " "$LOGS/w1-$model.log" 2>/dev/null | tail -30 | tee -a "$SUMMARY"
     done
   fi
   if [[ $PARTS == *" ops "* ]]; then
