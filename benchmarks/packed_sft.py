@@ -59,7 +59,7 @@ from hasten.training.compile import compile_decoder_layers  # noqa: E402
 from hasten.training.graphed_optimizer import GraphedAdamW  # noqa: E402
 
 TOKENS = 16384
-VOCAB = 151936  # Qwen3's; other shapes draw their tokens below this too (every vocabulary here is larger)
+VOCAB = 151936  # Qwen3's; the other shapes draw their tokens below their own vocabulary
 DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and small shapes)
 
 
@@ -96,8 +96,9 @@ SHAPES = {
 MODEL = "qwen3_0.6b"  # set by --model
 
 
-def make_samples(seed: int = 0) -> list[list[int]]:
-    """Log-normal lengths exp(N(5.3, 0.9)) clipped to [16, 2048], topped up to exactly TOKENS."""
+def make_samples(seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    """Log-normal lengths exp(N(5.3, 0.9)) clipped to [16, 2048], topped up to exactly TOKENS, of
+    tokens below `vocab` (the same lengths for every vocabulary)."""
     gen = torch.Generator().manual_seed(seed)
     lengths: list[int] = []
     while sum(lengths) < TOKENS:
@@ -106,7 +107,7 @@ def make_samples(seed: int = 0) -> list[list[int]]:
     if lengths[-1] < 16:  # fold a tiny tail into the previous sample
         tail = lengths.pop()  # (`lengths[-2] += lengths.pop()` read one sample and wrote another)
         lengths[-1] += tail
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 def build_model() -> PreTrainedModel:
@@ -131,6 +132,10 @@ def padded_microbatches(samples: list[list[int]], size: int = 8) -> list[dict]:
 
 
 ISOLATION_TOLERANCE = 3e-2
+# bf16 noise grows with depth and width: on the Phi-4-mini shape (32 layers, hidden 3072) transformers'
+# own kernels (hasten_unfused) measured 3.4e-2 and Liger's 5.0e-2 (e06c381, H200); leakage across
+# samples measures 0.3 and more
+ISOLATION_TOLERANCE_BY_MODEL = {"phi4_mini": 8e-2}
 LOSS_TOLERANCE = 2e-2  # losses near 12 in bf16: run-to-run noise is about 1e-3
 CHECKED = (0, 30, 60)  # samples whose logits are compared inside the pack and alone
 
@@ -294,7 +299,7 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
     # hf_padded: each sample sits in its own padded row behind a padding mask. Threshold:
     # bf16 noise over 28 layers and 152k logits measured 1.3e-2 for transformers' own
     # correct packed path on H200; leakage across samples measures 0.3 and more.
-    correct = err <= ISOLATION_TOLERANCE
+    correct = err <= ISOLATION_TOLERANCE_BY_MODEL.get(MODEL, ISOLATION_TOLERANCE)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     compiled_before = dynamo_counts()
@@ -348,7 +353,7 @@ def main() -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("W1 needs a CUDA GPU", file=sys.stderr)
         return 1
-    samples = make_samples()
+    samples = make_samples(vocab=SHAPES[MODEL]().vocab_size)
     print(f"{workload()}: {len(samples)} samples, {sum(map(len, samples))} tokens, max {max(map(len, samples))}")
     refs = reference_logits(samples)
     run_id = common.new_run_id()
