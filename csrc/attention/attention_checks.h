@@ -25,6 +25,13 @@ inline void check_varlen_attention_args(const char* op, const at::Tensor& q, con
   for (const auto* t : {&k, &v, &cu_seqlens}) check_same_device(q, *t, op, "q", "k, v or cu_seqlens");
 }
 
+// window W > 0: a query sees itself and the W - 1 tokens before it; only with causal attention.
+inline void check_attention_window(const char* op, bool causal, int64_t window) {
+  TORCH_CHECK(window >= 0, "hasten::", op, ": `window` must be >= 0 (0: no window), got ", num(window));
+  TORCH_CHECK(window == 0 || causal, "hasten::", op, ": a sliding window (", num(window),
+              ") needs causal attention; a two-sided window is not implemented");
+}
+
 inline void check_varlen_attention_backward_args(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                  const at::Tensor& cu_seqlens, int64_t max_seqlen) {

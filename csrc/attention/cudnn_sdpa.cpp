@@ -64,6 +64,9 @@ void set_mask(Attributes& a, const Problem& p, const TensorPtr& seq_q, const Ten
   // workspaces sized by the real token count, not B x S
   a.set_max_total_seq_len_q(p.tokens).set_max_total_seq_len_kv(p.tokens);
   if (p.causal) a.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+  // top-left aligned left bound W: key j is masked when j <= i - W (cudnn-frontend's reference in
+  // test/python/test_mhas.py: tril(-left_bound)), transformers' sliding_window W exactly
+  if (p.window > 0) a.set_diagonal_band_left_bound(p.window);
 }
 
 std::shared_ptr<Graph> forward_graph(const Problem& p) {
@@ -115,7 +118,8 @@ std::shared_ptr<Graph> backward_graph(const Problem& p) {
 std::string describe(const Problem& p) {
   return "B=" + std::to_string(p.batch) + " S=" + std::to_string(p.max_seqlen) + " T=" + std::to_string(p.tokens) +
          " Hq=" + std::to_string(p.q_heads) + " Hk=" + std::to_string(p.kv_heads) + " D=" +
-         std::to_string(p.head_dim) + (p.bf16 ? " bf16" : " fp16") + (p.causal ? " causal" : "");
+         std::to_string(p.head_dim) + (p.bf16 ? " bf16" : " fp16") + (p.causal ? " causal" : "") +
+         (p.window > 0 ? " window=" + std::to_string(p.window) : "");
 }
 
 std::string cudnn_error(cudnnStatus_t status, const char* what) {
@@ -124,7 +128,7 @@ std::string cudnn_error(cudnnStatus_t status, const char* what) {
 
 struct ThreadState {
   std::unordered_map<int, cudnnHandle_t> handles;
-  using Key = std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, bool, bool, int>;
+  using Key = std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, bool, int64_t, bool, int>;
   std::map<Key, std::shared_ptr<Graph>> graphs;
   std::map<Key, std::string> refused;  // a bucket cuDNN cannot run stays refused, without rebuilding
 };
@@ -154,7 +158,7 @@ std::string run(bool is_backward, const Problem& p, std::unordered_map<int64_t, 
     return cudnn_error(status, "cudnnSetStream");
   }
   const ThreadState::Key key{is_backward, p.batch, p.max_seqlen, p.tokens, p.q_heads, p.kv_heads, p.head_dim,
-                             p.scale, p.causal, p.bf16, p.device};
+                             p.scale, p.causal, p.window, p.bf16, p.device};
   if (auto refused = s.refused.find(key); refused != s.refused.end()) return refused->second;
   auto found = s.graphs.find(key);
   if (found == s.graphs.end()) {

@@ -23,6 +23,7 @@ struct Problem {
   int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
   float scale = 1.0f;
   bool causal = true;
+  int64_t window = 0;       // > 0: a query sees itself and window - 1 keys before it (causal only)
   bool bf16 = true;         // else float16
   int device = 0;
 };

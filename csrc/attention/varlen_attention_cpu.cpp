@@ -16,13 +16,15 @@ struct Sequence {
 
 // Scores of one sequence [start, end): softmax probabilities and their log-sum-exp (Hq, L).
 std::tuple<Sequence, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                                        int64_t end, double scale, bool causal) {
+                                        int64_t end, double scale, bool causal, int64_t window) {
   const int64_t groups = q.size(1) / k.size(1), length = end - start;
   auto heads_first = [&](const at::Tensor& x) { return x.slice(0, start, end).to(at::kFloat).permute({1, 0, 2}); };
   Sequence s{heads_first(q), heads_first(k).repeat_interleave(groups, 0), heads_first(v).repeat_interleave(groups, 0),
              {}};
   auto scores = at::matmul(s.q, s.k.transpose(1, 2)) * scale;
   if (causal) scores.masked_fill_(at::ones({length, length}, at::kBool).triu(1), -INFINITY);
+  // key j hidden from query i when j <= i - window: each query keeps itself and window - 1 before it
+  if (window > 0) scores.masked_fill_(at::ones({length, length}, at::kBool).tril(-window), -INFINITY);
   auto lse = at::logsumexp(scores, -1);
   s.probs = at::exp(scores - lse.unsqueeze(-1));
   return {s, lse};
@@ -48,16 +50,18 @@ at::Tensor per_kv_head(const at::Tensor& x, int64_t kv_heads) {
 
 std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v, const at::Tensor& cu_seqlens,
-                                                        int64_t max_seqlen, double scale, bool causal) {
+                                                        int64_t max_seqlen, double scale, bool causal,
+                                                        int64_t window) {
   check_device(q, "varlen_attention", "q", c10::DeviceType::CPU);
   check_varlen_attention_args("varlen_attention", q, k, v, cu_seqlens, max_seqlen);
+  check_attention_window("varlen_attention", causal, window);
   check_boundaries("varlen_attention", cu_seqlens, q.size(0), max_seqlen);
   auto out = at::zeros(q.sizes(), q.options());  // contiguous, as on CUDA (and the fake)
   auto lse = at::zeros({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   const auto cu = cu_seqlens.accessor<int32_t, 1>();
   for (int64_t b = 0; b + 1 < cu_seqlens.numel(); ++b) {
     if (cu[b + 1] <= cu[b]) continue;
-    auto [s, seq_lse] = attend(q, k, v, cu[b], cu[b + 1], scale, causal);
+    auto [s, seq_lse] = attend(q, k, v, cu[b], cu[b + 1], scale, causal, window);
     out.slice(0, cu[b], cu[b + 1]).copy_(at::matmul(s.probs, s.v).permute({1, 0, 2}));
     lse.slice(0, cu[b], cu[b + 1]).copy_(seq_lse.t());
   }
@@ -66,9 +70,11 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(const at::Tensor& q, con
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale, bool causal) {
+    const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale, bool causal,
+    int64_t window) {
   check_device(q, "varlen_attention_backward", "q", c10::DeviceType::CPU);
   check_varlen_attention_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen);
+  check_attention_window("varlen_attention_backward", causal, window);
   check_boundaries("varlen_attention_backward", cu_seqlens, q.size(0), max_seqlen);
   // contiguous, as on CUDA (and the fake)
   auto grad_q = at::zeros(q.sizes(), q.options()), grad_k = at::zeros(k.sizes(), k.options()),
@@ -77,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
   for (int64_t b = 0; b + 1 < cu_seqlens.numel(); ++b) {
     const int64_t start = cu[b], end = cu[b + 1];
     if (end <= start) continue;
-    auto [s, unused] = attend(q, k, v, start, end, scale, causal);
+    auto [s, unused] = attend(q, k, v, start, end, scale, causal, window);
     auto d_out = grad_out.slice(0, start, end).to(at::kFloat).permute({1, 0, 2});           // (Hq, L, D)
     auto o = out.slice(0, start, end).to(at::kFloat).permute({1, 0, 2});
     auto d_probs = at::matmul(d_out, s.v.transpose(1, 2));                                   // (Hq, L, L)

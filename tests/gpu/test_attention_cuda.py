@@ -14,9 +14,9 @@ from hasten.attention import varlen
 from hasten.observability import fallback_counts, reset_fallbacks
 
 
-def _outputs(backend, gqa, q, k, v, cu, max_len, grad):
+def _outputs(backend, gqa, q, k, v, cu, max_len, grad, sliding_window=None):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = varlen.varlen_attention(*leaves, cu, max_len, backend=backend, gqa=gqa)
+    out = varlen.varlen_attention(*leaves, cu, max_len, backend=backend, gqa=gqa, sliding_window=sliding_window)
     out.backward(grad)
     return [out.detach().float()] + [x.grad.float() for x in leaves]
 
@@ -42,16 +42,16 @@ def test_backend_equals_one_sequence_at_a_time(backend, gqa, lengths, hq, hkv, h
     assert not {k: n for k, n in fallback_counts().items() if k != "attention_per_sequence"}, fallback_counts()
 
 
-def _cudnn_vs_flash(lengths, hq=16, hkv=8, head_dim=128, causal=True, seed=0):
+def _cudnn_vs_flash(lengths, hq=16, hkv=8, head_dim=128, causal=True, seed=0, sliding_window=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     t = sum(lengths)
     q, k, v, grad = (torch.randn(t, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                      for h in (hq, hkv, hkv, hq))
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     reset_fallbacks()
-    got = _outputs("cudnn", "native", q, k, v, cu, max(lengths), grad)
+    got = _outputs("cudnn", "native", q, k, v, cu, max(lengths), grad, sliding_window)
     assert not fallback_counts(), fallback_counts()
-    want = _outputs("torch_varlen", "native", q, k, v, cu, max(lengths), grad)
+    want = _outputs("torch_varlen", "native", q, k, v, cu, max(lengths), grad, sliding_window)
     for label, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         rel = float((g - w).norm() / w.norm())
         assert rel < 1e-2, f"{label}: relative error {rel:.2e} against FlashAttention-2 ({len(lengths)} sequences)"
@@ -69,6 +69,17 @@ def test_cudnn_on_w1_sized_batches_matches_flash_attention():
 
 
 @needs_cudnn_op
+@pytest.mark.parametrize("hq,hkv,head_dim,window", [(16, 8, 128, 512), (4, 1, 256, 512), (8, 2, 64, 5)])
+def test_cudnn_sliding_window_matches_flash_attention(hq, hkv, head_dim, window):
+    """Gemma-3's shape (4 heads, 1 K/V head, head size 256, window 512) and others, 16,384 tokens of
+    samples shorter and longer than the window: cuDNN's left bound is transformers' window."""
+    gen = torch.Generator().manual_seed(window + head_dim)
+    lengths = torch.randint(1, 1200, (12,), generator=gen).tolist() + [1, 1, 513, 512, 511]
+    lengths.append(16384 - sum(lengths))  # at most 12 x 1199 + 1538 tokens above: a long last sample
+    _cudnn_vs_flash(lengths, hq, hkv, head_dim, seed=window, sliding_window=window)
+
+
+@needs_cudnn_op
 def test_cudnn_softmax_statistics_and_full_attention():
     from hasten.ops.attention import varlen_attention as cudnn_op  # noqa: F401  (registers the fakes)
 
@@ -76,10 +87,10 @@ def test_cudnn_softmax_statistics_and_full_attention():
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(sum(lengths), h, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (4, 2, 2))
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    for causal in (True, False):
-        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max(lengths), 0.125, causal)
+    for causal, window in ((True, 0), (False, 0), (True, 1), (True, 7), (True, 64)):
+        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max(lengths), 0.125, causal, window)
         ref_out, ref_lse = torch.ops.hasten.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), max(lengths), 0.125,
-                                                            causal)
+                                                            causal, window)
         torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-2, rtol=0)
         torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=2e-2, rtol=0)
 
@@ -98,8 +109,9 @@ def test_cudnn_ragged_index_is_never_stale():
     from hasten.ops.attention import varlen_attention as cudnn_op  # noqa: F401  (registers the fakes)
 
     def check(q, k, v, cu, max_len):
-        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max_len, 0.125, True)
-        ref_out, ref_lse = torch.ops.hasten.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), max_len, 0.125, True)
+        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max_len, 0.125, True, 0)
+        ref_out, ref_lse = torch.ops.hasten.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), max_len, 0.125, True,
+                                                            0)
         torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-2, rtol=0)
 

@@ -354,10 +354,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     # sliding_window W (transformers' meaning): a query sees itself and the W - 1 tokens before it.
     left = sliding_window - 1 if sliding_window is not None else -1
     chosen = select_backend(q, backend, facts=facts)
-    if chosen == "cudnn" and (dropout > 0.0 or sliding_window is not None):
-        record_fallback("cudnn_attention_features", "cuDNN packed attention is not used for layers with "
-                        f"{'dropout' if dropout > 0.0 else 'a sliding window'}; FlashAttention-2 (flash-attn, else torch's "
-                        "varlen) runs them")
+    if chosen == "cudnn" and dropout > 0.0:
+        record_fallback("cudnn_attention_features", "cuDNN packed attention is not used for layers with dropout; "
+                        "FlashAttention-2 (flash-attn, else torch's varlen) runs them")
         chosen = select_backend(q, "flash_attn", report=False, facts=facts)
     if chosen == "cudnn":
         from hasten.ops.attention import varlen_attention as cudnn_attention
@@ -365,9 +364,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if torch.compiler.is_compiling():
             # a refusal is raised by the op when the graph runs, past any Python a trace could leave
             # here: compiled, a batch cuDNN refuses raises its error instead of falling back
-            return cudnn_attention(q, k, v, cu_seqlens, _cudnn_max_seqlen(max_seqlen), scale, causal)
+            return cudnn_attention(q, k, v, cu_seqlens, _cudnn_max_seqlen(max_seqlen), scale, causal,
+                                   sliding_window or 0)
         try:
-            return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+            return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window or 0)
         except RuntimeError as exc:  # a shape cuDNN refuses (the op caches the refusal per bucket)
             record_fallback("cudnn_attention", f"cuDNN refused this batch ({exc}); FlashAttention-2 runs it")
             chosen = select_backend(q, "flash_attn", report=False, facts=facts)

@@ -163,6 +163,12 @@ def check_varlen_attention_args(op: str, q, k, v, cu_seqlens, max_seqlen) -> Non
         check_same_device(q, t, op, "q", "k, v or cu_seqlens")
 
 
+def check_attention_window(op: str, causal, window) -> None:
+    check(window >= 0, op, lambda: f"`window` must be >= 0 (0: no window), got {window}")
+    check(window == 0 or causal, op, lambda: f"a sliding window ({window}) needs causal attention; a two-sided "
+          "window is not implemented")
+
+
 def check_varlen_attention_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen) -> None:
     op = "varlen_attention_backward"
     check_varlen_attention_args(op, q, k, v, cu_seqlens, max_seqlen)
