@@ -2,7 +2,7 @@
 # Issue 17 (the model table, GeGLU, partial/interleaved RoPE) on the GPU machine (one H200), in one
 # call of at most BUDGET (560) seconds, most important first:
 #   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
-#   gpu     tests/gpu/test_dense_cuda.py (the new kernels against torch) and
+#   gpu     tests/gpu/test_dense_cuda.py (the new kernels against torch), test_attention_cuda.py and
 #           tests/gpu/test_model_parity_cuda.py (every zoo type, bf16 vs fp32 one sample at a
 #           time; one JSON row per type in logs/parity.jsonl)                              cap 240 s
 #   w1      benchmarks/packed_sft.py --model M for each M in $MODELS (default gemma3_1b):
@@ -34,7 +34,7 @@ fi
 
 if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
-    HASTEN_PARITY_REPORT="$LOGS/parity.jsonl" part gpu 240 python3 -m pytest tests/gpu/test_dense_cuda.py \
+    HASTEN_PARITY_REPORT="$LOGS/parity.jsonl" part gpu 240 python3 -m pytest tests/gpu/test_dense_cuda.py tests/gpu/test_attention_cuda.py \
       tests/gpu/test_model_parity_cuda.py -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR" "$LOGS/gpu.log" 2>/dev/null | tail -40 | tee -a "$SUMMARY"
   fi
