@@ -176,32 +176,48 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _hasten_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec) -> torch.Tensor:
-    """hasten::rope as the spec lays it out; cos/sin (B or 1, L, R) as the model passes them."""
+def _hasten_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec,
+                 unsqueeze_dim: int = 1) -> torch.Tensor:
+    """hasten::rope as the spec lays it out; cos/sin (B or 1, L, R) as the model passes them; x
+    (B, heads, L, D) for unsqueeze_dim 1, (B, L, heads, D) for 2 (Gemma 4), as a strided view."""
     if spec.cos_first_half:
         cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
         sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    if unsqueeze_dim == 2:
+        return rope(x.transpose(1, 2), cos, sin, interleaved=spec.interleaved).transpose(1, 2)
     return rope(x, cos, sin, interleaved=spec.interleaved)
 
 
+def _rope_call(original, spec: RotarySpec, tensors: tuple, cos, sin, unsqueeze_dim: int):
+    """original's own call: (q, k, cos, sin) or, single_tensor, (x, cos, sin)."""
+    if spec.single_tensor:
+        return (original(tensors[0], cos, sin, unsqueeze_dim=unsqueeze_dim),)
+    return original(tensors[0], tensors[1], cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
 def rope_mismatch(original, head_dim: int, spec: RotarySpec = _HALVES, rotary_dim: int | None = None) -> str | None:
-    """None when `original(q, k, cos, sin)` is hasten::rope on q and k as the spec lays it out
-    (float32, CPU, random cos and sin of the model's rotary width)."""
+    """None when `original` is hasten::rope on q and k (or one x) as the spec lays it out, for both
+    layouts (unsqueeze_dim 1 and 2; float32, CPU, random cos and sin of the model's rotary width)."""
     head_dim = max(2, head_dim - head_dim % 2)
     width = rotary_dim or head_dim
     width = max(2, width - width % 2)
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 3, 5, head_dim, generator=gen)
-    k = torch.randn(2, 2, 5, head_dim, generator=gen)
     # any cos and sin, not only rotary ones: the kernel reads them per element, as the model does
     cos, sin = torch.randn(2, 5, width, generator=gen), torch.randn(2, 5, width, generator=gen)
-    try:
-        with torch.no_grad():
-            want_q, want_k = original(q, k, cos, sin)
-            got_q, got_k = _hasten_rope(q, cos, sin, spec), _hasten_rope(k, cos, sin, spec)
-    except Exception as exc:
-        return f"its apply_rotary_pos_emb could not be checked ({type(exc).__name__}: {exc})"
-    error = max(_relative_error(got_q, want_q), _relative_error(got_k, want_k))
+    error = 0.0
+    for unsqueeze_dim in (1, 2):
+        heads_at = unsqueeze_dim  # (B, heads, L, D) or (B, L, heads, D)
+        shapes = [[2, 5, head_dim], [2, 5, head_dim]]
+        for shape, heads in zip(shapes, (3, 2)):
+            shape.insert(heads_at, heads)
+        tensors = tuple(torch.randn(*shape, generator=gen) for shape in shapes)
+        try:
+            with torch.no_grad():
+                want = _rope_call(original, spec, tensors, cos, sin, unsqueeze_dim)
+                got = [_hasten_rope(x, cos, sin, spec, unsqueeze_dim) for x in tensors[:len(want)]]
+        except Exception as exc:
+            return f"its apply_rotary_pos_emb could not be checked ({type(exc).__name__}: {exc})"
+        error = max([error] + [_relative_error(g, w) for g, w in zip(got, want)])
     if not error <= _FP32_TOLERANCE:
         layout = "interleaved pairs" if spec.interleaved else "rotate_half"
         return (f"its apply_rotary_pos_emb computes something other than x * cos + rotate(x) * sin with {layout} "
@@ -282,11 +298,22 @@ def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
     return _restore_forwards(patched), len(patched), refused
 
 
+def _config_value(config, key: str, default=None):
+    """config.key, or default where it is absent or a per-layer value (transformers >= 5.24 raises
+    on the global read of an attribute that varies across layers, e.g. Gemma 4's head_dim)."""
+    try:
+        return getattr(config, key, default)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, whose module moves
+        return default
+
+
 def _head_dim(config) -> int:
-    head_dim = getattr(config, "head_dim", None)
+    """The head size the rotary probe uses (the rotary function is the same for every size)."""
+    head_dim = _config_value(config, "head_dim")
     if head_dim:
         return int(head_dim)
-    return int(getattr(config, "hidden_size", 64) // max(1, getattr(config, "num_attention_heads", 1)))
+    heads = _config_value(config, "num_attention_heads", 1) or 1
+    return int((_config_value(config, "hidden_size", 64) or 64) // max(1, heads))
 
 
 def _rotary_dim(config, spec: RotarySpec) -> int:
@@ -294,9 +321,9 @@ def _rotary_dim(config, spec: RotarySpec) -> int:
     head_dim = _head_dim(config)
     if not spec.partial:
         return head_dim
-    factor = getattr(config, "partial_rotary_factor", None)
+    factor = _config_value(config, "partial_rotary_factor")
     if factor is None:
-        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        factor = (_config_value(config, "rope_parameters") or {}).get("partial_rotary_factor", 1.0)
     return int(head_dim * float(factor))
 
 
@@ -315,15 +342,27 @@ def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None
         if mismatch is not None:
             return (lambda: None), mismatch
 
-        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        def covered(x, cos, args, kwargs) -> int | None:
+            """The unsqueeze_dim of a call hasten::rope computes, else None (the call falls back)."""
             unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
             width = cos.shape[-1] // 2 * 2 if spec.cos_first_half else cos.shape[-1]
-            if (len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or unsqueeze_dim != 1 or q.dim() != 4
-                    or cos.dim() != 3 or width > q.shape[-1] or width % 2 or width == 0):
+            if (len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or unsqueeze_dim not in (1, 2) or x.dim() != 4
+                    or cos.dim() != 3 or width > x.shape[-1] or width % 2 or width == 0):
                 record_fallback("fused_rope", "a rotary layout hasten::rope does not cover (another unsqueeze_dim, "
                                 "extra arguments, an odd or too wide rotary dim); transformers' rotary code runs")
-                return original(q, k, cos, sin, *args, **kwargs)
-            return _hasten_rope(q, cos, sin, spec), _hasten_rope(k, cos, sin, spec)
+                return None
+            return unsqueeze_dim
+
+        if spec.single_tensor:  # Gemma 4: apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)
+            def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
+                if (unsqueeze_dim := covered(x, cos, args, kwargs)) is None:
+                    return original(x, cos, sin, *args, **kwargs)
+                return _hasten_rope(x, cos, sin, spec, unsqueeze_dim)
+        else:
+            def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+                if (unsqueeze_dim := covered(q, cos, args, kwargs)) is None:
+                    return original(q, k, cos, sin, *args, **kwargs)
+                return _hasten_rope(q, cos, sin, spec, unsqueeze_dim), _hasten_rope(k, cos, sin, spec, unsqueeze_dim)
 
         _ROPE_PATCHES[name] = [original, weakref.WeakSet()]
         modeling.apply_rotary_pos_emb = apply_rotary_pos_emb

@@ -59,12 +59,14 @@ class RotarySpec:
                    `cos[..., :R/2].repeat_interleave(2)`); hasten does the same on the small cos
     partial        the rotated width R is below head_dim (`partial_rotary_factor`: Phi-3, GLM-4);
                    the rest of each head passes through. R is read from cos at every call.
+    single_tensor  the function rotates one tensor, `apply_rotary_pos_emb(x, cos, sin)` (Gemma 4)
     note           what the model's own code does around it (no-rotary layers, two bases)
     """
 
     interleaved: bool = False
     cos_first_half: bool = False
     partial: bool = False
+    single_tensor: bool = False
     note: str = ""
 
 

@@ -87,6 +87,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                                    "by the model"),
                             attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
                             model_code=("embedding scale sqrt(hidden)",)),
+    "gemma4_text": ArchSpec("dense", norm=NormSpec(eps_attribute="eps", placement="pre_post", qk_norm=True),
+                            mlp=_GEMMA_MLP, logits=_SOFTCAP,
+                            rotary=RotarySpec(single_tensor=True, note="rotary on (B, L, heads, D) before the head "
+                                              "transpose; a partial 'proportional' rotary on global layers"),
+                            attention=(_LAYER_WINDOWS,),
+                            model_code=("embedding scale sqrt(hidden)", "per-layer input embeddings",
+                                        "K/V shared across the last layers", "a value norm without weight")),
     # --- Cohere: LayerNorm without bias, interleaved rotary, parallel blocks, logit scale -----
     "cohere": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
                        rotary=RotarySpec(interleaved=True), logits=LogitSpec(scale_key="logit_scale"),

@@ -30,10 +30,22 @@ class BandMask:
 
     causal: a query sees no later key. window: a query sees itself and the window - 1 keys before
     it (transformers' `sliding_window`), None for no window. The attention function reads it;
-    anything else that looks at it sees an object, not a tensor, and fails loudly."""
+    anything else that looks at it sees an object, not a tensor, and fails loudly -- except an
+    index that keeps every query and key (Gemma 4 slices its masks with `[:, :, slice(0, None), :]`
+    when `logits_to_keep` is 0), which returns the band itself."""
 
     causal: bool
     window: int | None
+
+    def __getitem__(self, index):
+        whole = slice(None)
+        parts = index if isinstance(index, tuple) else (index,)
+        if all(isinstance(p, slice) and p.step in (None, 1) and p.start in (None, 0) and p.stop is None
+               for p in parts) or all(p == whole for p in parts):
+            return self
+        raise NotImplementedError(f"hasten's band mask (packed attention without a dense mask) cannot be indexed with "
+                                  f"{index!r}: that keeps part of the queries or keys; leave this model's attention "
+                                  "to transformers (training.packed_sequence: false) and please report the model type")
 
 
 def _sample_rows(length: int) -> list[int]:
