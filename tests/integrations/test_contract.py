@@ -178,3 +178,21 @@ def test_a_build_without_cuda_kernels_leaves_a_cuda_model_to_transformers(monkey
     for piece in ("fused cross-entropy", "fused norm / MLP / RoPE", "fused MoE experts"):
         assert f"{piece} (" in inactive and "built without CUDA kernels" in inactive, inactive
     assert "make install" in inactive
+
+
+def test_a_multimodal_wrapper_is_outside_the_table_even_with_table_classes_inside():
+    """gemma3 (vision + Gemma-3 text model) is keyed by its own model type: until its vision path
+    and loss are proven, none of the table's pieces apply to it, said once."""
+    import hasten
+    from hasten.observability import fallback_reasons
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    text = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=16)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3", text_config=text, vision_config=vision))
+    handle = hasten.accelerate(model)
+    assert "model_type_not_in_table:gemma3" in fallback_reasons()
+    assert not any(item.startswith(("fused kernels", "fused cross-entropy")) for item in handle.active), handle.report()
+    handle.undo()

@@ -1,7 +1,6 @@
 """hasten's model table: what each transformers model type computes, piece by piece.
 
-One entry per `config.model_type` (of the text config, so the text model inside a multimodal
-checkpoint finds its entry). accelerate() reads the entry and patches each piece the entry
+One entry per `config.model_type`. accelerate() reads the entry and patches each piece the entry
 declares, after checking the model's own code against the kernel (dense/patch.py's probes); a
 model type outside the table gets hasten's attention where the contract allows it and nothing
 else, with one notice. Adding a model type is an entry here and its case in tests/model_zoo.py
@@ -114,11 +113,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 
 def model_type_of(config) -> str:
-    """The model type the table is keyed by: the text config's (Gemma 3's `gemma3_text` inside a
-    `gemma3` checkpoint), else the config's own."""
-    getter = getattr(config, "get_text_config", None)
-    text = getter() if callable(getter) else config
-    return str(getattr(text, "model_type", None) or getattr(config, "model_type", "?"))
+    """The model type the table is keyed by: the config's own. A multimodal wrapper (`gemma3`,
+    `gemma4`) is its own type, outside the table until its vision path and loss are proven, even
+    though its text model's classes are those of a table entry."""
+    return str(getattr(config, "model_type", None) or "?")
 
 
 def spec_for(config) -> ArchSpec | None:
