@@ -195,3 +195,42 @@ def test_driver_without_cuda_torch_says_to_install_one(monkeypatch: pytest.Monke
     (row,), count = doctor.gpu_findings()
     assert (row.status, row.detail, count) == ("warn", doctor.NO_GPU, 0)
     assert row.fix.startswith("NVIDIA driver 580.159.04 is installed but torch is a CPU-only build")
+
+
+def _model_rows(report: dict) -> dict[str, dict]:
+    return {f["name"]: f for f in report["findings"] if f["name"].startswith("model")}
+
+
+def test_model_of_the_table_reports_each_piece_on_hasten(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A saved config folder (no weights needed): every piece of a table type on hasten's kernels."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gemma3_text", vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         final_logit_softcapping=30.0).save_pretrained(tmp_path)
+    _, report = run_json(capsys, "--model", str(tmp_path))
+    found = _model_rows(report)
+    assert {"model attention", "model table", "model norm", "model mlp", "model rotary", "model loss"} <= set(found)
+    for name in ("model attention", "model norm", "model mlp", "model rotary", "model loss"):
+        assert found[name]["status"] == "ok", found[name]
+    assert "weight + 1" in found["model norm"]["detail"] and "GeGLU" in found["model mlp"]["detail"]
+    assert "softcap 30" in found["model loss"]["detail"]
+
+
+def test_model_outside_the_table_or_refusing_packing_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    _, report = run_json(capsys, "--model", "qwen3_next")  # linear-attention layers by default
+    found = _model_rows(report)
+    assert found["model attention"]["status"] == "warn" and "refused" in found["model attention"]["detail"]
+    assert found["model table"]["status"] == "warn" and "not in hasten's table" in found["model table"]["detail"]
+    _, report = run_json(capsys, "--model", "gemma2")
+    attention = _model_rows(report)["model attention"]
+    assert attention["status"] == "info" and "softcapping" in attention["detail"]
+
+
+def test_unknown_model_is_a_blocker_with_the_fix(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    exit_code, report = run_json(capsys, "--model", "no_such_model_type")
+    assert exit_code == 1
+    (row,) = rows(report, "model")
+    assert row["status"] == "blocker" and row["fix"] == doctor.MODEL_FIX
+    exit_code, report = run_json(capsys, "--model", str(tmp_path))  # a folder without config.json
+    assert exit_code == 1 and rows(report, "model")[0]["status"] == "blocker"

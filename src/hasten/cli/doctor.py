@@ -53,12 +53,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--log_dir", action="append", default=[], metavar="PATH", help="folder that must be writable (repeatable)"
     )
+    parser.add_argument(
+        "--model", default=None, metavar="PATH_OR_TYPE",
+        help="a local Hugging Face model folder (its config.json) or a model type such as qwen3: what hasten would "
+             "run for each of its pieces (built on the meta device: no weights are read)",
+    )
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     findings = collect_findings(data=args.data, output_dirs=args.output_dir, log_dirs=args.log_dir)
+    if args.model:
+        findings += model_findings(args.model)
     counts = summarize(findings)
     if args.json:
         print(json.dumps({"findings": [asdict(finding) for finding in findings], "summary": counts}, indent=2))
@@ -79,6 +86,36 @@ def collect_findings(data: list[str], output_dirs: list[str], log_dirs: list[str
         *(writable_dir_finding("output_dir", path) for path in output_dirs),
         *(writable_dir_finding("log_dir", path) for path in log_dirs),
     ]
+
+
+MODEL_FIX = "pass a local Hugging Face model folder holding config.json, or a model type such as qwen3"
+
+
+def model_findings(model: str) -> list[Finding]:
+    """Per piece of the model, what accelerate() would run (hasten.integrations.support)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hasten.integrations.support import describe
+
+    path = Path(model)
+    try:
+        if path.is_dir():
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        else:
+            config = AutoConfig.for_model(model)
+    except (OSError, ValueError, KeyError) as exc:
+        return [Finding("model", "blocker", f"{model}: neither a model folder nor a model type this transformers "
+                        f"knows ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", MODEL_FIX)]
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - any model class error is a finding, not a crash
+        return [Finding("model", "warn", f"{model}: transformers could not build it as a causal LM "
+                        f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", MODEL_FIX)]
+    findings = [Finding("model", "info", f"{model}: {type(built).__name__}")]
+    findings += [Finding(f"model {piece.name}", piece.status, piece.detail) for piece in describe(built)]
+    return findings
 
 
 def summarize(findings: list[Finding]) -> dict[str, int]:

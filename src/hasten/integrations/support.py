@@ -1,0 +1,88 @@
+"""What hasten would do with a model, piece by piece, before any weights are loaded.
+
+`describe(model)` reads the model table and the contract (integrations/contract.py) on a model
+built from its config (on the meta device: no memory, no weights) and says, per piece, what
+`accelerate()` will run: hasten's kernel, the model's own code (with the feature that keeps it
+there), or a refusal of packed batches. `hasten doctor --model` prints it. The classes are
+checked again against their kernels when `accelerate()` runs on the real model; a class that
+computes something else then stays transformers', which this report cannot see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
+from hasten.integrations.contract import (attention_features_not_implemented, logit_transforms, stateful_layers,
+                                         text_config)
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    status: str  # "ok" (hasten's kernel), "info" (the model's own code, correct), "warn" (slower or refused)
+    detail: str
+
+
+_NORMS = {"rms": "hasten RMSNorm", "layer": "torch's fused LayerNorm (float32, no bias)",
+          "torch": "the model's own nn.LayerNorm (already one torch kernel)"}
+_MLPS = {"swiglu": "hasten SwiGLU", "geglu_tanh": "hasten GeGLU (tanh GELU)",
+         "ungated": "the model's own GELU between its projections (already one torch kernel)"}
+
+
+def describe(model: nn.Module) -> list[Piece]:
+    model_type = model_type_of(model.config)
+    pieces = [_attention(model)]
+    spec = spec_for(model.config)
+    if spec is None:
+        known = ", ".join(sorted(ARCHITECTURES))
+        pieces.append(Piece("table", "warn", f"model type '{model_type}' is not in hasten's table ({known}): its "
+                            "norms, MLP, rotary and loss stay transformers'"))
+        return pieces
+    pieces.append(Piece("table", "ok", f"model type '{model_type}' ({spec.family})"
+                        + (f"; the model's own code keeps: {', '.join(spec.model_code)}" if spec.model_code else "")))
+    norm = _NORMS[spec.norm.kind] + (" with weight + 1" if spec.norm.weight_offset == 1.0 else "")
+    where = {"pre": "before attention and MLP", "pre_post": "before and after attention and MLP",
+             "post": "after attention and MLP"}[spec.norm.placement]
+    pieces.append(Piece("norm", "ok" if spec.norm.kind != "torch" else "info",
+                        f"{norm}, {where}" + (", q/k norms too" if spec.norm.qk_norm else "")))
+    mlp = _MLPS[spec.mlp.kind] + (" on one gate_up_proj" if spec.mlp.fused_gate_up else "")
+    pieces.append(Piece("mlp", "ok" if spec.mlp.kind != "ungated" else "info",
+                        mlp if spec.family == "dense" else f"{mlp} where a dense MLP or shared expert exists"))
+    layout = "interleaved pairs" if spec.rotary.interleaved else "halves (rotate_half)"
+    pieces.append(Piece("rotary", "ok", f"hasten RoPE, {layout}" + (", partial" if spec.rotary.partial else "")
+                        + (f"; {spec.rotary.note}" if spec.rotary.note else "")))
+    if spec.family == "moe":
+        pieces.append(Piece("experts", "ok", "hasten fused MoE experts (one-kernel grouping, grouped GEMM) where "
+                            "the experts' layout fits (checked at accelerate())"))
+    pieces.append(_loss(model, spec))
+    return pieces
+
+
+def _attention(model: nn.Module) -> Piece:
+    stateful = stateful_layers(model)
+    if stateful:
+        return Piece("attention", "warn", f"packed batches refused ({', '.join(stateful)} carry state along the "
+                     "sequence); padded batches train as transformers wrote the model")
+    if not getattr(model, "_supports_attention_backend", False):
+        return Piece("attention", "warn", "packed batches refused: the model does not use transformers' attention "
+                     "interface")
+    missing = attention_features_not_implemented(model)
+    if missing:
+        return Piece("attention", "info", "the model's own attention, packed rows kept apart by hasten's mask ("
+                     + "; ".join(missing.values()) + ")")
+    return Piece("attention", "ok", "hasten varlen attention (packed, no mask)")
+
+
+def _loss(model: nn.Module, spec) -> Piece:
+    declared = {key for key in (spec.logits.softcap_key, spec.logits.scale_key) if key}
+    undeclared = [line for key, line in logit_transforms(model).items() if key not in declared]
+    if undeclared:
+        return Piece("loss", "warn", "transformers' loss (logits materialised): " + "; ".join(undeclared)
+                     + " is not in the table entry")
+    text = text_config(model)
+    applied = ([f"softcap {spec.logits.softcap(text):g}"] if spec.logits.softcap(text) else []) + (
+        [f"logit scale {spec.logits.scale(text):g}"] if spec.logits.scale(text) != 1.0 else [])
+    return Piece("loss", "ok", "hasten fused linear cross-entropy" + (f" ({', '.join(applied)})" if applied else ""))
