@@ -30,8 +30,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
-from hasten.integrations.architectures import ARCHITECTURES, ArchSpec, model_type_of, spec_for
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
+from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
 from hasten.integrations.contract import (attention_features_not_implemented, check_attention_kwargs,
                                          logit_transforms, stateful_layers, text_config)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
