@@ -105,6 +105,23 @@ def capture_forward_backward(block, x, grad, warmup: int = 3):
     return graph, out
 
 
+def eager_step(call, module, x, grad):
+    """(step, result): one zero_grad + call(x).backward(grad), and what it left (output, x.grad,
+    the module's parameter gradients); `call` is the module itself, compiled or graphed."""
+    box = {}
+
+    def step():
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        box["out"] = call(x)
+        box["out"].backward(grad)
+
+    def result():
+        return box["out"], x.grad, [p.grad for p in module.parameters()]
+
+    return step, result
+
+
 def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, run_id: str) -> dict:
     """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'."""
     reset_fallbacks()
@@ -124,41 +141,12 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
         own, own_config = build_block()  # make_graphed_callables replaces the module's forward: its own copy
         own_config._experts_implementation = "hasten_fused"
         x.grad = None
-        graphed = torch.cuda.make_graphed_callables(own, (x,))
-        box = {}
-
-        def step():
-            x.grad = None
-            own.zero_grad(set_to_none=True)
-            box["out"] = graphed(x)
-            box["out"].backward(grad)
-
-        def result():
-            return box["out"], x.grad, [p.grad for p in own.parameters()]
+        step, result = eager_step(torch.cuda.make_graphed_callables(own, (x,)), own, x, grad)
     elif name == "hasten_compiled":
         torch._dynamo.reset()
-        compiled = torch.compile(block)
-        box = {}
-
-        def step():
-            x.grad = None
-            block.zero_grad(set_to_none=True)
-            box["out"] = compiled(x)
-            box["out"].backward(grad)
-
-        def result():
-            return box["out"], x.grad, [p.grad for p in block.parameters()]
+        step, result = eager_step(torch.compile(block), block, x, grad)
     else:
-        box = {}
-
-        def step():
-            x.grad = None
-            block.zero_grad(set_to_none=True)
-            box["out"] = block(x)
-            box["out"].backward(grad)
-
-        def result():
-            return box["out"], x.grad, [p.grad for p in block.parameters()]
+        step, result = eager_step(block, block, x, grad)
 
     before = dynamo_counts() if name == "hasten_compiled" else None
     iters = 3 if name == "hf_moe_eager" else iters

@@ -13,24 +13,12 @@
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu" bash scripts/gpu_issue17.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
-LOGS="$OUT/logs"
-mkdir -p "$LOGS"
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-export HASTEN_COMMIT=${HASTEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 BUDGET=${BUDGET:-560}
 PARTS=" ${PARTS:-build gpu w1 ops} "
 MODELS=${MODELS:-gemma3_1b}
 STEPS=${STEPS:-6}
 RUN_NAME=issue17
-source scripts/gpu_parts.sh  # part(), the summary, the carried wheels
-
-built=1
-if [[ $PARTS == *" build "* ]]; then
-  part build 300 python3 -m pip install -v --no-build-isolation --no-deps -e . || built=0
-  grep "hasten: " "$LOGS/build.log" 2>/dev/null | sort -u | tee -a "$SUMMARY"
-  (( built )) || tail -30 "$LOGS/build.log"
-fi
+source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
 
 if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then

@@ -1,7 +1,13 @@
 # Shared by the scripts/gpu_issue*.sh device runs (sourced, not run): a budgeted `part` runner
 # that logs each part to $LOGS/NAME.log with its rc and seconds in $SUMMARY, and the carried
-# wheels (.whl/*.whl) unpacked to /tmp/site. The caller sets OUT, LOGS, BUDGET and PARTS and
-# echoes its own first summary line.
+# wheels (.whl/*.whl) unpacked to /tmp/site, and the `build` part (pip install -e ., `built` set to 0
+# when it fails). The caller sets BUDGET, PARTS and RUN_NAME (and may set OUT) before sourcing this
+# from the repository root.
+OUT=${OUT:-gpu-out}
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export HASTEN_COMMIT=${HASTEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 START=$SECONDS
 SUMMARY="$LOGS/summary.txt"
 echo "$RUN_NAME at $HASTEN_COMMIT, budget ${BUDGET} s, parts:$PARTS" | tee "$SUMMARY"
@@ -32,3 +38,9 @@ fi
 timeout 60 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tee -a "$SUMMARY"
 
+built=1
+if [[ $PARTS == *" build "* ]]; then
+  part build 300 python3 -m pip install -v --no-build-isolation --no-deps -e . || built=0
+  grep "hasten: " "$LOGS/build.log" 2>/dev/null | sort -u | tee -a "$SUMMARY"
+  (( built )) || tail -30 "$LOGS/build.log"
+fi

@@ -134,14 +134,19 @@ def test_graphed_adamw_checkpoint_resumes_identically_in_either_optimizer():
         buf.seek(0)
         return torch.load(buf, map_location="cuda", weights_only=True)
 
+    def resumed(ckpt, graphed: bool):
+        """A fresh (model, optimizer, scheduler), eager or graphed, loaded from ckpt."""
+        eager, graph = _pair(dtype, FACTORS_EXACT, warmup_steps=2, base_lr=base)
+        model, opt, scheduler = graph if graphed else eager
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        scheduler.load_state_dict(ckpt["sched"])
+        return model, opt, scheduler
+
     # graphed 5 steps, checkpoint, a fresh graphed optimizer resumes for 3 (warms up, captures again)
     _, (gm, go, gs) = _pair(dtype, FACTORS_EXACT, warmup_steps=2, base_lr=base)
     _train(gm, go, gs, 5, dtype)
-    ckpt = saved(gm, go, gs)
-    _, (rm, ro, rs) = _pair(dtype, FACTORS_EXACT, warmup_steps=2, base_lr=base)
-    rm.load_state_dict(ckpt["model"])
-    ro.load_state_dict(ckpt["opt"])
-    rs.load_state_dict(ckpt["sched"])
+    rm, ro, rs = resumed(saved(gm, go, gs), graphed=True)
     _train(rm, ro, rs, 3, dtype, first=5)
     assert ro.captures == 1 and ro.replays == 1
     assert all(torch.equal(a, b) for a, b in zip(rm.parameters(), em.parameters()))
@@ -149,18 +154,10 @@ def test_graphed_adamw_checkpoint_resumes_identically_in_either_optimizer():
     # eager 3 steps -> graphed 3 steps -> eager 2 steps
     (am, ao, as_), _ = _pair(dtype, FACTORS_EXACT, warmup_steps=2, base_lr=base)
     _train(am, ao, as_, 3, dtype)
-    ckpt = saved(am, ao, as_)
-    _, (bm, bo, bs) = _pair(dtype, FACTORS_EXACT, warmup_steps=2, base_lr=base)
-    bm.load_state_dict(ckpt["model"])
-    bo.load_state_dict(ckpt["opt"])
-    bs.load_state_dict(ckpt["sched"])
+    bm, bo, bs = resumed(saved(am, ao, as_), graphed=True)
     _train(bm, bo, bs, 3, dtype, first=3)
     assert bo.replays == 1
-    ckpt = saved(bm, bo, bs)
-    (cm, co, cs), _ = _pair(dtype, FACTORS_EXACT, warmup_steps=2, base_lr=base)
-    cm.load_state_dict(ckpt["model"])
-    co.load_state_dict(ckpt["opt"])
-    cs.load_state_dict(ckpt["sched"])
+    cm, co, cs = resumed(saved(bm, bo, bs), graphed=False)
     _train(cm, co, cs, 2, dtype, first=6)
     assert all(torch.equal(a, b) for a, b in zip(cm.parameters(), em.parameters()))
 

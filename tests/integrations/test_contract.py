@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import masking_utils
 
-from hasten.dense.patch import rms_norm_mismatch, rope_mismatch, swiglu_mlp_mismatch
+from hasten.dense.patch import rms_norm_mismatch, rope_mismatch, gated_mlp_mismatch
 from hasten.integrations.contract import check_attention_kwargs, stateful_layers
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 
@@ -106,10 +106,10 @@ class GatedMLP(nn.Module):
 
 
 def test_mlp_check_passes_swiglu_and_refuses_other_gates_dropout_and_scaling():
-    assert swiglu_mlp_mismatch(GatedMLP()) is None
-    assert "computes something other" in swiglu_mlp_mismatch(GatedMLP(act=nn.GELU(approximate="tanh")))
-    assert "computes something other" in swiglu_mlp_mismatch(GatedMLP(extra_scale=1.5))
-    assert "dropout" in swiglu_mlp_mismatch(GatedMLP(dropout=0.1))
+    assert gated_mlp_mismatch(GatedMLP()) is None
+    assert "computes something other" in gated_mlp_mismatch(GatedMLP(act=nn.GELU(approximate="tanh")))
+    assert "computes something other" in gated_mlp_mismatch(GatedMLP(extra_scale=1.5))
+    assert "dropout" in gated_mlp_mismatch(GatedMLP(dropout=0.1))
 
 
 def _rotate_half(x):

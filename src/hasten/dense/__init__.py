@@ -3,7 +3,7 @@
 The installers are imported on first use (they load hasten's op modules); `hasten.dense.spec`,
 which the model table imports, loads nothing."""
 
-__all__ = ["install_fused_mlp", "install_fused_norms", "install_fused_rms_norm", "install_fused_rope"]
+__all__ = ["install_fused_mlp", "install_fused_norms", "install_fused_rope"]
 
 
 def __getattr__(name: str):

@@ -166,8 +166,6 @@ def gated_mlp_mismatch(module: nn.Module, spec: MlpSpec = _SWIGLU) -> str | None
     return None
 
 
-swiglu_mlp_mismatch = gated_mlp_mismatch  # the name the SwiGLU-only check had
-
 
 def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if interleaved:
@@ -176,13 +174,20 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _hasten_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec,
-                 unsqueeze_dim: int = 1) -> torch.Tensor:
-    """hasten::rope as the spec lays it out; cos/sin (B or 1, L, R) as the model passes them; x
-    (B, heads, L, D) for unsqueeze_dim 1, (B, L, heads, D) for 2 (Gemma 4), as a strided view."""
+def _kernel_cos_sin(cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec):
+    """cos/sin (B or 1, L, R) as the model passes them -> as the kernel reads them (per element):
+    re-interleaved from their first half where the model does that itself (GLM, Helium, ERNIE).
+    Once per call, shared by q and k."""
     if spec.cos_first_half:
         cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
         sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    return cos, sin
+
+
+def _hasten_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec,
+                 unsqueeze_dim: int = 1) -> torch.Tensor:
+    """hasten::rope on x (B, heads, L, D) for unsqueeze_dim 1, (B, L, heads, D) for 2 (Gemma 4, as a
+    strided view); cos/sin already as `_kernel_cos_sin` returns them."""
     if unsqueeze_dim == 2:
         return rope(x.transpose(1, 2), cos, sin, interleaved=spec.interleaved).transpose(1, 2)
     return rope(x, cos, sin, interleaved=spec.interleaved)
@@ -214,7 +219,8 @@ def rope_mismatch(original, head_dim: int, spec: RotarySpec = _HALVES, rotary_di
         try:
             with torch.no_grad():
                 want = _rope_call(original, spec, tensors, cos, sin, unsqueeze_dim)
-                got = [_hasten_rope(x, cos, sin, spec, unsqueeze_dim) for x in tensors[:len(want)]]
+                kernel_cos, kernel_sin = _kernel_cos_sin(cos, sin, spec)
+                got = [_hasten_rope(x, kernel_cos, kernel_sin, spec, unsqueeze_dim) for x in tensors[:len(want)]]
         except Exception as exc:
             return f"its apply_rotary_pos_emb could not be checked ({type(exc).__name__}: {exc})"
         error = max([error] + [_relative_error(g, w) for g, w in zip(got, want)])
@@ -260,8 +266,6 @@ def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
         module.forward = types.MethodType(forward, module)
     return _restore_forwards(patched), len(patched), refused
 
-
-install_fused_rms_norm = install_fused_norms  # the name it had when only RMSNorm was covered
 
 
 def _activation(config) -> str:
@@ -357,11 +361,12 @@ def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None
             def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
                 if (unsqueeze_dim := covered(x, cos, args, kwargs)) is None:
                     return original(x, cos, sin, *args, **kwargs)
-                return _hasten_rope(x, cos, sin, spec, unsqueeze_dim)
+                return _hasten_rope(x, *_kernel_cos_sin(cos, sin, spec), spec, unsqueeze_dim)
         else:
             def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
                 if (unsqueeze_dim := covered(q, cos, args, kwargs)) is None:
                     return original(q, k, cos, sin, *args, **kwargs)
+                cos, sin = _kernel_cos_sin(cos, sin, spec)
                 return _hasten_rope(q, cos, sin, spec, unsqueeze_dim), _hasten_rope(k, cos, sin, spec, unsqueeze_dim)
 
         _ROPE_PATCHES[name] = [original, weakref.WeakSet()]

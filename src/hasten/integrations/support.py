@@ -34,8 +34,8 @@ _MLPS = {"swiglu": "hasten SwiGLU", "geglu_tanh": "hasten GeGLU (tanh GELU)",
 
 def describe(model: nn.Module) -> list[Piece]:
     model_type = model_type_of(model.config)
-    pieces = [_attention(model)]
     spec = spec_for(model.config)
+    pieces = [_attention(model, spec.attention if spec is not None else ())]
     if spec is None:
         known = ", ".join(sorted(ARCHITECTURES))
         pieces.append(Piece("table", "warn", f"model type '{model_type}' is not in hasten's table ({known}): its "
@@ -61,7 +61,7 @@ def describe(model: nn.Module) -> list[Piece]:
     return pieces
 
 
-def _attention(model: nn.Module) -> Piece:
+def _attention(model: nn.Module, declared: tuple[str, ...]) -> Piece:
     stateful = stateful_layers(model)
     if stateful:
         return Piece("attention", "warn", f"packed batches refused ({', '.join(stateful)} carry state along the "
@@ -73,7 +73,8 @@ def _attention(model: nn.Module) -> Piece:
     if missing:
         return Piece("attention", "info", "the model's own attention, packed rows kept apart by hasten's mask ("
                      + "; ".join(missing.values()) + ")")
-    return Piece("attention", "ok", "hasten varlen attention (packed, no mask)")
+    return Piece("attention", "ok", "hasten varlen attention (packed, no mask)"
+                 + (f"; the table entry lists: {'; '.join(declared)}" if declared else ""))
 
 
 def _loss(model: nn.Module, spec) -> Piece:

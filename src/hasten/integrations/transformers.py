@@ -36,7 +36,7 @@ from hasten.integrations.contract import (attention_features_not_implemented, ch
                                          logit_transforms, stateful_layers, text_config)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.config import Config
-from hasten.observability import logger, record_fallback
+from hasten.observability import record_fallback
 from hasten.packing.collator import PackingError
 from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
 
