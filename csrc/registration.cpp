@@ -57,11 +57,12 @@ TORCH_LIBRARY(hasten, m) {
   // backward reads. Rows of tokens after cu_seqlens[N] are undefined. CUDA: cuDNN's fused SDPA
   // (built when the cudnn-frontend headers are present at install time).
   // window W > 0 (causal only): a query sees itself and the W - 1 tokens before it in its sequence
-  // (transformers' sliding_window); 0: no window.
+  // (transformers' sliding_window); 0: no window. softcap c > 0: the scaled scores s become
+  // c * tanh(s / c) before the mask (Gemma 2's attn_logit_softcapping); 0: no cap.
   m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, float scale, "
-        "bool causal, int window) -> (Tensor out, Tensor lse)");
+        "bool causal, int window, float softcap) -> (Tensor out, Tensor lse)");
   m.def("varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor cu_seqlens, int max_seqlen, float scale, bool causal, int window) -> (Tensor grad_q, "
+        "Tensor cu_seqlens, int max_seqlen, float scale, bool causal, int window, float softcap) -> (Tensor grad_q, "
         "Tensor grad_k, Tensor grad_v)");
 
   // RMSNorm over the last dimension of x (..., H) (kernels/rms_norm.cuh): y in x's dtype and

@@ -107,8 +107,9 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("ernie4_5", dict(use_bias=True), "hasten"),
     Entry("glm", dict(rope_parameters=PARTIAL_HALF), "hasten"),
     Entry("gemma2", dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0, sliding_window=WINDOW,
-                         query_pre_attn_scalar=24), "transformers", feature_off=dict(attn_logit_softcapping=None),
-          attn_implementation="eager", notes="transformers 5.17 picks sdpa for it, which drops the softcap"),
+                         query_pre_attn_scalar=24), "hasten", feature_off=dict(attn_logit_softcapping=None),
+          attn_implementation="eager", notes="the reference runs eager: transformers 5.17 picks sdpa for it, which "
+          "drops the softcap"),
     Entry("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                           layer_types=SLIDING_3, rope_parameters=dict(rope_type="default", rope_theta=10000.0)), "transformers", tensor_feature_off=_zero_sinks),
     Entry("deepseek_v3", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,

@@ -1,6 +1,8 @@
 // Argument checks of hasten::varlen_attention and its backward (CPU and CUDA share them).
 #pragma once
 
+#include <cmath>
+
 #include "hasten/checks.h"
 
 namespace hasten {
@@ -30,6 +32,12 @@ inline void check_attention_window(const char* op, bool causal, int64_t window) 
   TORCH_CHECK(window >= 0, "hasten::", op, ": `window` must be >= 0 (0: no window), got ", num(window));
   TORCH_CHECK(window == 0 || causal, "hasten::", op, ": a sliding window (", num(window),
               ") needs causal attention; a two-sided window is not implemented");
+}
+
+// softcap c > 0: scores s -> c * tanh(s / c); 0: off.
+inline void check_attention_softcap(const char* op, double softcap) {
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "hasten::", op,
+              ": `softcap` must be 0 (off) or a positive finite number, got ", softcap);
 }
 
 inline void check_varlen_attention_backward_args(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,

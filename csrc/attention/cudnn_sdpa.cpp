@@ -7,6 +7,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -58,15 +59,47 @@ std::shared_ptr<Graph> new_graph(const Problem& p) {
   return g;
 }
 
+// The causal band (with its left bound) and the padding, built as cuDNN builds them itself
+// (score_modifiers::sliding_window_mask and padding_mask), for the softcapped graphs: cuDNN takes a
+// score modifier only without its own masks, so the modifier applies them after the cap.
+TensorPtr masked_scores(const std::shared_ptr<Graph>& g, TensorPtr scores, const Problem& p, const TensorPtr& seq_q,
+                        const TensorPtr& seq_kv) {
+  namespace mods = fe::graph::attn::score_modifiers;
+  scores = mods::padding_mask(g, scores, seq_kv, seq_q);
+  if (!p.causal) return scores;
+  return mods::sliding_window_mask(g, scores, fe::DiagonalAlignment_t::TOP_LEFT,
+                                   p.window > 0 ? std::optional<int64_t>(p.window) : std::nullopt,
+                                   std::optional<int64_t>(0), 0, 0, nullptr, nullptr);
+}
+
+// Softcapping (Gemma 2): s -> c * tanh(s / c) on the scaled scores, before the mask (cuDNN applies
+// attn_scale before the modifier, as transformers' eager attention does). Its backward multiplies
+// dS by 1 - tanh^2 of the saved s / c; the forward modifier runs first in the backward graph too.
+using Softcap = fe::graph::attn::score_modifiers::Softcap;
+
 template <typename Attributes>
-void set_mask(Attributes& a, const Problem& p, const TensorPtr& seq_q, const TensorPtr& seq_kv) {
-  a.set_attn_scale(p.scale).set_padding_mask(true).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
+void set_mask(Attributes& a, const Problem& p, const TensorPtr& seq_q, const TensorPtr& seq_kv,
+              const std::shared_ptr<Softcap>& softcap) {
+  a.set_attn_scale(p.scale).set_seq_len_q(seq_q).set_seq_len_kv(seq_kv);
   // workspaces sized by the real token count, not B x S
   a.set_max_total_seq_len_q(p.tokens).set_max_total_seq_len_kv(p.tokens);
+  if (softcap) {
+    const Problem problem = p;
+    a.set_score_mod([softcap, problem, seq_q, seq_kv](std::shared_ptr<Graph> g, TensorPtr scores) {
+      auto cap = std::make_shared<fe::graph::Tensor_attributes>(problem.softcap);
+      return masked_scores(g, softcap->forward(g, scores, cap), problem, seq_q, seq_kv);
+    });
+    return;
+  }
+  a.set_padding_mask(true);
   if (p.causal) a.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
   // top-left aligned left bound W: key j is masked when j <= i - W (cudnn-frontend's reference in
   // test/python/test_mhas.py: tril(-left_bound)), transformers' sliding_window W exactly
   if (p.window > 0) a.set_diagonal_band_left_bound(p.window);
+}
+
+std::shared_ptr<Softcap> softcap_of(const Problem& p) {
+  return p.softcap > 0.0f ? std::make_shared<Softcap>() : nullptr;
 }
 
 std::shared_ptr<Graph> forward_graph(const Problem& p) {
@@ -82,7 +115,7 @@ std::shared_ptr<Graph> forward_graph(const Problem& p) {
   v->set_ragged_offset(offsets_kv);
   auto options = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(true);
   set_mask(options, p, index_tensor(*g, kSeqLenQ, "seq_len_q", p.batch),
-           index_tensor(*g, kSeqLenKv, "seq_len_kv", p.batch));
+           index_tensor(*g, kSeqLenKv, "seq_len_kv", p.batch), softcap_of(p));
   auto [out, lse] = g->sdpa(q, k, v, options);
   set_output(out, kOut, p, p.q_heads, offsets_q);
   lse->set_output(true);
@@ -106,8 +139,15 @@ std::shared_ptr<Graph> backward_graph(const Problem& p) {
   k->set_ragged_offset(offsets_kv);
   v->set_ragged_offset(offsets_kv);
   auto options = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward");
+  const auto softcap = softcap_of(p);
   set_mask(options, p, index_tensor(*g, kSeqLenQ, "seq_len_q", p.batch),
-           index_tensor(*g, kSeqLenKv, "seq_len_kv", p.batch));
+           index_tensor(*g, kSeqLenKv, "seq_len_kv", p.batch), softcap);
+  if (softcap) {
+    const float cap_value = p.softcap;
+    options.set_score_mod_bprop([softcap, cap_value](std::shared_ptr<Graph> g, TensorPtr grad_scores) {
+      return softcap->backward(g, grad_scores, std::make_shared<fe::graph::Tensor_attributes>(cap_value));
+    });
+  }
   auto [grad_q, grad_k, grad_v] = g->sdpa_backward(q, k, v, out, grad_out, lse, options);
   set_output(grad_q, kGradQ, p, p.q_heads, offsets_q);
   set_output(grad_k, kGradK, p, p.kv_heads, offsets_kv);
@@ -119,7 +159,8 @@ std::string describe(const Problem& p) {
   return "B=" + std::to_string(p.batch) + " S=" + std::to_string(p.max_seqlen) + " T=" + std::to_string(p.tokens) +
          " Hq=" + std::to_string(p.q_heads) + " Hk=" + std::to_string(p.kv_heads) + " D=" +
          std::to_string(p.head_dim) + (p.bf16 ? " bf16" : " fp16") + (p.causal ? " causal" : "") +
-         (p.window > 0 ? " window=" + std::to_string(p.window) : "");
+         (p.window > 0 ? " window=" + std::to_string(p.window) : "") +
+         (p.softcap > 0.0f ? " softcap=" + std::to_string(p.softcap) : "");
 }
 
 std::string cudnn_error(cudnnStatus_t status, const char* what) {
@@ -128,7 +169,8 @@ std::string cudnn_error(cudnnStatus_t status, const char* what) {
 
 struct ThreadState {
   std::unordered_map<int, cudnnHandle_t> handles;
-  using Key = std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, bool, int64_t, bool, int>;
+  using Key =
+      std::tuple<bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, bool, int64_t, float, bool, int>;
   std::map<Key, std::shared_ptr<Graph>> graphs;
   std::map<Key, std::string> refused;  // a bucket cuDNN cannot run stays refused, without rebuilding
 };
@@ -158,7 +200,7 @@ std::string run(bool is_backward, const Problem& p, std::unordered_map<int64_t, 
     return cudnn_error(status, "cudnnSetStream");
   }
   const ThreadState::Key key{is_backward, p.batch, p.max_seqlen, p.tokens, p.q_heads, p.kv_heads, p.head_dim,
-                             p.scale, p.causal, p.window, p.bf16, p.device};
+                             p.scale, p.causal, p.window, p.softcap, p.bf16, p.device};
   if (auto refused = s.refused.find(key); refused != s.refused.end()) return refused->second;
   auto found = s.graphs.find(key);
   if (found == s.graphs.end()) {

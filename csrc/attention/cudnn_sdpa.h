@@ -24,6 +24,7 @@ struct Problem {
   float scale = 1.0f;
   bool causal = true;
   int64_t window = 0;       // > 0: a query sees itself and window - 1 keys before it (causal only)
+  float softcap = 0.0f;     // > 0: scaled scores s -> softcap * tanh(s / softcap) before the mask
   bool bf16 = true;         // else float16
   int device = 0;
 };

@@ -95,7 +95,8 @@ RaggedIndex ragged_index(const at::Tensor& cu_seqlens, int64_t batch, int64_t q_
 }
 
 cudnn_sdpa::Problem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cu_seqlens,
-                               int64_t max_seqlen, double scale, bool causal, int64_t window, const char* op) {
+                               int64_t max_seqlen, double scale, bool causal, int64_t window, double softcap,
+                               const char* op) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "hasten::", op,
               ": the CUDA path (cuDNN) takes bfloat16 or float16, got ", q.scalar_type());
   TORCH_CHECK(q.size(2) % 8 == 0 && q.size(2) <= 256, "hasten::", op,
@@ -111,6 +112,7 @@ cudnn_sdpa::Problem problem_of(const at::Tensor& q, const at::Tensor& k, const a
   p.scale = static_cast<float>(scale);
   p.causal = causal;
   p.window = window;
+  p.softcap = static_cast<float>(softcap);
   p.bf16 = q.scalar_type() == at::kBFloat16;
   p.device = q.get_device();
   return p;
@@ -175,17 +177,18 @@ void run_graph(bool is_backward, const cudnn_sdpa::Problem& p, const cudnn_sdpa:
 std::tuple<at::Tensor, at::Tensor> varlen_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                          const at::Tensor& v_in, const at::Tensor& cu_seqlens,
                                                          int64_t max_seqlen, double scale, bool causal,
-                                                         int64_t window) {
+                                                         int64_t window, double softcap) {
   const char* op = "varlen_attention";
   check_device(q_in, op, "q", c10::DeviceType::CUDA);
   check_varlen_attention_args(op, q_in, k_in, v_in, cu_seqlens, max_seqlen);
   check_attention_window(op, causal, window);
+  check_attention_softcap(op, softcap);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
   auto out = at::empty_like(q);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (q.size(0) == 0 || cu_seqlens.numel() < 2) return {out, lse};
-  const auto p = problem_of(q, k, cu_seqlens, max_seqlen, scale, causal, window, op);
+  const auto p = problem_of(q, k, cu_seqlens, max_seqlen, scale, causal, window, softcap, op);
   const auto index = ragged_index(cu_seqlens, p.batch, p.q_heads, p.kv_heads, p.head_dim);
   run_graph(false, p, shared_pointers(q, k, v, out, lse, index), q, op);
   return {out, lse};
@@ -194,17 +197,18 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cuda(const at::Tensor& q_in,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
     const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-    double scale, bool causal, int64_t window) {
+    double scale, bool causal, int64_t window, double softcap) {
   const char* op = "varlen_attention_backward";
   check_device(q_in, op, "q", c10::DeviceType::CUDA);
   check_varlen_attention_backward_args(grad_out_in, q_in, k_in, v_in, out_in, lse_in, cu_seqlens, max_seqlen);
   check_attention_window(op, causal, window);
+  check_attention_softcap(op, softcap);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto q = aligned(q_in), k = aligned(k_in), v = aligned(v_in), out = aligned(out_in),
              grad_out = aligned(grad_out_in), lse = aligned(lse_in);
   auto grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
   if (q.size(0) == 0 || cu_seqlens.numel() < 2) return {grad_q.zero_(), grad_k.zero_(), grad_v.zero_()};
-  const auto p = problem_of(q, k, cu_seqlens, max_seqlen, scale, causal, window, op);
+  const auto p = problem_of(q, k, cu_seqlens, max_seqlen, scale, causal, window, softcap, op);
   const auto index = ragged_index(cu_seqlens, p.batch, p.q_heads, p.kv_heads, p.head_dim);
   auto ptr = shared_pointers(q, k, v, out, lse, index);
   ptr.grad_out = grad_out.data_ptr();

@@ -6,8 +6,9 @@ from hasten.attention.varlen import select_backend, varlen_attention
 from hasten.observability import fallback_counts
 
 
-def _dense_reference(q, k, v, cu, scale, window=None):
-    """Block-diagonal causal attention through one dense masked SDPA on repeated K/V (float64)."""
+def _dense_reference(q, k, v, cu, scale, window=None, softcap=None):
+    """Block-diagonal causal attention through one dense masked SDPA on repeated K/V (float64);
+    softcap c: scaled scores s -> c * tanh(s / c) before the mask."""
     t = q.shape[0]
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -16,20 +17,25 @@ def _dense_reference(q, k, v, cu, scale, window=None):
     mask = (seq[:, None] == seq[None, :]) & (idx[:, None] >= idx[None, :])
     if window is not None:
         mask &= idx[:, None] - idx[None, :] < window
-    out = F.scaled_dot_product_attention(*(x.transpose(0, 1).double() for x in (q, k, v)), attn_mask=mask,
-                                         scale=scale)
-    return out.transpose(0, 1)
+    qd, kd, vd = (x.transpose(0, 1).double() for x in (q, k, v))
+    if softcap is None:
+        return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale).transpose(0, 1)
+    scores = torch.tanh(qd @ kd.transpose(1, 2) * scale / softcap) * softcap
+    return (torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vd).transpose(0, 1)
 
 
+@pytest.mark.parametrize("softcap", [None, 0.5])
 @pytest.mark.parametrize("lengths,hq,hkv,window", [([1], 2, 1, None), ([5, 1, 17, 3], 4, 2, None),
                                                    ([33, 64, 1, 1, 7], 8, 8, None), ([40, 9], 6, 3, 4)])
-def test_per_sequence_matches_dense_block_diagonal(lengths, hq, hkv, window):
+def test_per_sequence_matches_dense_block_diagonal(lengths, hq, hkv, window, softcap):
     gen = torch.Generator().manual_seed(sum(lengths) + hq)
     t, d = sum(lengths), 16
     q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    out = varlen_attention(q, k, v, cu, max(lengths), scale=0.3, sliding_window=window)
-    ref = _dense_reference(q, k, v, cu, 0.3, window)
+    out = varlen_attention(q, k, v, cu, max(lengths), scale=0.3, sliding_window=window, softcap=softcap)
+    ref = _dense_reference(q, k, v, cu, 0.3, window, softcap)
+    if softcap is not None and max(lengths) > 1:
+        assert not torch.allclose(ref, _dense_reference(q, k, v, cu, 0.3, window), atol=1e-3)
     assert out.shape == (t, hq, d)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -54,8 +60,9 @@ def test_rejects_head_counts_that_do_not_divide():
         varlen_attention(q, k, k, torch.tensor([0, 4], dtype=torch.int32), 4)
 
 
-@pytest.mark.parametrize("causal,window", [(True, None), (True, 4), (False, None)])
-def test_per_sequence_op_under_compile_equals_eager(causal, window):
+@pytest.mark.parametrize("causal,window,softcap", [(True, None, 0.0), (True, 4, 0.0), (False, None, 0.0),
+                                                   (True, 4, 0.5)])
+def test_per_sequence_op_under_compile_equals_eager(causal, window, softcap):
     """Compiled, the per-sequence path runs as one op (hasten_host::per_sequence_attention): schema,
     fake and autograd consistent, and forward and gradients those of the eager loop, GQA, a window
     and one-token sequences included."""
@@ -65,11 +72,11 @@ def test_per_sequence_op_under_compile_equals_eager(causal, window):
     q, k, v = (torch.randn(27, h, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     cu = torch.tensor([0, 9, 10, 25, 26, 27], dtype=torch.int32)
     left = window - 1 if window is not None else -1
-    torch.library.opcheck(_per_sequence_op, (q, k, v, cu, 0.3, causal, left))
+    torch.library.opcheck(_per_sequence_op, (q, k, v, cu, 0.3, causal, left, softcap))
     upstream = torch.randn(27, 4, 8, generator=gen, dtype=torch.float64)
 
     def attend(a, b, c):
-        return varlen_attention(a, b, c, cu, 15, scale=0.3, causal=causal, sliding_window=window)
+        return varlen_attention(a, b, c, cu, 15, scale=0.3, causal=causal, sliding_window=window, softcap=softcap)
 
     want = attend(q, k, v)
     got = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v)

@@ -88,9 +88,9 @@ def test_cudnn_softmax_statistics_and_full_attention():
     q, k, v = (torch.randn(sum(lengths), h, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (4, 2, 2))
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     for causal, window in ((True, 0), (False, 0), (True, 1), (True, 7), (True, 64)):
-        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max(lengths), 0.125, causal, window)
+        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max(lengths), 0.125, causal, window, 0.0)
         ref_out, ref_lse = torch.ops.hasten.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), max(lengths), 0.125,
-                                                            causal, window)
+                                                            causal, window, 0.0)
         torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-2, rtol=0)
         torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=2e-2, rtol=0)
 
@@ -109,9 +109,9 @@ def test_cudnn_ragged_index_is_never_stale():
     from hasten.ops.attention import varlen_attention as cudnn_op  # noqa: F401  (registers the fakes)
 
     def check(q, k, v, cu, max_len):
-        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max_len, 0.125, True, 0)
+        out, lse = torch.ops.hasten.varlen_attention(q, k, v, cu, max_len, 0.125, True, 0, 0.0)
         ref_out, ref_lse = torch.ops.hasten.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), max_len, 0.125, True,
-                                                            0)
+                                                            0, 0.0)
         torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-2, rtol=0)
 
@@ -128,3 +128,34 @@ def test_cudnn_ragged_index_is_never_stale():
         check(q, k, v, cu, max(lengths))
     q8 = torch.randn(t, 8, 64, device="cuda", dtype=torch.bfloat16, generator=gen)  # other head count, same cu
     check(q8, k, v, cu, 297)
+
+
+@needs_cudnn_op
+@pytest.mark.parametrize("causal,window,softcap,head_dim", [(True, 0, 1.0, 128), (True, 7, 1.0, 64),
+                                                            (False, 0, 1.0, 64), (True, 33, 50.0, 256)])
+def test_cudnn_softcap_matches_the_float32_reference(causal, window, softcap, head_dim):
+    """Gemma 2's attention logit softcapping in cuDNN's graph (a score modifier that also builds the
+    causal band and the padding): output, log-sum-exp and the three gradients against the CPU
+    float32 reference on the same bf16 inputs, with one-token samples and samples longer than the
+    window. The scores are scaled up so that a cap of 1 bends most of them (an omission shows)."""
+    lengths = [5, 130, 1, 64, 300, 1]
+    gen = torch.Generator(device="cuda").manual_seed(int(softcap) + window + head_dim)
+    t = sum(lengths)
+    q, k, v, grad = (torch.randn(t, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for h in (4, 2, 2, 4))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    scale = 4.0 / head_dim ** 0.5  # scores of spread ~4: tanh(s / 1) far from s
+    args = (cu, max(lengths), scale, causal, window, softcap)
+    out, lse = torch.ops.hasten.varlen_attention(q, k, v, *args)
+    cpu = [x.cpu() for x in (q, k, v)]
+    ref_out, ref_lse = torch.ops.hasten.varlen_attention(*cpu, cu.cpu(), *args[1:])
+    uncapped, _ = torch.ops.hasten.varlen_attention(*cpu, cu.cpu(), *args[1:-1], 0.0)
+    if softcap < 10:
+        assert (uncapped - ref_out).abs().max() > 0.1  # the cap matters at these values
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=3e-2, rtol=0)
+    torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=2e-2, rtol=0)
+    grads = torch.ops.hasten.varlen_attention_backward(grad, q, k, v, out, lse, *args)
+    ref_grads = torch.ops.hasten.varlen_attention_backward(grad.cpu(), *cpu, ref_out, ref_lse, cu.cpu(), *args[1:])
+    for label, g, w in zip(("dq", "dk", "dv"), grads, ref_grads):
+        rel = float((g.float().cpu() - w.float()).norm() / w.float().norm())
+        assert rel < 2e-2, f"{label}: relative error {rel:.2e} against the float32 reference"

@@ -47,7 +47,7 @@ def _cases(requires_grad: bool):
 
     cu = torch.tensor([0, 1, 6, 11], dtype=torch.int32)  # a one-token sequence, two of 5
     q, k, v = t(11, 4, 8), t(11, 2, 8), t(11, 2, 8)
-    out, lse = ops.varlen_attention(q.detach(), k.detach(), v.detach(), cu, 5, 0.3, True, 0)
+    out, lse = ops.varlen_attention(q.detach(), k.detach(), v.detach(), cu, 5, 0.3, True, 0, 0.0)
     grouping = _routing()
     tokens, top_k, hidden = 7, 2, 5
     x_rms, w_rms = t(3, 17), t(17)
@@ -70,11 +70,12 @@ def _cases(requires_grad: bool):
         ("rope", (t(2, 3, 5, 10), t(1, 5, 4, grad=False), t(1, 5, 4, grad=False), False, False)),
         ("rope", (t(2, 5, 3, 8).transpose(1, 2), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), False, True)),
         ("rope", (t(2, 3, 5, 16), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), True, True)),
-        ("varlen_attention", (q, k, v, cu, 5, 0.3, True, 0)),
-        ("varlen_attention", (q, k, v, cu, 5, 0.3, False, 0)),
-        ("varlen_attention", (q, k, v, cu, 5, 0.3, True, 2)),  # a sliding window of 2
+        ("varlen_attention", (q, k, v, cu, 5, 0.3, True, 0, 0.0)),
+        ("varlen_attention", (q, k, v, cu, 5, 0.3, False, 0, 0.0)),
+        ("varlen_attention", (q, k, v, cu, 5, 0.3, True, 2, 0.0)),  # a sliding window of 2
+        ("varlen_attention", (q, k, v, cu, 5, 0.3, True, 2, 0.5)),  # and a softcap of 0.5
         ("varlen_attention_backward", (t(11, 4, 8, grad=False), q.detach(), k.detach(), v.detach(), out, lse, cu, 5,
-                                       0.3, True, 0)),
+                                       0.3, True, 0, 0.0)),
         ("varlen_meta", (torch.tensor([[0, 1, 2, 0, 1], [0, 0, 1, 2, 3]]),)),
         ("linear_cross_entropy", (hidden_states, lm_head, None, targets, torch.tensor(8.0), -100, 0.1, 0.0, 4,
                                   requires_grad)),
@@ -167,13 +168,14 @@ def _bad_inputs():
         ("rope", (f(1, 1, 3, 8), f(1, 4, 8), f(1, 4, 8), False, False)),  # another length
         ("rope", (f(1, 1, 3, 8), f(1, 3, 0), f(1, 3, 0), False, False)),  # no rotary dim
         ("rope", (torch.zeros(1, 1, 3, 8, dtype=i32), f(1, 3, 8), f(1, 3, 8), False, False)),
-        ("varlen_attention", (f(3, 4, 8), f(3, 3, 8), f(3, 3, 8), cu, 3, 0.3, True, 0)),
-        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu.long(), 3, 0.3, True, 0)),
-        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 4), cu, 3, 0.3, True, 0)),
-        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu, 3, 0.3, False, 2)),  # two-sided window
-        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu, 3, 0.3, True, -1)),
+        ("varlen_attention", (f(3, 4, 8), f(3, 3, 8), f(3, 3, 8), cu, 3, 0.3, True, 0, 0.0)),
+        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu.long(), 3, 0.3, True, 0, 0.0)),
+        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 4), cu, 3, 0.3, True, 0, 0.0)),
+        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu, 3, 0.3, False, 2, 0.0)),  # two-sided window
+        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu, 3, 0.3, True, -1, 0.0)),
+        ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu, 3, 0.3, True, 0, -2.0)),
         ("varlen_attention_backward", (f(3, 4, 8), f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), f(3, 4, 8), f(3, 2), cu, 3,
-                                       0.3, True, 0)),
+                                       0.3, True, 0, 0.0)),
         ("varlen_meta", (torch.zeros(4),)),
         ("varlen_meta", (torch.tensor(3),)),
         ("linear_cross_entropy", (f(4, 8), f(10, 7), None, torch.zeros(4, dtype=torch.long), torch.tensor(4.0), -100,

@@ -79,6 +79,7 @@ class BackendFacts:
     cudnn_op: bool  # hasten::varlen_attention has its CUDA (cuDNN) kernel in this build
     cudnn_version: int  # 0: no cuDNN
     flash_attn: Callable | None  # flash-attn's varlen function, when it imports
+    flash_attn_softcap: bool  # it takes `softcap` (flash-attn >= 2.6)
     torch_varlen: Callable | None  # torch.nn.attention.varlen.varlen_attn, when this torch has it
     torch_varlen_gqa_flag: bool  # varlen_attn takes enable_gqa
 
@@ -87,8 +88,10 @@ class BackendFacts:
 def _read_backend_facts() -> BackendFacts:
     from hasten.ops import has_cuda_kernel
 
+    flash = _flash_attn_fn()
     return BackendFacts(cudnn_op=has_cuda_kernel("varlen_attention"),
-                        cudnn_version=torch.backends.cudnn.version() or 0, flash_attn=_flash_attn_fn(),
+                        cudnn_version=torch.backends.cudnn.version() or 0, flash_attn=flash,
+                        flash_attn_softcap=flash is not None and "softcap" in inspect.signature(flash).parameters,
                         torch_varlen=_torch_varlen_fn(), torch_varlen_gqa_flag=_torch_varlen_takes_gqa_flag())
 
 
@@ -229,7 +232,23 @@ def _call_torch_varlen(q, k, v, cu, max_seqlen, scale, gqa: bool, window, facts:
     return facts.torch_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window, **extra)
 
 
-def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dropout: float) -> torch.Tensor:
+def _allowed_keys(length: int, causal: bool, left_window: int, device) -> torch.Tensor | None:
+    """(L, L) bool: the keys each query of one sequence sees (None: all of them)."""
+    if not causal:
+        return None
+    idx = torch.arange(length, device=device)
+    dist = idx[:, None] - idx[None, :]
+    return (dist >= 0) & (dist <= left_window) if left_window >= 0 else dist >= 0
+
+
+def _capped_scores(qs, ks, scale: float, softcap: float) -> torch.Tensor:
+    # (H, L, L) scores, scaled then softcapped (Gemma 2's eager attention: c * tanh(s / c))
+    scores = qs @ ks.transpose(1, 2) * scale
+    return torch.tanh(scores / softcap) * softcap
+
+
+def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dropout: float,
+                  softcap: float = 0.0) -> torch.Tensor:
     out = torch.empty_like(q)
     groups = q.shape[1] // k.shape[1]
     bounds = cu_seqlens.tolist()  # host sync per call: this path is the fallback
@@ -237,12 +256,16 @@ def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dr
         if end == start:
             continue
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, _repeat_kv(k, groups), _repeat_kv(v, groups)))
-        mask = None
-        if causal and left_window >= 0:
-            n = end - start
-            idx = torch.arange(n, device=q.device)
-            dist = idx[:, None] - idx[None, :]
-            mask = (dist >= 0) & (dist <= left_window)
+        if softcap > 0.0:  # sdpa has no softcap: the scores written out, as the model's eager attention does
+            scores = _capped_scores(qs, ks, q.shape[-1] ** -0.5 if scale is None else scale, softcap)
+            allowed = _allowed_keys(end - start, causal, left_window, q.device)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
+            probs = F.dropout(probs.to(q.dtype), p=dropout)
+            out[start:end] = (probs @ vs).transpose(0, 1)
+            continue
+        mask = _allowed_keys(end - start, causal, left_window, q.device) if left_window >= 0 else None
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout,
                                            is_causal=causal and mask is None, scale=scale)
         out[start:end] = o.transpose(0, 1)
@@ -257,19 +280,19 @@ def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dr
 # backward): attention dropout on this path stays eager.
 @torch.library.custom_op("hasten_host::per_sequence_attention", mutates_args=())
 def _per_sequence_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float | None, causal: bool, left_window: int) -> torch.Tensor:
-    return _per_sequence(q, k, v, cu_seqlens, scale, causal, left_window, 0.0)
+                     scale: float | None, causal: bool, left_window: int, softcap: float) -> torch.Tensor:
+    return _per_sequence(q, k, v, cu_seqlens, scale, causal, left_window, 0.0, softcap)
 
 
 @_per_sequence_op.register_fake
-def _per_sequence_fake(q, k, v, cu_seqlens, scale, causal, left_window):
+def _per_sequence_fake(q, k, v, cu_seqlens, scale, causal, left_window, softcap):
     return torch.empty_like(q)
 
 
 @torch.library.custom_op("hasten_host::per_sequence_attention_backward", mutates_args=())
 def _per_sequence_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cu_seqlens: torch.Tensor, scale: float | None, causal: bool,
-                              left_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              left_window: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups, kv_heads = q.shape[1] // k.shape[1], k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -282,14 +305,18 @@ def _per_sequence_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
         qs, ks, vs, dout = (x[start:end].to(compute).transpose(0, 1) for x in
                             (q, _repeat_kv(k, groups), _repeat_kv(v, groups), grad_out))
         scores = qs @ ks.transpose(1, 2) * scale
-        if causal:
-            idx = torch.arange(end - start, device=q.device)
-            dist = idx[:, None] - idx[None, :]
-            allowed = (dist >= 0) & (dist <= left_window) if left_window >= 0 else dist >= 0
+        cap_slope = None
+        if softcap > 0.0:  # c * tanh(s / c): its derivative 1 - tanh^2 scales the scores' gradient
+            capped = torch.tanh(scores / softcap)
+            cap_slope, scores = 1 - capped * capped, capped * softcap
+        allowed = _allowed_keys(end - start, causal, left_window, q.device)
+        if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         d_probs = dout @ vs.transpose(1, 2)
         d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+        if cap_slope is not None:
+            d_scores = d_scores * cap_slope
 
         def per_kv_head(x):  # (Hq, L, D) summed over each K/V head's query heads -> (L, Hkv, D)
             return x.reshape(kv_heads, groups, *x.shape[1:]).sum(1).transpose(0, 1)
@@ -301,20 +328,20 @@ def _per_sequence_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 @_per_sequence_backward_op.register_fake
-def _per_sequence_backward_fake(grad_out, q, k, v, cu_seqlens, scale, causal, left_window):
+def _per_sequence_backward_fake(grad_out, q, k, v, cu_seqlens, scale, causal, left_window, softcap):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _per_sequence_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, scale, causal, left_window = inputs
+    q, k, v, cu_seqlens, scale, causal, left_window, softcap = inputs
     ctx.save_for_backward(q, k, v, cu_seqlens)
-    ctx.args = (scale, causal, left_window)
+    ctx.args = (scale, causal, left_window, softcap)
 
 
 def _per_sequence_backward(ctx, grad_out):
     q, k, v, cu_seqlens = ctx.saved_tensors
     grad_q, grad_k, grad_v = _per_sequence_backward_op(grad_out.contiguous(), q, k, v, cu_seqlens, *ctx.args)
-    return grad_q, grad_k, grad_v, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
 _per_sequence_op.register_autograd(_per_sequence_backward, setup_context=_per_sequence_setup)
@@ -339,16 +366,21 @@ def _cudnn_max_seqlen(max_seqlen: int) -> int:
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      *, scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
-                     dropout: float = 0.0, backend: str = "auto", gqa: GqaMode = "auto",
-                     facts: BackendFacts | None = None) -> torch.Tensor:
-    """Attention of every packed sequence to itself only. Returns (T, Hq, D). `facts`: what the
-    process can run (accelerate() reads them once; read per call when not given, which
-    torch.compile cannot trace)."""
+                     softcap: float | None = None, dropout: float = 0.0, backend: str = "auto",
+                     gqa: GqaMode = "auto", facts: BackendFacts | None = None) -> torch.Tensor:
+    """Attention of every packed sequence to itself only. Returns (T, Hq, D). `softcap` c: the
+    scaled scores s become c * tanh(s / c) before the mask (Gemma 2's attn_logit_softcapping;
+    cuDNN and flash-attn compute it, torch's varlen kernel does not, so without those it runs one
+    sequence at a time). `facts`: what the process can run (accelerate() reads them once; read per
+    call when not given, which torch.compile cannot trace)."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if sliding_window is not None and not causal:  # no backend below takes a two-sided window
         raise NotImplementedError(f"hasten's varlen attention has no bidirectional sliding window "
                                   f"(sliding_window={sliding_window}, causal=False)")
+    if softcap is not None and not softcap >= 0.0:
+        raise ValueError(f"softcap must be positive (or None/0: off), got {softcap}")
+    softcap = float(softcap or 0.0)
     if facts is None:
         facts = backend_facts()
     # sliding_window W (transformers' meaning): a query sees itself and the W - 1 tokens before it.
@@ -365,12 +397,19 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             # a refusal is raised by the op when the graph runs, past any Python a trace could leave
             # here: compiled, a batch cuDNN refuses raises its error instead of falling back
             return cudnn_attention(q, k, v, cu_seqlens, _cudnn_max_seqlen(max_seqlen), scale, causal,
-                                   sliding_window or 0)
+                                   sliding_window or 0, softcap)
         try:
-            return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window or 0)
+            return cudnn_attention(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window or 0, softcap)
         except RuntimeError as exc:  # a shape cuDNN refuses (the op caches the refusal per bucket)
             record_fallback("cudnn_attention", f"cuDNN refused this batch ({exc}); FlashAttention-2 runs it")
             chosen = select_backend(q, "flash_attn", report=False, facts=facts)
+    if softcap > 0.0 and chosen == "flash_attn" and not facts.flash_attn_softcap:
+        chosen = select_backend(q, "torch_varlen", report=False, facts=facts)
+    if softcap > 0.0 and chosen == "torch_varlen":
+        record_fallback("attention_softcap", f"attention softcapping ({softcap:g}) runs one sequence at a time: "
+                        "torch's varlen attention has no softcap (hasten's cuDNN op or flash-attn >= 2.6 computes it "
+                        "packed)")
+        chosen = "per_sequence"
     if dropout > 0.0 and chosen == "torch_varlen":
         record_fallback("attention_dropout", "torch's varlen attention has no dropout; attention dropout "
                         f"{dropout} runs one sequence at a time (install flash-attn for the fast path)")
@@ -378,15 +417,16 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if chosen == "per_sequence":
         left_window = left if causal else -1
         if not torch.compiler.is_compiling():
-            return _per_sequence(q, k, v, cu_seqlens, scale, causal, left_window, dropout)
+            return _per_sequence(q, k, v, cu_seqlens, scale, causal, left_window, dropout, softcap)
         if dropout > 0.0:
-            return _per_sequence_eager(q, k, v, cu_seqlens, scale, causal, left_window, dropout)
-        return _per_sequence_op(q, k, v, cu_seqlens, scale, causal, left_window)
+            return _per_sequence_eager(q, k, v, cu_seqlens, scale, causal, left_window, dropout, softcap)
+        return _per_sequence_op(q, k, v, cu_seqlens, scale, causal, left_window, softcap)
 
     groups = q.shape[1] // k.shape[1]
     if chosen == "flash_attn":  # reads shared K/V heads natively
+        capped = {"softcap": softcap} if softcap > 0.0 else {}
         return facts.flash_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout,
-                                softmax_scale=scale, causal=causal, window_size=(left, 0 if causal else -1))
+                                softmax_scale=scale, causal=causal, window_size=(left, 0 if causal else -1), **capped)
     window = (left, 0) if causal else (-1, -1)
     native = groups > 1 and gqa != "repeat" and (gqa == "native" or _torch_varlen_native_gqa_ok(q.device, facts))
     if groups > 1 and not native:

@@ -76,8 +76,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "gemma": ArchSpec("dense", norm=_GEMMA_NORM, mlp=_GEMMA_MLP, model_code=("embedding scale sqrt(hidden)",)),
     "gemma2": ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute="eps", placement="pre_post"),
                        mlp=_GEMMA_MLP, logits=_SOFTCAP,
-                       attention=("attention logit softcapping: transformers' eager attention runs, with hasten's "
-                                  "packed mask", _LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
+                       attention=("attention logit softcapping (cuDNN's score modifier in hasten's op; "
+                                  "flash-attn >= 2.6; else one sequence at a time)", _LAYER_WINDOWS,
+                                  "the query scale query_pre_attn_scalar"),
                        model_code=("embedding scale sqrt(hidden)",)),
     "gemma3_text": ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute="eps", placement="pre_post",
                                                    qk_norm=True),

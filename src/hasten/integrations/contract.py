@@ -60,13 +60,11 @@ def _nonzero(value) -> bool:
 
 def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     """Attention features of this model that hasten's varlen attention does not compute, by name
-    (softcap, sinks, mla, chunked, bidirectional, alibi, layer_types, multimodal) with a line
-    for the report."""
+    (sinks, mla, chunked, bidirectional, alibi, layer_types, multimodal) with a line for the
+    report. (Attention logit softcapping is computed: cuDNN's score modifier, flash-attn, or one
+    sequence at a time; the attention call's `softcap` is what each path reads.)"""
     config = text_config(model)
     missing: dict[str, str] = {}
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if _nonzero(softcap):
-        missing["softcap"] = f"attention logit softcapping (attn_logit_softcapping={softcap})"
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         missing["sinks"] = "attention sinks (a learned per-head logit in the softmax denominator)"
     qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)

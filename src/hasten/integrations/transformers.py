@@ -90,6 +90,7 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     is_causal = kwargs.pop("is_causal", None)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     caller_causal = {} if is_causal is None else {"is_causal": is_causal}  # for the dense fallbacks, as given
+    softcap = kwargs.pop("softcap", None) or None  # Gemma 2's attn_logit_softcapping: every path applies it
     check_attention_kwargs(kwargs, module)
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"hasten's varlen attention takes one head size for queries, keys and values; "
@@ -114,15 +115,18 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     cu_seqlens, max_seqlen = kwargs.get(CU_Q), kwargs.get(MAX_Q)
     position_ids = kwargs.get("position_ids")
     if q_len != key.shape[2]:  # decoding against a KV cache: not a training path, never packed
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **_without_packing(kwargs), **caller_causal)
+        return _dense_attention(module, softcap)(module, query, key, value, attention_mask, scaling=scaling,
+                                                 dropout=dropout, **_without_packing(kwargs), **caller_causal,
+                                                 **_softcap_kwarg(softcap))
     if cu_seqlens is None:
         if attention_mask is not None:
             record_fallback("attention_padded_batch", "a batch came with a padding attention_mask, so attention ran "
-                            "through transformers' sdpa with a dense mask; pack the batch with "
-                            "hasten.PackingCollator (or pass position_ids without attention_mask) for the varlen path")
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                          **kwargs, **caller_causal)
+                            "through transformers' sdpa (eager with a softcap) with a dense mask; pack the batch "
+                            "with hasten.PackingCollator (or pass position_ids without attention_mask) for the "
+                            "varlen path")
+            return _dense_attention(module, softcap)(module, query, key, value, attention_mask, scaling=scaling,
+                                                     dropout=dropout, **kwargs, **caller_causal,
+                                                     **_softcap_kwarg(softcap))
         if position_ids is not None:
             # metadata_cache off (or a caller that bypassed the model hook): derive in this layer.
             meta = PackedMeta.from_position_ids(position_ids)
@@ -138,9 +142,26 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     # (B, H, L, D) -> (B * L, H, D): the packed token layout of the varlen kernels.
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
     out = varlen_attention(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), int(max_seqlen),
-                           scale=scaling, causal=causal, sliding_window=sliding_window,
+                           scale=scaling, causal=causal, sliding_window=sliding_window, softcap=softcap,
                            dropout=dropout, backend=settings.backend, gqa=settings.gqa, facts=settings.facts)
     return out.view(batch, q_len, out.shape[1], out.shape[2]), None
+
+
+def _softcap_kwarg(softcap: float | None) -> dict:
+    return {"softcap": softcap} if softcap else {}
+
+
+def _dense_attention(module: torch.nn.Module, softcap: float | None):
+    """The dense attention for a padded batch or a decoding step: transformers' sdpa, or with a
+    softcap (which sdpa ignores) the modeling file's own eager attention, which applies it."""
+    if not softcap:
+        return sdpa_attention_forward
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if own is None or "softcap" not in inspect.signature(own).parameters:
+        raise NotImplementedError(f"{type(module).__name__} passes softcap={softcap} on a padded batch (or a decoding "
+                                  "step) and its modeling file has no eager attention taking a softcap; transformers' "
+                                  "sdpa would drop it. Pack the batch (hasten.PackingCollator)")
+    return own
 
 
 def _without_packing(kwargs: dict) -> dict:

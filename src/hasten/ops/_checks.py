@@ -9,6 +9,8 @@ through the CPU kernel and through the fake and asserts one message, so the two 
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import torch
@@ -167,6 +169,11 @@ def check_attention_window(op: str, causal, window) -> None:
     check(window >= 0, op, lambda: f"`window` must be >= 0 (0: no window), got {window}")
     check(window == 0 or causal, op, lambda: f"a sliding window ({window}) needs causal attention; a two-sided "
           "window is not implemented")
+
+
+def check_attention_softcap(op: str, softcap) -> None:
+    check(softcap >= 0.0 and math.isfinite(softcap), op,
+          lambda: f"`softcap` must be 0 (off) or a positive finite number, got {softcap:g}")
 
 
 def check_varlen_attention_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen) -> None:

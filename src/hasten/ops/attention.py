@@ -13,34 +13,36 @@ from hasten.ops import _checks
 from hasten.ops._lib import call, call_in_backward, load, no_double_backward, register_autograd
 
 
-def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale, causal, window):
+def _varlen_attention_fake(q, k, v, cu_seqlens, max_seqlen, scale, causal, window, softcap):
     _checks.check_varlen_attention_args("varlen_attention", q, k, v, cu_seqlens, max_seqlen)
     _checks.check_attention_window("varlen_attention", causal, window)
+    _checks.check_attention_softcap("varlen_attention", softcap)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:2], dtype=torch.float32))
 
 
-def _varlen_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal, window):
+def _varlen_attention_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal, window,
+                                    softcap):
     _checks.check_varlen_attention_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen)
     _checks.check_attention_window("varlen_attention_backward", causal, window)
+    _checks.check_attention_softcap("varlen_attention_backward", softcap)
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, scale, causal, window = inputs
+    q, k, v, cu_seqlens, max_seqlen, scale, causal, window, softcap = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)  # the softmax statistics: saved for the backward, not a result
-    ctx.max_seqlen, ctx.scale, ctx.causal, ctx.window = max_seqlen, scale, causal, window
+    ctx.args = (max_seqlen, scale, causal, window, softcap)
     # the fused backward computes dq, dk and dv together from all of these
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    grads = call_in_backward("varlen_attention_backward", grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
-                             ctx.scale, ctx.causal, ctx.window)
+    grads = call_in_backward("varlen_attention_backward", grad_out, q, k, v, out, lse, cu_seqlens, *ctx.args)
     return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3])), None, None, None, None,
-            None)
+            None, None)
 
 
 def _register() -> None:
@@ -52,9 +54,12 @@ def _register() -> None:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                     scale: float | None = None, causal: bool = True, window: int = 0) -> torch.Tensor:
+                     scale: float | None = None, causal: bool = True, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Each packed sequence attends to itself only; returns (T, Hq, D). window W > 0 (causal): a
-    query sees itself and the W - 1 tokens before it (transformers' sliding_window)."""
+    query sees itself and the W - 1 tokens before it (transformers' sliding_window). softcap c > 0:
+    the scaled scores s become c * tanh(s / c) before the mask (Gemma 2)."""
     load()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return call("varlen_attention", q, k, v, cu_seqlens, max_seqlen, scale, causal, int(window))[0]
+    return call("varlen_attention", q, k, v, cu_seqlens, max_seqlen, scale, causal, int(window),
+                float(softcap or 0.0))[0]

@@ -39,8 +39,7 @@ def test_stateful_model_trains_padded(capsys, tmp_path):
     outcome.assert_nothing_lost()
 
 
-@pytest.mark.parametrize("model_type,feature", [("gemma2", "attention logit softcapping"),
-                                                ("gpt_oss", "attention sinks")])
+@pytest.mark.parametrize("model_type,feature", [("gpt_oss", "attention sinks")])
 def test_model_with_unsupported_attention_trains_packed_on_its_own_attention(capsys, tmp_path, model_type, feature):
     folder = _folder(tmp_path, model_type)
     outcome = run_train(capsys, tmp_path, config=_config(folder))
