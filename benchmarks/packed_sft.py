@@ -1,8 +1,9 @@
 """W1: packed SFT throughput on a Qwen3-0.6B-shaped model, one H200 (see docs/benchmarks.md).
 
 `--model` picks another family's shape for the same workload (W1-<model> rows): gemma3_1b
-(Gemma-3-1B), olmo2_1b (OLMo-2-1B), smollm3_3b (SmolLM3-3B), phi4_mini (Phi-4-mini, model type
-phi3); random weights of the real shape, the same 16,384-token batch.
+(Gemma-3-1B), gemma2_2b (Gemma-2-2B: attention and final logit softcapping), olmo2_1b (OLMo-2-1B),
+smollm3_3b (SmolLM3-3B), phi4_mini (Phi-4-mini, model type phi3); random weights of the real
+shape, the same 16,384-token batch.
 
 One run measures every variant on the same 16,384-token batch of 61 samples:
   hf_padded          transformers, micro-batches of 8 samples padded, sdpa, gradient accumulation
@@ -79,6 +80,11 @@ SHAPES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
         max_position_embeddings=32768, tie_word_embeddings=True, final_logit_softcapping=None),
+    "gemma2_2b": lambda: AutoConfig.for_model(
+        "gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192,
+        tie_word_embeddings=True),
     "olmo2_1b": lambda: AutoConfig.for_model(
         "olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096, tie_word_embeddings=False,
@@ -94,6 +100,9 @@ SHAPES = {
         pad_token_id=199999, bos_token_id=199999, eos_token_id=199999),
 }
 MODEL = "qwen3_0.6b"  # set by --model
+# transformers' attention for the baselines and the reference where its default would compute
+# something else: 5.17 picks sdpa for Gemma 2, and its sdpa drops the attention softcap
+ATTN_IMPLEMENTATION = {"gemma2_2b": "eager"}
 
 
 def make_samples(seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
@@ -113,7 +122,9 @@ def make_samples(seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
 def build_model() -> PreTrainedModel:
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = AutoModelForCausalLM.from_config(SHAPES[MODEL](), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(SHAPES[MODEL](), dtype=torch.bfloat16,
+                                                 **({"attn_implementation": ATTN_IMPLEMENTATION[MODEL]}
+                                                    if MODEL in ATTN_IMPLEMENTATION else {}))
     return model.train()
 
 

@@ -8,6 +8,7 @@
 #   w1      benchmarks/packed_sft.py --model M for each M in $MODELS (default gemma3_1b):
 #           hasten, hasten_unfused and liger (where liger_kernel imports) in one run, with
 #           $W1_ARGS (e.g. "--profile hasten")                                              cap 330 s
+#   attn    benchmarks/attention_backends.py (W1's attention shapes; the softcap row)         cap 60 s
 #   ops     tests/ops (mostly CPU)                                                         cap 90 s
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue17.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu" bash scripts/gpu_issue17.sh
@@ -25,6 +26,10 @@ if (( built )); then
     HASTEN_PARITY_REPORT="$LOGS/parity.jsonl" part gpu 240 python3 -m pytest tests/gpu/test_dense_cuda.py tests/gpu/test_attention_cuda.py \
       tests/gpu/test_model_parity_cuda.py -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR" "$LOGS/gpu.log" 2>/dev/null | tail -40 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" attn "* ]]; then
+    part attn 60 python3 benchmarks/attention_backends.py --out "$LOGS"
+    grep -E "ms fwd|failed|fell back" "$LOGS/attn.log" 2>/dev/null | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w1 "* ]]; then
     VARIANTS=hasten,hasten_unfused
