@@ -86,6 +86,17 @@ TORCH_LIBRARY(hasten, m) {
   // on the GPU (no host sync to raise from).
   m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor targets, Tensor? grad_scale, int ignore_index, "
         "float label_smoothing, float softcap) -> Tensor");
+  // A frozen base projection and its LoRA update (csrc/lora/lora_linear_composite.cpp): x (..., in),
+  // x_lora dropout(x) or None (x itself), weight (out, in) and bias in x's dtype, lora_a (r, in),
+  // lora_b (out, r) in float32 or x's dtype, scale the LoRA scaling. y = x W^T + b + scale *
+  // (x_lora A^T) B^T (..., out); xa = x_lora A^T (..., r), kept for the backward. The base
+  // weight and bias get no gradient (frozen). The backward returns d x, d x_lora (empty when
+  // shared_input: then d x includes the LoRA path), d lora_a and d lora_b in the adapters' dtypes.
+  m.def("lora_linear(Tensor x, Tensor? x_lora, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, "
+        "float scale) -> (Tensor y, Tensor xa)");
+  m.def("lora_linear_backward(Tensor grad_y, Tensor x_lora, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor xa, "
+        "float scale, bool shared_input) -> (Tensor grad_x, Tensor grad_x_lora, Tensor grad_a, Tensor grad_b)");
+
   // LM head + cross-entropy in chunks of tokens (csrc/loss/linear_cross_entropy_composite.cpp):
   // hidden (T, H), weight (V, H), bias (V,)?, targets (T,) int64 (already shifted),
   // denominator: one value, the loss is sum / denominator. chunk_tokens 0 = about 1 GiB of logits

@@ -20,9 +20,9 @@ from hasten.ops import op_names
 
 ops = torch.ops.hasten
 DIFFERENTIABLE = {"rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "varlen_attention", "linear_cross_entropy",
-                  "moe_permute", "moe_combine", "swiglu"}
+                  "moe_permute", "moe_combine", "swiglu", "lora_linear"}
 BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
-                "moe_combine_weight_grad", "swiglu_backward"}
+                "moe_combine_weight_grad", "swiglu_backward", "lora_linear_backward"}
 # integer-valued or in-place ops, with no derivative to define
 NOT_DIFFERENTIABLE = {"varlen_meta", "moe_group", "cross_entropy_rows_"}
 
@@ -91,6 +91,11 @@ def _cases(requires_grad: bool):
                                      grouping.inverse, grouping.offsets, top_k)),
         ("swiglu", (t(4, 10),)),
         ("swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False))),
+        # x (2, 3, 8), a frozen base (6, 8) with bias, rank 4 adapters; then with a dropout input
+        ("lora_linear", (t(2, 3, 8), None, t(6, 8, grad=False), t(6, grad=False), t(4, 8), t(6, 4), 0.5)),
+        ("lora_linear", (t(2, 3, 8), t(2, 3, 8), t(6, 8, grad=False), None, t(4, 8), t(6, 4), 2.0)),
+        ("lora_linear_backward", (t(2, 3, 6, grad=False), t(2, 3, 8, grad=False), t(6, 8, grad=False),
+                                  t(4, 8, grad=False), t(6, 4, grad=False), t(2, 3, 4, grad=False), 0.5, True)),
     ]
     return cases
 
@@ -193,6 +198,10 @@ def _bad_inputs():
         ("moe_combine_weight_grad", (f(6, 5), f(14, 5), g.inverse, g.offsets, 2)),
         ("swiglu", (f(2, 3),)),
         ("swiglu_backward", (f(2, 4), f(2, 10))),
+        ("lora_linear", (f(3, 8), None, f(6, 8), None, f(4, 8), f(6, 3), 1.0)),  # lora_b's rank
+        ("lora_linear", (f(3, 8), None, f(6, 8, dtype=torch.bfloat16), None, f(4, 8), f(6, 4), 1.0)),
+        ("lora_linear", (f(3, 8), f(3, 7), f(6, 8), None, f(4, 8), f(6, 4), 1.0)),
+        ("lora_linear_backward", (f(3, 5), f(3, 8), f(6, 8), f(4, 8), f(6, 4), f(3, 4), 1.0, True)),
     ]
 
 

@@ -297,3 +297,44 @@ def check_weight_grad_args(grad_out, y, inverse, offsets, top_k) -> None:
     check_size(grad_out, 0, inverse.numel() // top_k, op, "grad_out", "tokens")
     check_size(grad_out, 1, y.shape[1], op, "grad_out", "hidden of y")
     check_size(y, 0, inverse.numel(), op, "y", "slots = tokens * top_k")
+
+
+# --- LoRA (csrc/lora) -----------------------------------------------------------------------------
+
+def check_lora_linear_args(op: str, x, x_lora, weight, bias, lora_a, lora_b) -> None:
+    check(x.dim() >= 1, op, "`x` must be (..., in_features), got a scalar")
+    check_dim(weight, 2, op, "weight", "(out_features, in_features)")
+    check_dim(lora_a, 2, op, "lora_a", "(rank, in_features)")
+    check_dim(lora_b, 2, op, "lora_b", "(out_features, rank)")
+    n_in, n_out, rank = x.shape[-1], weight.shape[0], lora_a.shape[0]
+    check(weight.shape[1] == n_in, op, lambda: f"`weight` {shape(weight.shape)} must have x's last size {n_in} as its "
+          "second size")
+    check(lora_a.shape[1] == n_in, op, lambda: f"`lora_a` {shape(lora_a.shape)} must be (rank, {n_in})")
+    check(lora_b.shape[0] == n_out and lora_b.shape[1] == rank, op,
+          lambda: f"`lora_b` {shape(lora_b.shape)} must be ({n_out}, {rank}): (out_features, rank)")
+    check(weight.dtype == x.dtype, op, lambda: f"the base `weight` ({dtype_name(weight.dtype)}) must have x's dtype "
+          f"({dtype_name(x.dtype)})")
+    for t in (x, lora_a, lora_b):
+        check(t.dtype.is_floating_point, op, lambda t=t: f"x, lora_a and lora_b must be floating, got "
+              f"{dtype_name(t.dtype)}")
+    if x_lora is not None:
+        check(x_lora.shape == x.shape and x_lora.dtype == x.dtype, op,
+              "`x_lora` (the LoRA path's input after dropout) must have x's shape and dtype")
+        check_same_device(x, x_lora, op, "x", "x_lora")
+    if bias is not None:
+        check(bias.dim() == 1 and bias.shape[0] == n_out and bias.dtype == x.dtype, op,
+              lambda: f"`bias` must be ({n_out},) in x's dtype")
+        check_same_device(x, bias, op, "x", "bias")
+    for t in (weight, lora_a, lora_b):
+        check_same_device(x, t, op, "x", "weight, lora_a or lora_b")
+
+
+def check_lora_linear_backward_args(grad_y, x_lora, weight, lora_a, lora_b, xa) -> None:
+    op = "lora_linear_backward"
+    check_lora_linear_args(op, x_lora, None, weight, None, lora_a, lora_b)
+    rows = x_lora.numel() // x_lora.shape[-1] if x_lora.shape[-1] else 0
+    n_out, rank = weight.shape[0], lora_a.shape[0]
+    check(grad_y.shape[-1] == n_out and grad_y.numel() // n_out == rows, op,
+          lambda: f"`grad_y` {shape(grad_y.shape)} must be (..., {n_out}) over x's rows")
+    check(xa.shape[-1] == rank and (xa.numel() // rank if rank else 0) == rows, op,
+          lambda: f"`xa` {shape(xa.shape)} must be (..., {rank}) over x's rows")

@@ -12,7 +12,7 @@ import importlib
 import torch
 
 # the op families with Python registrations (each module's `_register()`), in hasten.ops
-_FAMILIES = ("dense", "attention", "loss", "moe", "packing")
+_FAMILIES = ("dense", "attention", "loss", "lora", "moe", "packing")
 REBUILD = "rebuild it against the installed torch: pip install --no-build-isolation -e . (or make install)"
 
 

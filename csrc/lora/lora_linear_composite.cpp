@@ -1,0 +1,93 @@
+// hasten::lora_linear: a frozen base projection and its LoRA update in one op, so that autograd
+// keeps what the backward needs and nothing else. Device-generic (CompositeExplicitAutograd): the
+// GEMMs are ATen's (cuBLAS on the GPU, float32 on the CPU reference path).
+//
+// Shapes: x (T, in) after flattening its leading dims, weight W (out, in), lora_a A (r, in),
+// lora_b B (out, r), s the LoRA scaling (alpha / r, or alpha / sqrt(r) for rsLoRA).
+//   forward   xa = x_l A^T                  (T, r), x's dtype; x_l = dropout(x), or x itself
+//             y  = x W^T (+ bias) + s xa B^T (T, out): the update accumulated into the base GEMM's
+//                                             output by a second GEMM (beta = 1), no (T, out) temporary
+//   backward  gb = s g B                     (T, r)
+//             dB = s g^T xa                  (out, r)  in B's dtype
+//             dA = gb^T x_l                  (r, in)   in A's dtype
+//             dx = g W (+ gb A when x_l is x) (T, in);  else d x_l = gb A
+// Adapters kept in float32 (PEFT's default under a bf16 base) are cast to x's dtype for the GEMMs,
+// and their gradients come out of the GEMM in float32 (cuBLAS accumulates in float32): the only
+// copies of activations the op keeps are x_l (x itself without dropout, which the caller already
+// holds) and xa; PEFT's own layer keeps a float32 copy of x per projection.
+#include <torch/library.h>
+#include <torch/types.h>
+#include <torch/version.h>
+
+#include <tuple>
+
+#include "lora_checks.h"
+
+namespace hasten {
+namespace {
+
+at::Tensor rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
+
+// a @ b with the result in `dtype`: on CUDA from the GEMM's float32 accumulator directly
+// (aten::mm.dtype, torch >= 2.8), elsewhere through a cast of the product.
+at::Tensor mm_as(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (a.is_cuda() && dtype == at::kFloat && (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf)) {
+    return at::mm(a, b, dtype);
+  }
+#endif
+  return at::mm(a, b).to(dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> lora_linear(const at::Tensor& x, const std::optional<at::Tensor>& x_lora,
+                                               const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                               const at::Tensor& lora_a, const at::Tensor& lora_b, double scale) {
+  const char* op = "lora_linear";
+  check_lora_linear_args(op, x, x_lora, weight, bias, lora_a, lora_b);
+  const auto x2 = rows(x);
+  const auto xl2 = x_lora.has_value() ? rows(*x_lora) : x2;
+  const auto a = lora_a.to(x.scalar_type()), b = lora_b.to(x.scalar_type());
+  auto xa = at::mm(xl2, a.t());                                               // (T, r)
+  auto y = bias.has_value() ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());  // (T, out)
+  y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scale);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = weight.size(0);
+  auto xa_shape = x.sizes().vec();
+  xa_shape.back() = lora_a.size(0);
+  return {y.view(out_shape), xa.view(xa_shape)};
+}
+
+// grad_x: d/dx through the base projection (and through the LoRA path when x_lora is x);
+// grad_x_lora: d/dx_lora when the op was given a separate x_lora (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
+    const at::Tensor& grad_y, const at::Tensor& x_lora, const at::Tensor& weight, const at::Tensor& lora_a,
+    const at::Tensor& lora_b, const at::Tensor& xa, double scale, bool shared_input) {
+  const char* op = "lora_linear_backward";
+  check_lora_linear_args(op, x_lora, std::nullopt, weight, std::nullopt, lora_a, lora_b);
+  TORCH_CHECK(grad_y.size(-1) == weight.size(0) && grad_y.numel() / weight.size(0) == rows_of(x_lora), "hasten::",
+              op, ": `grad_y` ", shape(grad_y.sizes()), " must be (..., ", num(weight.size(0)), ") over x's rows");
+  TORCH_CHECK(xa.size(-1) == lora_a.size(0) && rows_of(xa) == rows_of(x_lora), "hasten::", op, ": `xa` ",
+              shape(xa.sizes()), " must be (..., ", num(lora_a.size(0)), ") over x's rows");
+  const auto g = rows(grad_y.to(x_lora.scalar_type())), xl2 = rows(x_lora), xa2 = rows(xa);
+  const auto a = lora_a.to(x_lora.scalar_type()), b = lora_b.to(x_lora.scalar_type());
+  auto gb = at::mm(g, b).mul_(scale);                                  // (T, r)
+  auto grad_b = mm_as(g.t(), xa2, lora_b.scalar_type()).mul_(scale);   // (out, r)
+  auto grad_a = mm_as(gb.t(), xl2, lora_a.scalar_type());              // (r, in)
+  auto grad_x = at::mm(g, weight);                                     // (T, in)
+  at::Tensor grad_x_lora = at::empty({0}, x_lora.options());
+  if (shared_input) {
+    grad_x.addmm_(gb, a);
+  } else {
+    grad_x_lora = at::mm(gb, a).view(x_lora.sizes());
+  }
+  return {grad_x.view(x_lora.sizes()), grad_x_lora, grad_a, grad_b};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hasten, CompositeExplicitAutograd, m) {
+  m.impl("lora_linear", &lora_linear);
+  m.impl("lora_linear_backward", &lora_linear_backward);
+}
+
+}  // namespace hasten

@@ -1,0 +1,88 @@
+"""hasten::lora_linear and its backward against LoRA written out in float64 (CPU): outputs and the
+gradients of x, x_lora and both adapters, with bias, dropout input, float32 adapters under a bf16
+base, one-token and empty inputs; what autograd keeps; the frozen base enforced."""
+
+import pytest
+import torch
+
+from hasten.ops.lora import lora_linear
+
+
+def _reference(x, weight, bias, a, b, scale, x_lora=None):
+    x_lora = x if x_lora is None else x_lora
+    y = x @ weight.T + scale * (x_lora @ a.T) @ b.T
+    return y if bias is None else y + bias
+
+
+def _inputs(rows, n_in, n_out, rank, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows, n_in, generator=gen, dtype=dtype)
+    weight, bias = torch.randn(n_out, n_in, generator=gen, dtype=dtype), torch.randn(n_out, generator=gen, dtype=dtype)
+    a, b = torch.randn(rank, n_in, generator=gen, dtype=dtype), torch.randn(n_out, rank, generator=gen, dtype=dtype)
+    return x, weight, bias, a, b
+
+
+@pytest.mark.parametrize("with_bias,with_dropout", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("rows,n_in,n_out,rank", [((1,), 8, 6, 1), ((2, 7), 24, 40, 4), ((0,), 8, 6, 2),
+                                                  ((3, 1), 33, 17, 16)])
+def test_matches_lora_written_out(rows, n_in, n_out, rank, with_bias, with_dropout):
+    x, weight, bias, a, b = _inputs(rows, n_in, n_out, rank, seed=n_in + rank)
+    bias = bias if with_bias else None
+    x_lora = x * (torch.rand(x.shape, generator=torch.Generator().manual_seed(1), dtype=x.dtype) > 0.3) / 0.7 \
+        if with_dropout else None
+    leaves = [t.clone().requires_grad_() for t in (x, a, b)] + ([x_lora.clone().requires_grad_()] if with_dropout
+                                                                 else [])
+    ref_leaves = [t.clone().requires_grad_() for t in (x, a, b)] + ([x_lora.clone().requires_grad_()] if with_dropout
+                                                                     else [])
+    got = lora_linear(leaves[0], weight, bias, leaves[1], leaves[2], 0.75, x_lora=leaves[3] if with_dropout else None)
+    want = _reference(ref_leaves[0], weight, bias, ref_leaves[1], ref_leaves[2], 0.75,
+                      ref_leaves[3] if with_dropout else None)
+    torch.testing.assert_close(got, want)
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=want.dtype)
+    got.backward(upstream)
+    want.backward(upstream)
+    for name, g, w in zip(("x", "lora_a", "lora_b", "x_lora"), leaves, ref_leaves):
+        torch.testing.assert_close(g.grad, w.grad, msg=f"grad of {name}")
+
+
+def test_float32_adapters_under_a_bf16_base_keep_their_dtype():
+    """PEFT's default: float32 adapters on a bf16 model. The op computes in bf16 and hands the
+    adapters float32 gradients, within bf16 rounding of the float64 formula."""
+    x, weight, bias, a, b = _inputs((5, 3), 32, 24, 8, seed=3)
+    xb, wb = x.bfloat16().requires_grad_(), weight.bfloat16()
+    a32, b32 = a.float().requires_grad_(), b.float().requires_grad_()
+    y = lora_linear(xb, wb, None, a32, b32, 0.5)
+    assert y.dtype == torch.bfloat16
+    ref_a, ref_b = a.clone().requires_grad_(), b.clone().requires_grad_()
+    want = _reference(xb.detach().double(), wb.double(), None, ref_a, ref_b, 0.5)
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    y.backward(upstream.bfloat16())
+    want.backward(upstream.bfloat16().double())
+    assert a32.grad.dtype == torch.float32 and b32.grad.dtype == torch.float32 and xb.grad.dtype == torch.bfloat16
+    for got, ref in ((y.detach().double(), want.detach()), (a32.grad.double(), ref_a.grad),
+                     (b32.grad.double(), ref_b.grad)):
+        assert float((got - ref).norm() / ref.norm()) < 1e-2
+
+
+def _saved(fn):
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        fn()
+    return kept
+
+
+def test_keeps_x_itself_and_the_rank_sized_product_only():
+    x, weight, _, a, b = _inputs((6,), 16, 12, 4, seed=5)
+    x.requires_grad_()
+    a, b = a.requires_grad_(), b.requires_grad_()
+    kept = _saved(lambda: lora_linear(x, weight, None, a, b, 1.0))
+    activations = [t for t in kept if t.shape[:-1] == x.shape[:-1]]
+    assert len(activations) == 2 and activations[0] is x and activations[1].shape == (6, 4)  # x (no copy) and xa
+    frozen_adapters = _saved(lambda: lora_linear(x, weight, None, a.detach(), b.detach(), 1.0))
+    assert all(t.shape[:-1] != x.shape[:-1] for t in frozen_adapters)  # d x needs the weights only
+
+
+def test_a_trainable_base_is_refused():
+    x, weight, _, a, b = _inputs((3,), 8, 6, 2, seed=6)
+    with pytest.raises(NotImplementedError, match="frozen base layer"):
+        lora_linear(x, weight.requires_grad_(), None, a.requires_grad_(), b, 1.0)
