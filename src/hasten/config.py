@@ -169,6 +169,9 @@ class KernelsConfig:
     swiglu: bool = True
     # Rotary embedding of q and k in one kernel each (transformers' rotate_half convention).
     rope: bool = True
+    # PEFT LoRA layers: the frozen base GEMM and the low-rank update in one op that keeps no
+    # float32 copy of the layer input (PEFT's float32 adapters keep one per projection).
+    fused_lora: bool = True
 
 
 @dataclass

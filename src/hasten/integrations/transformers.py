@@ -789,6 +789,25 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
                          + ("".join(f", {item}" for item in applied)) + "; training forwards return logits=None)")
 
 
+def patch_lora_layers(model: torch.nn.Module, config: Config, handle: AccelerationHandle) -> None:
+    """PEFT's LoRA Linear layers of `model` on hasten::lora_linear (kernels.fused_lora). accelerate()
+    runs it; so does hasten train after PEFT adds its adapters (to the accelerated model)."""
+    from hasten.lora import install_fused_lora, lora_layers
+
+    if not lora_layers(model):
+        return
+    if not config.kernels.fused_lora:
+        handle.inactive.append("fused LoRA projections (kernels.fused_lora is false: PEFT's layers run)")
+        return
+    undo, count, refused = install_fused_lora(model)
+    handle._undo_steps.append(undo)
+    if count:
+        handle.active.append(f"fused LoRA projections ({count} layers: base GEMM and low-rank update in one op, "
+                             "no float32 copy of the input)")
+    for reason in refused:
+        handle.inactive.append(f"fused LoRA projections ({reason}: PEFT's own forward runs them)")
+
+
 def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
     kernels = config.kernels
     if not (kernels.rms_norm or kernels.swiglu or kernels.rope):
@@ -867,6 +886,7 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
         _patch_memory(model, config, handle)
         _patch_loss(model, config, handle)
         _patch_dense_kernels(model, config, handle)
+        patch_lora_layers(model, config, handle)
     except BaseException:
         handle.undo()  # a failed accelerate() leaves the model, and the process, as they were
         raise

@@ -33,6 +33,7 @@ import hasten
 from hasten.config import Config, ConfigError
 from hasten.data import ByteTokenizer, DataError, load_dataset
 from hasten.data.tokenizer import check_tokenizer_fits, load_model_tokenizer
+from hasten.integrations.transformers import patch_lora_layers
 from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler
 from hasten.training.compile import compile_decoder_layers
@@ -315,6 +316,10 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
                           "correct for it)")
     if config.lora.enabled:
         model = _with_lora(model, config, ctx)
+        patch_lora_layers(model, config, run.handle)  # the adapters are PEFT's; their forward hasten's
+        if ctx.is_main:
+            logger.info("hasten: LoRA layers: %s", "; ".join(item for item in run.handle.active + run.handle.inactive
+                                                           if "LoRA" in item))
     run.hf_model = model
     run.model = wrap_model(model, ctx, device, reshard_after_forward=t.fsdp2_reshard_after_forward,
                            layers_per_unit=t.fsdp2_layers_per_unit)

@@ -1,0 +1,140 @@
+"""PEFT's `lora.Linear` layers on hasten::lora_linear.
+
+What PEFT's vanilla LoRA layer computes (peft/tuners/lora/layer.py, `Linear.forward`), for one
+active adapter: result = base_layer(x) + lora_B(lora_A(dropout(x.to(A.dtype)))) * scaling, cast
+back to the base output's dtype. hasten::lora_linear computes the same with the base GEMM and the
+update in one op. A layer is taken only when that is all it does:
+  - exactly PEFT's `lora.Linear` over a plain `nn.Linear` base (not a quantized or tensor-parallel
+    base, not GPT-2's transposed Conv1D: fan_in_fan_out), the base weight and bias frozen;
+  - every adapter vanilla: no DoRA or other variant, no bias on lora_B, dropout an nn.Dropout or
+    Identity;
+and each call takes hasten's path only while it still holds: one active adapter, adapters on and
+not merged, no extra arguments (adapter_names for mixed batches), x in the base weight's dtype,
+no autocast. Otherwise the layer runs PEFT's own forward for that call (a setting change, not an
+error). A probe checks the formula against PEFT's forward once per process on the first layer
+(random lora_B for the probe, since PEFT initialises it to zero), so a PEFT release that changes
+the formula turns hasten's path off instead of training something else.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from hasten.observability import record_fallback
+from hasten.ops.lora import lora_linear
+
+_TAG = "_hasten_lora"  # on each patched layer: its PEFT forward (the class's), for the fallbacks
+
+
+def _is_peft_lora_linear(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Linear" and cls.__module__ == "peft.tuners.lora.layer"
+
+
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    """PEFT's LoRA Linear layers of `model` (without importing PEFT)."""
+    return [m for m in model.modules() if _is_peft_lora_linear(m)]
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why hasten's op cannot compute this LoRA layer (None: it can)."""
+    base = module.get_base_layer()
+    if type(base) is not nn.Linear:
+        return f"its base layer is {type(base).__name__}, not a plain nn.Linear (a quantized base is not fused yet)"
+    if getattr(module, "fan_in_fan_out", False):
+        return "fan_in_fan_out (a transposed Conv1D base)"
+    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return "its base weight or bias trains (hasten's op is for a frozen base)"
+    for adapter in module.lora_A:
+        if adapter in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(adapter, False):
+            return f"adapter '{adapter}' is a LoRA variant (DoRA or another)"
+        lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
+        if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear or lora_a.bias is not None:
+            return f"adapter '{adapter}' is not a pair of bias-free nn.Linear"
+        if lora_b.bias is not None:
+            return f"adapter '{adapter}' has a bias on lora_B (lora_bias)"
+        if type(module.lora_dropout[adapter]) not in (nn.Dropout, nn.Identity):
+            return f"adapter '{adapter}' has a dropout of type {type(module.lora_dropout[adapter]).__name__}"
+    return None
+
+
+def _fused_adapter(module: nn.Module, x: torch.Tensor, args, kwargs) -> str | None:
+    """The adapter hasten computes for this call, or None when PEFT's own forward must run it."""
+    if args or kwargs or module.disable_adapters or module.merged:
+        return None
+    active = module.active_adapters
+    if len(active) != 1 or active[0] not in module.lora_A:
+        return None
+    if x.dtype != module.get_base_layer().weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return None
+    return active[0]
+
+
+def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    adapter = _fused_adapter(self, x, args, kwargs)
+    if adapter is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    base = self.get_base_layer()
+    dropout = self.lora_dropout[adapter]
+    x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
+    return lora_linear(x, base.weight, base.bias, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
+                       self.scaling[adapter], x_lora=x_lora)
+
+
+@torch.no_grad()
+def formula_mismatch(module: nn.Module) -> str | None:
+    """Run PEFT's forward and hasten's on one random input, with a random lora_B for the probe
+    (restored after), in eval mode (no dropout). None when they agree."""
+    adapter = module.active_adapters[0] if module.active_adapters else next(iter(module.lora_A))
+    base, lora_b = module.get_base_layer(), module.lora_B[adapter].weight
+    saved_b, was_training = lora_b.detach().clone(), module.training
+    x = torch.randn(3, base.in_features, device=base.weight.device, dtype=base.weight.dtype,
+                    generator=torch.Generator(device=base.weight.device).manual_seed(0))
+    try:
+        module.eval()
+        lora_b.normal_(std=1.0 / max(1, lora_b.shape[1]) ** 0.5,
+                       generator=torch.Generator(device=lora_b.device).manual_seed(1))
+        want = type(module).forward(module, x).float()
+        got = _forward(module, x).float()
+    finally:
+        lora_b.copy_(saved_b)
+        module.train(was_training)
+    tolerance = 1e-4 if base.weight.dtype == torch.float32 else 3e-2
+    error = float((got - want).norm() / want.norm().clamp_min(1e-12))
+    if not error <= tolerance:
+        return (f"PEFT {type(module).__module__}.Linear computed something else than hasten's LoRA formula on a probe "
+                f"(relative difference {error:.2e}); this PEFT release is not fused")
+    return None
+
+
+def install_fused_lora(model: nn.Module):
+    """Patch every qualifying PEFT LoRA Linear layer of `model`. Returns (undo, number patched,
+    reasons others were left to PEFT)."""
+    layers = lora_layers(model)
+    reasons: dict[str, int] = {}
+    patched = []
+    for module in layers:
+        reason = unsupported_reason(module)
+        if reason is None:
+            patched.append(module)
+        else:
+            reasons[reason] = reasons.get(reason, 0) + 1
+    if patched and (mismatch := formula_mismatch(patched[0])) is not None:
+        reasons[mismatch] = len(patched)
+        patched = []
+    for module in patched:
+        module.forward = types.MethodType(_forward, module)
+        setattr(module, _TAG, True)
+    if reasons:
+        record_fallback("lora_not_fused", "; ".join(f"{count} LoRA layers: {why}" for why, count in reasons.items())
+                        + "; PEFT's own forward runs them")
+
+    def undo() -> None:
+        for module in patched:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop(_TAG, None)
+
+    return undo, len(patched), [f"{count} LoRA layers: {why}" for why, count in reasons.items()]

