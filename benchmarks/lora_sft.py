@@ -1,0 +1,210 @@
+"""W4: the LoRA job on a Llama-8B shape, one H200 (see docs/benchmarks.md).
+
+Llama-3.1-8B's shape (hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 K/V heads,
+vocabulary 128,256) with random bf16 weights, PEFT LoRA r=16, alpha=32 on q, k, v, o, gate, up and
+down (PEFT's default float32 adapters; lora_B drawn at random, seeded, so the adapters change
+the result), W1's batch of 16,384 tokens in 61 samples. One run measures, on the same weights:
+
+  hasten          hasten.accelerate after get_peft_model: packed varlen attention, fused norm,
+                  SwiGLU, RoPE, loss, and PEFT's LoRA layers on hasten::lora_linear; no checkpointing
+  hasten_lean     the same with full activation checkpointing (hasten's lowest-memory setting)
+  hasten_peft_layers  hasten with kernels.fused_lora off (PEFT's own LoRA forward), full checkpointing:
+                  what hasten ran before the fused LoRA op (its float32 input copies need it)
+  hf_peft_packed  transformers + PEFT, one packed row with position_ids (sdpa, transformers' correct
+                  packed path), gradient checkpointing
+  hf_peft_padded  transformers + PEFT, micro-batches of 8 samples padded, gradient checkpointing
+  liger           transformers + PEFT + Liger-Kernel's Llama patch, packed with position_ids,
+                  gradient checkpointing (it does not fit without)
+  unsloth         Unsloth (benchmarks/w4_unsloth.py: its own model load, gradient checkpointing
+                  "unsloth" and its packed path), where the carried bundle imports
+
+Each row: tokens/s (median step), peak GiB, and the first step's loss against hf_peft_packed's
+(the same weights and batch: a variant that computes something else shows there).
+
+    python benchmarks/lora_sft.py [--variants hasten,hf_peft_packed] [--steps 4] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from packed_sft import TOKENS, make_samples, padded_microbatches  # noqa: E402
+
+import hasten  # noqa: E402
+from hasten.config import Config  # noqa: E402
+from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
+from hasten.packing import move_batch  # noqa: E402
+
+RANK, ALPHA = 16, 32
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+WORKLOAD = "W4"
+DEVICE = "cuda"
+LOSS_TOLERANCE = 2e-2  # bf16 over 32 layers: run-to-run and kernel-to-kernel noise is about 1e-3
+
+
+def llama_8b():
+    return AutoConfig.for_model("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
+                                bos_token_id=128000, eos_token_id=128001)
+
+
+def seeded_adapters(model) -> None:
+    """lora_B at random (PEFT starts it at zero, which would hide what the adapters compute), the
+    same values in every variant: drawn in a fixed module order from one generator."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                param.normal_(std=0.02, generator=gen)
+
+
+def peft_model(config=None):
+    import peft
+
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        base = AutoModelForCausalLM.from_config(config or llama_8b(), dtype=torch.bfloat16)
+    base.train()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                      target_modules=TARGETS))
+    seeded_adapters(model)
+    return model
+
+
+def build(name: str, samples):
+    """(model to train, list of micro-batches, handles to undo, notes)."""
+    handles, notes = [], []
+    packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), DEVICE)
+    hf_packed = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")} | {"use_cache": False}]
+    if name == "unsloth":
+        import w4_unsloth
+
+        model, note = w4_unsloth.unsloth_lora_model(llama_8b(), r=RANK, alpha=ALPHA, target_modules=TARGETS,
+                                                    folder="/tmp/w4_llama8b", max_seq_length=TOKENS)
+        seeded_adapters(model)
+        notes.append(note)
+        return model, [w4_unsloth.unsloth_packed_batch(samples, DEVICE)], handles, notes
+    model = peft_model()
+    if name.startswith("hasten"):
+        settings = {"hasten": {}, "hasten_lean": {"training": {"checkpoint": {"activations": "full"}}},
+                    "hasten_peft_layers": {"kernels": {"fused_lora": False},
+                                           "training": {"checkpoint": {"activations": "full"}}}}[name]
+        handle = hasten.accelerate(model.get_base_model(), Config.from_dict(settings))
+        handles.append(handle)
+        notes.append(handle.report().replace("\n", " | "))
+        return model, [packed], handles, notes
+    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    if name == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model.get_base_model())
+        return model, hf_packed, handles, notes
+    if name == "hf_peft_packed":
+        return model, hf_packed, handles, notes
+    if name == "hf_peft_padded":
+        return model, padded_microbatches(samples), handles, notes
+    raise ValueError(name)
+
+
+def run_variant(name: str, samples, steps: int) -> dict:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    reset_fallbacks()
+    model, inputs, handles, notes = build(name, samples)
+    try:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+        losses = []
+
+        def step():
+            total = 0.0
+            for micro in inputs:
+                loss = model(**micro).loss / len(inputs)
+                loss.backward()
+                total = total + loss.detach()
+            losses.append(total)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        common.time_steps(step, warmup=2, iters=0)
+        times = common.time_steps(step, warmup=0, iters=steps)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        with count_host_syncs() as syncs:
+            step()
+        step_s = common.median(times)
+        trainable = sum(p.numel() for p in params)
+        return {"workload": WORKLOAD, "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
+                "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count,
+                "losses": [round(float(v), 5) for v in losses], "trainable_params": trainable,
+                "notes": f"steps {[round(t, 3) for t in times]}; fallbacks {fallback_counts()}"
+                         + "".join(f"; {n}" for n in notes)}
+    finally:
+        for h in reversed(handles):
+            h.undo()
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--variants", default="hf_peft_packed,hasten,hasten_lean,hasten_peft_layers,liger,unsloth,"
+                                              "hf_peft_padded")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("W4 needs a CUDA GPU", file=sys.stderr)
+        return 1
+    samples = make_samples(vocab=128256)
+    print(f"{WORKLOAD}: {len(samples)} samples, {sum(map(len, samples))} tokens, LoRA r={RANK} on {','.join(TARGETS)}",
+          flush=True)
+    run_id, rows = common.new_run_id(), []
+    for name in args.variants.split(","):
+        try:
+            row = run_variant(name, samples, args.steps) | {"run_id": run_id}
+        except Exception as exc:  # noqa: BLE001 - one variant's failure (out of memory, a missing peer) must not
+            traceback.print_exc()  # cost the others
+            row = {"workload": WORKLOAD, "variant": name, **common.environment(), "tokens_per_s": None,
+                   "step_s": None, "peak_gib": None, "run_id": run_id,
+                   "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"}
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append(row)
+        done = {r["variant"]: r for r in rows if r["step_s"] is not None}
+        if row["step_s"] is not None and "hf_peft_packed" in done and name != "hf_peft_packed":
+            diff = abs(row["losses"][0] - done["hf_peft_packed"]["losses"][0])
+            row["first_loss_diff_vs_hf_peft_packed"] = diff
+            row["correct"] = diff <= LOSS_TOLERANCE
+        common.write_rows([row], WORKLOAD, args.out)
+        if row["step_s"] is None:
+            print(f"{name:>18}: FAILED {row['error']}", flush=True)
+            continue
+        print(f"{name:>18}: {row['tokens_per_s']:>8,.0f} tok/s  {row['step_s']:.3f} s  {row['peak_gib']:6.1f} GiB  "
+              f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}"
+              f"  (vs hf {row.get('first_loss_diff_vs_hf_peft_packed', 0.0):.1e})", flush=True)
+    base = {r["variant"]: r for r in rows if r["step_s"] is not None}
+    for mine in ("hasten", "hasten_lean"):
+        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_peft_layers", "hf_peft_padded"):
+            if mine in base and ref in base:
+                print(f"{mine} vs {ref}: {base[mine]['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
+                      f"peak {base[mine]['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

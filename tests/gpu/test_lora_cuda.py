@@ -1,0 +1,107 @@
+"""hasten's fused LoRA on the GPU against PEFT's own LoRA layers.
+
+hasten::lora_linear computes the LoRA path in the base's bf16 (float32 adapters cast for the GEMMs,
+their gradients taken from the GEMM's float32 accumulator), as PEFT does with bf16 adapters;
+PEFT's default float32 adapters compute it in float32. So the yardsticks are: for one layer,
+PEFT's layer with bf16 adapters against the float64 layer; for a model, the unpatched bf16 PEFT
+model (float32 adapters) against the float32 one, the bf16 noise every parity test uses."""
+
+import copy
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+import hasten  # noqa: E402
+from hasten.config import Config  # noqa: E402
+from hasten.lora import install_fused_lora, lora_layers  # noqa: E402
+
+
+def _layer(n_in, n_out, rank, adapter_dtype, seed):
+    torch.manual_seed(seed)
+    base = torch.nn.Sequential(torch.nn.Linear(n_in, n_out, bias=True)).to("cuda", torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["0"]))
+    (layer,) = lora_layers(model)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(std=0.05)
+    layer.lora_A.to(adapter_dtype)
+    layer.lora_B.to(adapter_dtype)
+    return model, layer
+
+
+def _run(model, layer, x, upstream):
+    x = x.detach().clone().requires_grad_()
+    y = model(x)
+    y.backward(upstream)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    out = [y.detach().double(), x.grad.double(), a.grad.double(), b.grad.double()]
+    a.grad = b.grad = None
+    return out
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,n_in,n_out,rank", [(4097, 4096, 1024, 16), (1, 640, 2048, 8), (300, 14336, 4096, 16)])
+def test_fused_layer_is_within_the_bf16_noise_of_peft(tokens, n_in, n_out, rank, adapter_dtype):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(tokens, n_in, device="cuda", dtype=torch.bfloat16, generator=gen)
+    upstream = torch.randn(tokens, n_out, device="cuda", dtype=torch.bfloat16, generator=gen)
+    model, layer = _layer(n_in, n_out, rank, adapter_dtype, seed=tokens)
+    bf16_peft = copy.deepcopy(model)  # the bf16 yardstick: PEFT's layer with bf16 adapters
+    (bf16_layer,) = lora_layers(bf16_peft)
+    bf16_layer.lora_A.to(torch.bfloat16)
+    bf16_layer.lora_B.to(torch.bfloat16)
+    noise_out = _run(bf16_peft, bf16_layer, x, upstream)
+    undo, count, refused = install_fused_lora(model)
+    assert count == 1 and not refused
+    fused_out = _run(model, layer, x, upstream)
+    assert layer.lora_A["default"].weight.dtype == adapter_dtype
+    undo()
+    model.double()
+    exact = _run(model, layer, x.double(), upstream.double())
+    for label, fused, theirs, want in zip(("y", "dx", "dA", "dB"), fused_out, noise_out, exact):
+        error = float((fused - want).norm() / want.norm())
+        noise = float((theirs - want).norm() / want.norm())
+        assert error <= 1.5 * noise + 1e-4, f"{label}: hasten {error:.2e} vs PEFT's bf16 noise {noise:.2e}"
+
+
+def test_lora_model_gradients_are_within_the_bf16_noise_of_peft():
+    """A small Llama with LoRA on every projection, packed batch with one-token samples: every
+    adapter gradient of the hasten-accelerated bf16 model against the float32 unpatched model,
+    within the error of the unpatched bf16 PEFT model (float32 adapters, PEFT's default). The
+    reference runs the packed row through transformers' own packed path in float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"])
+    reference = peft.get_peft_model(LlamaForCausalLM(config).cuda(), lora)
+    with torch.no_grad():
+        for layer in lora_layers(reference):
+            layer.lora_B["default"].weight.normal_(std=0.05)
+    unpatched = copy.deepcopy(reference)
+    unpatched.get_base_model().to(torch.bfloat16)
+    for layer in lora_layers(unpatched):  # PEFT keeps float32 adapters under a bf16 base
+        layer.lora_A.float()
+        layer.lora_B.float()
+    patched = copy.deepcopy(unpatched)
+    gen = torch.Generator().manual_seed(3)
+    samples = [{"input_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (1, 200, 37, 1, 300)]
+    batch = {k: v.cuda() for k, v in hasten.PackingCollator(max_tokens=1024)(samples).items()}
+
+    def adapter_grads(model):
+        # the packed row through each model; the float32 reference is transformers' own packed path
+        # (position_ids), whose isolation tests/integrations/test_model_parity.py covers
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        return torch.cat([p.grad.double().flatten() for n, p in sorted(model.named_parameters()) if "lora_" in n])
+
+    want = adapter_grads(reference)  # both unpatched runs before accelerate() registers anything
+    noise = float((adapter_grads(unpatched) - want).norm() / want.norm())
+    handle = hasten.accelerate(patched.get_base_model(), Config())
+    assert any(item.startswith("fused LoRA projections (14 layers") for item in handle.active), handle.report()
+    error = float((adapter_grads(patched) - want).norm() / want.norm())
+    assert error <= 1.5 * noise, f"hasten {error:.3e} vs the unpatched bf16 model's {noise:.3e}"
+    handle.undo()
