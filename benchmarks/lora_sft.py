@@ -28,14 +28,39 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import sys
 import traceback
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _variants_asked() -> list[str]:
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        if arg.startswith("--variants="):
+            return arg.split("=", 1)[1].split(",")
+        if arg == "--variants" and i + 1 < len(args):
+            return args[i + 1].split(",")
+    return []
+
+
+# Unsloth patches transformers, PEFT and TRL when it is imported, and its model load replaces
+# transformers' Llama code for the whole process: its variant runs alone in a process of its own,
+# with unsloth imported before anything else (the bundle from .whl/, benchmarks/w4_unsloth.py).
+UNSLOTH_PROCESS = _variants_asked() == ["unsloth"]
+if UNSLOTH_PROCESS:
+    import w4_unsloth
+
+    w4_unsloth.prepare_unsloth_env(w4_unsloth.ensure_bundle(os.environ.get("HASTEN_UNSLOTH_SITE",
+                                                                           "/tmp/unsloth_site")))
+    import unsloth  # noqa: F401
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
 import common  # noqa: E402
 from packed_sft import TOKENS, make_samples, padded_microbatches  # noqa: E402
 
@@ -117,7 +142,7 @@ def build(name: str, samples):
     raise ValueError(name)
 
 
-def run_variant(name: str, samples, steps: int) -> dict:
+def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -144,6 +169,10 @@ def run_variant(name: str, samples, steps: int) -> dict:
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
         with count_host_syncs() as syncs:
             step()
+        if profile:
+            from packed_sft import print_profile
+
+            print_profile(name, step)
         step_s = common.median(times)
         trainable = sum(p.numel() for p in params)
         return {"workload": WORKLOAD, "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
@@ -160,13 +189,31 @@ def run_variant(name: str, samples, steps: int) -> dict:
             torch.cuda.empty_cache()
 
 
+def _earlier_reference_loss(out: Path | None) -> float | None:
+    """hf_peft_packed's first loss at this commit from an earlier run's rows (the unsloth process)."""
+    path = (out or common.RESULTS) / f"{WORKLOAD}.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    found = [r for r in rows if r.get("variant") == "hf_peft_packed" and r.get("commit") == common.commit()
+             and r.get("losses")]
+    return found[-1]["losses"][0] if found else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--variants", default="hf_peft_packed,hasten,hasten_lean,hasten_peft_layers,liger,unsloth,"
-                                              "hf_peft_padded")
+    parser.add_argument("--variants", default="hf_peft_packed,hasten,hasten_lean,hasten_peft_layers,liger,"
+                                              "hf_peft_padded", help="unsloth runs alone: --variants unsloth (its "
+                                              "first loss is compared with this commit's hf_peft_packed row in --out)")
+    parser.add_argument("--profile", default="", help="comma-separated variants to profile for one step")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    if "unsloth" in variants and variants != ["unsloth"]:
+        print("run the unsloth variant alone (--variants unsloth): it patches transformers for the whole process",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("W4 needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -174,9 +221,10 @@ def main() -> int:
     print(f"{WORKLOAD}: {len(samples)} samples, {sum(map(len, samples))} tokens, LoRA r={RANK} on {','.join(TARGETS)}",
           flush=True)
     run_id, rows = common.new_run_id(), []
-    for name in args.variants.split(","):
+    reference_loss = _earlier_reference_loss(args.out)
+    for name in variants:
         try:
-            row = run_variant(name, samples, args.steps) | {"run_id": run_id}
+            row = run_variant(name, samples, args.steps, profile=name in args.profile.split(",")) | {"run_id": run_id}
         except Exception as exc:  # noqa: BLE001 - one variant's failure (out of memory, a missing peer) must not
             traceback.print_exc()  # cost the others
             row = {"workload": WORKLOAD, "variant": name, **common.environment(), "tokens_per_s": None,
@@ -186,8 +234,10 @@ def main() -> int:
             torch.cuda.empty_cache()
         rows.append(row)
         done = {r["variant"]: r for r in rows if r["step_s"] is not None}
-        if row["step_s"] is not None and "hf_peft_packed" in done and name != "hf_peft_packed":
-            diff = abs(row["losses"][0] - done["hf_peft_packed"]["losses"][0])
+        if "hf_peft_packed" in done:
+            reference_loss = done["hf_peft_packed"]["losses"][0]
+        if row["step_s"] is not None and reference_loss is not None and name != "hf_peft_packed":
+            diff = abs(row["losses"][0] - reference_loss)
             row["first_loss_diff_vs_hf_peft_packed"] = diff
             row["correct"] = diff <= LOSS_TOLERANCE
         common.write_rows([row], WORKLOAD, args.out)

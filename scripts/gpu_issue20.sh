@@ -3,23 +3,22 @@
 # seconds, most important first:
 #   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
 #   gpu     tests/gpu/test_lora_cuda.py (the fused LoRA op and a LoRA model against PEFT)  cap 120 s
-#   w4      benchmarks/lora_sft.py --variants $W4_VARIANTS (Llama-8B shape, LoRA r=16)     cap 420 s
-# Unsloth runs from .whl/unsloth_offline.tar.gz when it is carried (unpacked to /tmp/unsloth_site).
+#   w4      benchmarks/lora_sft.py --variants $W4_VARIANTS (Llama-8B shape, LoRA r=16), with
+#           $W4_ARGS (e.g. "--profile hasten")                                              cap 300 s
+#   unsloth the same benchmark's unsloth variant, alone in its process, from the carried bundle
+#           .whl/unsloth_offline.tar.gz (unpacked to /tmp/unsloth_site)                      cap 330 s
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue20.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w4" bash scripts/gpu_issue20.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-560}
-PARTS=" ${PARTS:-build gpu w4} "
-W4_VARIANTS=${W4_VARIANTS:-hf_peft_packed,hasten,hasten_lean,hasten_peft_layers,liger,unsloth,hf_peft_padded}
+PARTS=" ${PARTS:-build gpu w4 unsloth} "
+W4_VARIANTS=${W4_VARIANTS:-hf_peft_packed,hasten,hasten_lean,hasten_peft_layers,liger,hf_peft_padded}
 STEPS=${STEPS:-4}
 RUN_NAME=issue20
 source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
 
-if [[ -f .whl/unsloth_offline.tar.gz ]]; then
-  mkdir -p /tmp/unsloth_site && tar xzf .whl/unsloth_offline.tar.gz -C /tmp/unsloth_site \
-    && export HASTEN_UNSLOTH_SITE=/tmp/unsloth_site
-fi
+export HASTEN_UNSLOTH_SITE=/tmp/unsloth_site
 
 if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
@@ -27,8 +26,12 @@ if (( built )); then
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w4 "* ]]; then
-    part w4 420 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" --variants "$W4_VARIANTS"
-    grep -E "tok/s|FAILED|vs |Error" "$LOGS/w4.log" 2>/dev/null | tail -30 | tee -a "$SUMMARY"
+    part w4 300 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" --variants "$W4_VARIANTS" ${W4_ARGS:-}
+    grep -E "tok/s|FAILED|vs |Error|by group|profile" "$LOGS/w4.log" 2>/dev/null | tail -30 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" unsloth "* && -f .whl/unsloth_offline.tar.gz ]]; then
+    part unsloth 330 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" --variants unsloth
+    grep -E "tok/s|FAILED|Error|unsloth" "$LOGS/unsloth.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
 fi
 

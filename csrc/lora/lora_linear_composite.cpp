@@ -5,8 +5,8 @@
 // Shapes: x (T, in) after flattening its leading dims, weight W (out, in), lora_a A (r, in),
 // lora_b B (out, r), s the LoRA scaling (alpha / r, or alpha / sqrt(r) for rsLoRA).
 //   forward   xa = x_l A^T                  (T, r), x's dtype; x_l = dropout(x), or x itself
-//             y  = x W^T (+ bias) + s xa B^T (T, out): the update accumulated into the base GEMM's
-//                                             output by a second GEMM (beta = 1), no (T, out) temporary
+//             y  = s xa B^T (+ bias), then y += x W^T: the base GEMM accumulates onto the thin
+//                                             GEMM's output (beta = 1), no (T, out) temporary
 //   backward  gb = s g B                     (T, r)
 //             dB = s g^T xa                  (out, r)  in B's dtype
 //             dA = gb^T x_l                  (r, in)   in A's dtype
@@ -47,9 +47,12 @@ std::tuple<at::Tensor, at::Tensor> lora_linear(const at::Tensor& x, const std::o
   const auto x2 = rows(x);
   const auto xl2 = x_lora.has_value() ? rows(*x_lora) : x2;
   const auto a = lora_a.to(x.scalar_type()), b = lora_b.to(x.scalar_type());
-  auto xa = at::mm(xl2, a.t());                                               // (T, r)
-  auto y = bias.has_value() ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());  // (T, out)
-  y.addmm_(xa, b.t(), /*beta=*/1, /*alpha=*/scale);
+  auto xa = at::mm(xl2, a.t());  // (T, r)
+  // the rank-r update first (a thin GEMM that only writes y), then the base GEMM accumulates onto it
+  // (beta = 1: y is read in the big GEMM's epilogue, hidden under its compute)
+  const auto xa_scaled = xa * scale;
+  auto y = bias.has_value() ? at::addmm(*bias, xa_scaled, b.t()) : at::mm(xa_scaled, b.t());  // (T, out)
+  y.addmm_(x2, weight.t());
   auto out_shape = x.sizes().vec();
   out_shape.back() = weight.size(0);
   auto xa_shape = x.sizes().vec();
@@ -73,11 +76,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
   auto gb = at::mm(g, b).mul_(scale);                                  // (T, r)
   auto grad_b = mm_as(g.t(), xa2, lora_b.scalar_type()).mul_(scale);   // (out, r)
   auto grad_a = mm_as(gb.t(), xl2, lora_a.scalar_type());              // (r, in)
-  auto grad_x = at::mm(g, weight);                                     // (T, in)
-  at::Tensor grad_x_lora = at::empty({0}, x_lora.options());
-  if (shared_input) {
-    grad_x.addmm_(gb, a);
+  at::Tensor grad_x, grad_x_lora = at::empty({0}, x_lora.options());
+  if (shared_input) {  // as in the forward: the thin GEMM writes, the base GEMM accumulates onto it
+    grad_x = at::mm(gb, a).addmm_(g, weight);                          // (T, in)
   } else {
+    grad_x = at::mm(g, weight);
     grad_x_lora = at::mm(gb, a).view(x_lora.sizes());
   }
   return {grad_x.view(x_lora.sizes()), grad_x_lora, grad_a, grad_b};

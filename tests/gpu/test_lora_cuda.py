@@ -16,6 +16,7 @@ peft = pytest.importorskip("peft")
 import hasten  # noqa: E402
 from hasten.config import Config  # noqa: E402
 from hasten.lora import install_fused_lora, lora_layers  # noqa: E402
+from hasten.packing import move_batch  # noqa: E402
 
 
 def _layer(n_in, n_out, rank, adapter_dtype, seed):
@@ -89,7 +90,7 @@ def test_lora_model_gradients_are_within_the_bf16_noise_of_peft():
     patched = copy.deepcopy(unpatched)
     gen = torch.Generator().manual_seed(3)
     samples = [{"input_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (1, 200, 37, 1, 300)]
-    batch = {k: v.cuda() for k, v in hasten.PackingCollator(max_tokens=1024)(samples).items()}
+    batch = move_batch(hasten.PackingCollator(max_tokens=1024)(samples), "cuda")
 
     def adapter_grads(model):
         # the packed row through each model; the float32 reference is transformers' own packed path
