@@ -24,7 +24,7 @@ struct RmsNormParams {
   const void* grad_y;  // backward only
   void* y;             // forward: y; backward: grad_x
   float* rstd;         // (R,)
-  float* grad_weight_partial;  // backward: (blocks, H), written whole
+  float* grad_weight_partial;  // backward: (blocks, H), written whole; nullptr: no weight gradient
   int64_t rows, hidden;
   float eps, offset;
   ElementType type;

@@ -222,11 +222,12 @@ __global__ void __launch_bounds__(kThreads, K <= 4 ? 4 : 2)
 }
 
 // General backward for rows of any width: x and grad_y are read twice per row, and grad_weight
-// is added into shared memory per element.
-template <typename T, int V>
+// is added into shared memory per element. WeightGrad false (no grad_weight_partial: a frozen
+// weight) drops those adds and the partials: grad_x alone, a streaming pass.
+template <typename T, int V, bool WeightGrad = true>
 __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormParams p, int group) {
-  extern __shared__ float block_grad_weight[];  // (hidden,)
-  zero_block_sums(block_grad_weight, p.hidden);
+  extern __shared__ float block_grad_weight[];  // (hidden,) with WeightGrad
+  if (WeightGrad) zero_block_sums(block_grad_weight, p.hidden);
   const RowWalk walk = row_walk(group);
   const int64_t vectors = p.hidden / V;
   const T* w = static_cast<const T*>(p.weight);
@@ -263,13 +264,13 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
       for (int i = 0; i < V; ++i) {
         const float n = to_float(xs[i]) * rstd;
         const float gy = to_float(gs[i]);
-        atomicAdd(&block_grad_weight[v * V + i], gy * to_float(from_float<T>(n)));
+        if (WeightGrad) atomicAdd(&block_grad_weight[v * V + i], gy * to_float(from_float<T>(n)));
         xs[i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * gy - n * mean_dot));
       }
       store_chunk<T, V>(gx, v, xs);
     }
   }
-  write_block_partial(block_grad_weight, p);
+  if (WeightGrad) write_block_partial(block_grad_weight, p);
 }
 
 // Lanes per row: enough for one vector each, a power of two, at most a warp.
@@ -300,7 +301,8 @@ struct BackwardLaunch {
 
 // The kernel for rows of `vectors_per_lane` vectors per lane (see the top of this file).
 template <typename T, int V>
-BackwardLaunch backward_launch(int64_t vectors_per_lane, int64_t hidden) {
+BackwardLaunch backward_launch(int64_t vectors_per_lane, int64_t hidden, bool weight_grad) {
+  if (!weight_grad) return {rms_norm_backward_kernel<T, V, false>, 0};
   const size_t row = static_cast<size_t>(hidden) * sizeof(float);
   if (vectors_per_lane <= 1) return {rms_norm_backward_registers_kernel<T, V, 1>, row};
   if (vectors_per_lane <= kMaxRegisterVectors) return {rms_norm_backward_registers_kernel<T, V, 2>, row};
@@ -313,7 +315,8 @@ template <typename T, int V>
 cudaError_t launch_backward(const RmsNormParams& p, int blocks, cudaStream_t stream) {
   const int64_t vectors = p.hidden / V;
   const int group = lanes_per_row(vectors);
-  const BackwardLaunch launch = backward_launch<T, V>((vectors + group - 1) / group, p.hidden);
+  const BackwardLaunch launch =
+      backward_launch<T, V>((vectors + group - 1) / group, p.hidden, p.grad_weight_partial != nullptr);
   if (launch.shared > 48 * 1024) {  // above the default: ask for more (fails past the device's limit)
     const cudaError_t err = cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(launch.shared));

@@ -40,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x_in, const at
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_y_in, const at::Tensor& x_in,
                                                          const at::Tensor& weight, const at::Tensor& rstd_in,
-                                                         double offset) {
+                                                         double offset, bool weight_grad) {
   check_device(x_in, "rms_norm_backward", "x", c10::DeviceType::CPU);
   check_rms_norm_backward_args(grad_y_in, x_in, weight, rstd_in);
   const auto x = x_in.contiguous(), g = grad_y_in.contiguous(), w = weight.contiguous(), rstd = rstd_in.contiguous();
@@ -63,10 +63,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
       for (int64_t c = 0; c < hidden; ++c) {
         const double n = double(xp[r * hidden + c]) * rs, gy = double(gp[r * hidden + c]);
         gx[r * hidden + c] = static_cast<scalar_t>(rs * ((double(wp[c]) + offset) * gy - n * mean_dot));
-        gw[c] += gy * double(static_cast<scalar_t>(static_cast<float>(n)));
+        if (weight_grad) gw[c] += gy * double(static_cast<scalar_t>(static_cast<float>(n)));
       }
     }
   });
+  if (!weight_grad) return {grad_x, at::empty({0}, weight.options())};
   return {grad_x, grad_w.to(weight.scalar_type())};
 }
 

@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const a
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_y_in, const at::Tensor& x_in,
                                                           const at::Tensor& weight, const at::Tensor& rstd_in,
-                                                          double offset) {
+                                                          double offset, bool weight_grad) {
   check_device(x_in, "rms_norm_backward", "x", c10::DeviceType::CUDA);
   check_rms_norm_backward_args(grad_y_in, x_in, weight, rstd_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
@@ -47,19 +47,20 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   const int64_t hidden = x.size(-1), rows = rows_of(x);
   const int blocks = kernels::rms_norm_backward_blocks(rows, x.get_device());
   auto grad_x = at::empty_like(x);
-  auto partial = at::empty({blocks, hidden}, x.options().dtype(at::kFloat));
+  auto partial = weight_grad ? at::empty({blocks, hidden}, x.options().dtype(at::kFloat)) : at::Tensor();
   kernels::RmsNormParams p{};
   p.x = x.data_ptr();
   p.weight = w.data_ptr();
   p.grad_y = g.data_ptr();
   p.y = grad_x.data_ptr();
   p.rstd = rstd.data_ptr<float>();
-  p.grad_weight_partial = partial.data_ptr<float>();
+  p.grad_weight_partial = weight_grad ? partial.data_ptr<float>() : nullptr;
   p.rows = rows;
   p.hidden = hidden;
   p.offset = static_cast<float>(offset);
   p.type = element_type(x, "rms_norm_backward");
   check_launch(kernels::launch_rms_norm_backward(p, blocks, c10::cuda::getCurrentCUDAStream()), "rms_norm_backward");
+  if (!weight_grad) return {grad_x, at::empty({0}, weight.options())};
   return {grad_x, partial.sum(0).to(weight.scalar_type())};
 }
 

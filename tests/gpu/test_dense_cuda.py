@@ -46,6 +46,24 @@ def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
     torch.testing.assert_close(gpu_grads[1] / scale, cpu_grads[1] / scale, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(37, 128), (2051, 1024), (600, 2048), (16387, 4096), (9, 20000), (0, 64)])
+def test_rms_norm_backward_without_weight_gradient_equals_cpu(dtype, rows, hidden):
+    """A frozen weight (LoRA): the backward kernel without the weight gradient's sums gives the
+    grad_x of the full kernel and of the CPU reference, and an empty grad_weight."""
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    g = torch.randn(rows, hidden, generator=gen).to(dtype)
+    _, rstd = torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0)
+    want, _ = torch.ops.hasten.rms_norm_backward(g, x, w, rstd, 0.0, True)
+    full, _ = torch.ops.hasten.rms_norm_backward(g.cuda(), x.cuda(), w.cuda(), rstd.cuda(), 0.0, True)
+    got, grad_w = torch.ops.hasten.rms_norm_backward(g.cuda(), x.cuda(), w.cuda(), rstd.cuda(), 0.0, False)
+    assert grad_w.numel() == 0
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(got, full, rtol=0, atol=0)  # the same arithmetic for grad_x
+
+
 @pytest.mark.parametrize("hidden", [128, 1024, 2048, 4096])  # each backward kernel, with Gemma's weight + 1
 def test_rms_norm_weight_offset_cuda_equals_cpu(hidden):
     gen = torch.Generator().manual_seed(hidden)

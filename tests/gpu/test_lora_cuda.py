@@ -90,7 +90,9 @@ def test_lora_model_gradients_are_within_the_bf16_noise_of_peft():
     patched = copy.deepcopy(unpatched)
     gen = torch.Generator().manual_seed(3)
     samples = [{"input_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (1, 200, 37, 1, 300)]
-    batch = move_batch(hasten.PackingCollator(max_tokens=1024)(samples), "cuda")
+    # use_cache=False: with transformers' default cache its sdpa path does not detect the packed
+    # samples and attends across them (hasten's packed path turns the cache off itself)
+    batch = move_batch(hasten.PackingCollator(max_tokens=1024)(samples), "cuda") | {"use_cache": False}
 
     def adapter_grads(model):
         # the packed row through each model; the float32 reference is transformers' own packed path

@@ -60,6 +60,22 @@ def test_rms_norm_matches_transformers(shape):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+def test_rms_norm_with_a_frozen_weight_computes_no_weight_gradient():
+    """A frozen weight (LoRA's norms): the backward skips the weight gradient (weight_grad=False
+    reaches the kernel) and grad_x is the full backward's."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 33, generator=gen), torch.randn(33, generator=gen)
+    leaf = x.clone().requires_grad_()
+    frozen = rms_norm(leaf, w, 1e-6)
+    frozen.backward(torch.ones_like(frozen))
+    full_x, full_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = rms_norm(full_x, full_w, 1e-6)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(leaf.grad, full_x.grad, rtol=0, atol=0)
+    _, rstd = torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0)
+    assert torch.ops.hasten.rms_norm_backward(torch.ones_like(x), x, w, rstd, 0.0, False)[1].numel() == 0
+
+
 def test_rms_norm_bfloat16_in_bf16_noise_and_offset():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 300, generator=gen).to(torch.bfloat16)

@@ -59,6 +59,7 @@ def _cases(requires_grad: bool):
         ("rms_norm", (x_rms, w_rms, 1e-6, 0.0)),
         ("rms_norm", (t(2, 3, 8), t(8), 1e-5, 1.0)),  # Gemma's weight + 1
         ("rms_norm_backward", (t(3, 17, grad=False), x_rms.detach(), w_rms.detach(), rstd, 0.0)),
+        ("rms_norm_backward", (t(3, 17, grad=False), x_rms.detach(), w_rms.detach(), rstd, 0.0, False)),
         ("silu_mul", (t(4, 6), t(4, 6))),
         ("silu_mul_backward", (t(4, 6, grad=False), t(4, 6, grad=False), t(4, 6, grad=False))),
         ("gelu_tanh_mul", (t(4, 6), t(4, 6))),

@@ -22,9 +22,10 @@ def _rms_norm_fake(x, weight, eps, offset):
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-def _rms_norm_backward_fake(grad_y, x, weight, rstd, offset):
+def _rms_norm_backward_fake(grad_y, x, weight, rstd, offset, weight_grad=True):
     _checks.check_rms_norm_backward_args(grad_y, x, weight, rstd)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight) if weight_grad else weight.new_empty((0,)))
 
 
 def _gated_mul_fake(op: str):
@@ -59,7 +60,9 @@ def _rms_norm_setup(ctx, inputs, output):
 
 def _rms_norm_backward(ctx, grad_y, _grad_rstd):
     x, weight, rstd = ctx.saved_tensors
-    grad_x, grad_weight = call_in_backward("rms_norm_backward", grad_y, x, weight, rstd, ctx.offset)
+    # a frozen weight (LoRA): the kernel skips the weight gradient's per-block sums
+    grad_x, grad_weight = call_in_backward("rms_norm_backward", grad_y, x, weight, rstd, ctx.offset,
+                                           ctx.needs_input_grad[1])
     return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
             None, None)
 
