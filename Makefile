@@ -27,7 +27,7 @@ train: install
 	$(PYTHON) -m hasten train --output_dir runs/default --log_dir runs/default/logs $(TRAIN_ARGS)
 
 test: install
-	@$(PYTHON) -m pip install -q -r requirements-test.txt || echo "NOTE: requirements-test.txt (TRL, datasets) could not be installed: the TRL example test is skipped"
+	@$(PYTHON) -m pip install -q -r requirements-test.txt || echo "NOTE: requirements-test.txt (TRL, datasets, bitsandbytes) could not be installed: the TRL example and QLoRA layer tests are skipped"
 	$(PYTHON) -m pytest tests -q
 	$(MAKE) --no-print-directory compile-check
 

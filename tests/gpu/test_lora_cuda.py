@@ -108,3 +108,56 @@ def test_lora_model_gradients_are_within_the_bf16_noise_of_peft():
     error = float((adapter_grads(patched) - want).norm() / want.norm())
     assert error <= 1.5 * noise, f"hasten {error:.3e} vs the unpatched bf16 model's {noise:.3e}"
     handle.undo()
+
+
+def test_fused_4bit_layer_is_within_the_bf16_noise_of_peft():
+    """QLoRA: PEFT's 4-bit LoRA layer over bitsandbytes' NF4 Linear4bit (bf16 compute) against the
+    same layer with its dequantized weight in float64; hasten's fused path within 1.5x the bf16
+    noise of PEFT's own bf16-adapter layer."""
+    bnb = pytest.importorskip("bitsandbytes")
+
+    class Model(torch.nn.Module):
+        is_loaded_in_4bit = True  # PEFT then picks its 4-bit LoRA class
+
+        def __init__(self):
+            super().__init__()
+            self.proj = bnb.nn.Linear4bit(4096, 1024, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+            self.proj.weight = bnb.nn.Params4bit((torch.randn(1024, 4096) * 0.02).bfloat16(), requires_grad=False,
+                                                 quant_type="nf4")
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Model().cuda(), peft.LoraConfig(r=16, lora_alpha=32, target_modules=["proj"]))
+    (layer,) = lora_layers(model)
+    assert type(layer).__module__ == "peft.tuners.lora.bnb"
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(std=0.05)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(4097, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    upstream = torch.randn(4097, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    import bitsandbytes.functional as bnb_functional
+
+    base = layer.get_base_layer()
+    weight = bnb_functional.dequantize_4bit(base.weight.data, base.weight.quant_state).double()
+    a, b = (layer.lora_A["default"].weight.detach().double(), layer.lora_B["default"].weight.detach().double())
+    scale = layer.scaling["default"]
+    xd = x.double().requires_grad_()
+    ad, bd = a.clone().requires_grad_(), b.clone().requires_grad_()
+    want_y = xd @ weight.T + scale * (xd @ ad.T) @ bd.T
+    want_y.backward(upstream.double())
+    exact = [want_y.detach(), xd.grad, ad.grad, bd.grad]
+    layer.lora_A.to(torch.bfloat16)  # the bf16 yardstick: PEFT's own layer with bf16 adapters
+    layer.lora_B.to(torch.bfloat16)
+    noise_out = _run(model, layer, x, upstream)
+    layer.lora_A.float()
+    layer.lora_B.float()
+    undo, count, refused = install_fused_lora(model)
+    assert count == 1 and not refused
+    fused_out = _run(model, layer, x, upstream)
+    undo()
+    for label, fused, theirs, want in zip(("y", "dx", "dA", "dB"), fused_out, noise_out, exact):
+        error = float((fused - want).norm() / want.norm())
+        noise = float((theirs - want).norm() / want.norm())
+        assert error <= 1.5 * noise + 1e-4, f"{label}: hasten {error:.2e} vs PEFT's bf16 noise {noise:.2e}"

@@ -4,8 +4,10 @@ What PEFT's vanilla LoRA layer computes (peft/tuners/lora/layer.py, `Linear.forw
 active adapter: result = base_layer(x) + lora_B(lora_A(dropout(x.to(A.dtype)))) * scaling, cast
 back to the base output's dtype. hasten::lora_linear computes the same with the base GEMM and the
 update in one op. A layer is taken only when that is all it does:
-  - exactly PEFT's `lora.Linear` over a plain `nn.Linear` base (not a quantized or tensor-parallel
-    base, not GPT-2's transposed Conv1D: fan_in_fan_out), the base weight and bias frozen;
+  - exactly PEFT's `lora.Linear` over a plain `nn.Linear` base (not a tensor-parallel base, not
+    GPT-2's transposed Conv1D: fan_in_fan_out), or PEFT's 4-bit `lora.bnb.Linear4bit` over
+    bitsandbytes' Linear4bit computing in bf16/fp16 (QLoRA: NF4 or FP4, the weight dequantized
+    for each GEMM and never kept), the base weight and bias frozen;
   - every adapter vanilla: no DoRA or other variant, no bias on lora_B, dropout an nn.Dropout or
     Identity;
 and each call takes hasten's path only while it still holds: one active adapter, adapters on and
@@ -24,26 +26,47 @@ import torch
 from torch import nn
 
 from hasten.observability import record_fallback
-from hasten.ops.lora import lora_linear
+from hasten.ops.lora import lora_linear, lora_linear_quantized
 
 _TAG = "_hasten_lora"  # on each patched layer: its PEFT forward (the class's), for the fallbacks
 
 
-def _is_peft_lora_linear(module: nn.Module) -> bool:
-    cls = type(module)
-    return cls.__name__ == "Linear" and cls.__module__ == "peft.tuners.lora.layer"
+# PEFT's LoRA layer classes hasten computes, by (module, name): over a plain nn.Linear, and over
+# bitsandbytes' 4-bit Linear (QLoRA: PEFT picks its bnb class for a model loaded in 4 bits)
+_PEFT_LINEAR = ("peft.tuners.lora.layer", "Linear")
+_PEFT_LINEAR_4BIT = ("peft.tuners.lora.bnb", "Linear4bit")
+
+
+def _kind(module: nn.Module) -> tuple[str, str]:
+    return type(module).__module__, type(module).__name__
 
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:
-    """PEFT's LoRA Linear layers of `model` (without importing PEFT)."""
-    return [m for m in model.modules() if _is_peft_lora_linear(m)]
+    """PEFT's LoRA Linear layers of `model`, plain and 4-bit (without importing PEFT)."""
+    return [m for m in model.modules() if _kind(m) in (_PEFT_LINEAR, _PEFT_LINEAR_4BIT)]
+
+
+def _is_bnb_4bit(base: nn.Module) -> bool:
+    return type(base).__name__ == "Linear4bit" and type(base).__module__.startswith("bitsandbytes")
+
+
+def _compute_dtype(base: nn.Module) -> torch.dtype:
+    """The dtype the base layer computes in: its weight's, or a 4-bit layer's compute_dtype."""
+    return base.compute_dtype if _is_bnb_4bit(base) else base.weight.dtype
 
 
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why hasten's op cannot compute this LoRA layer (None: it can)."""
     base = module.get_base_layer()
-    if type(base) is not nn.Linear:
-        return f"its base layer is {type(base).__name__}, not a plain nn.Linear (a quantized base is not fused yet)"
+    if _kind(module) == _PEFT_LINEAR_4BIT:
+        if not _is_bnb_4bit(base) or getattr(base.weight, "quant_state", None) is None:
+            return f"its base layer is {type(base).__name__} without a 4-bit quantization state"
+        if base.compute_dtype not in (torch.bfloat16, torch.float16):
+            return (f"its 4-bit base computes in {base.compute_dtype} (bnb_4bit_compute_dtype); hasten's quantized "
+                    "path takes bfloat16 or float16")
+    elif type(base) is not nn.Linear:
+        return (f"its base layer is {type(base).__name__}, not a plain nn.Linear (or, under PEFT's 4-bit LoRA layer, "
+                "a bitsandbytes Linear4bit)")
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out (a transposed Conv1D base)"
     if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
@@ -68,7 +91,12 @@ def _fused_adapter(module: nn.Module, x: torch.Tensor, args, kwargs) -> str | No
     active = module.active_adapters
     if len(active) != 1 or active[0] not in module.lora_A:
         return None
-    if x.dtype != module.get_base_layer().weight.dtype or torch.is_autocast_enabled(x.device.type):
+    base = module.get_base_layer()
+    if x.dtype != _compute_dtype(base) or torch.is_autocast_enabled(x.device.type):
+        return None
+    # bitsandbytes repacks a 4-bit weight for its CPU inference kernel (in eval mode on AVX512-BF16
+    # CPUs): that layout is not what dequantize_4bit reads, so such a layer stays bitsandbytes'
+    if _is_bnb_4bit(base) and getattr(base.weight.quant_state, "packing_format_for_cpu", False):
         return None
     return active[0]
 
@@ -80,29 +108,48 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     base = self.get_base_layer()
     dropout = self.lora_dropout[adapter]
     x_lora = dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else None
-    return lora_linear(x, base.weight, base.bias, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
-                       self.scaling[adapter], x_lora=x_lora)
+    lora_a, lora_b, scale = self.lora_A[adapter].weight, self.lora_B[adapter].weight, self.scaling[adapter]
+    if _is_bnb_4bit(base):  # QLoRA: the weight dequantized for each GEMM, as bitsandbytes' own matmul does
+        bias = None if base.bias is None else base.bias.to(x.dtype)
+        return lora_linear_quantized(x, _dequantizer(base, x.dtype), bias, lora_a, lora_b, scale, x_lora=x_lora)
+    return lora_linear(x, base.weight, base.bias, lora_a, lora_b, scale, x_lora=x_lora)
+
+
+def _dequantizer(base: nn.Module, dtype: torch.dtype):
+    """A function that returns the 4-bit base's weight (out, in) in `dtype` (bitsandbytes'
+    dequantize_4bit: NF4 or FP4, nested statistics included)."""
+    import bitsandbytes.functional as bnb_functional
+
+    weight = base.weight
+
+    def dequantize() -> torch.Tensor:
+        return bnb_functional.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+
+    return dequantize
 
 
 @torch.no_grad()
 def formula_mismatch(module: nn.Module) -> str | None:
     """Run PEFT's forward and hasten's on one random input, with a random lora_B for the probe
-    (restored after), in eval mode (no dropout). None when they agree."""
+    (restored after) and the adapter's dropout in eval mode (the base layer keeps its mode:
+    bitsandbytes repacks a 4-bit weight for CPU inference in eval mode). None when they agree."""
     adapter = module.active_adapters[0] if module.active_adapters else next(iter(module.lora_A))
     base, lora_b = module.get_base_layer(), module.lora_B[adapter].weight
-    saved_b, was_training = lora_b.detach().clone(), module.training
-    x = torch.randn(3, base.in_features, device=base.weight.device, dtype=base.weight.dtype,
-                    generator=torch.Generator(device=base.weight.device).manual_seed(0))
+    dropout = module.lora_dropout[adapter]
+    saved_b, was_training = lora_b.detach().clone(), dropout.training
+    dtype = _compute_dtype(base)
+    x = torch.randn(3, base.in_features, device=lora_b.device, dtype=dtype,
+                    generator=torch.Generator(device=lora_b.device).manual_seed(0))
     try:
-        module.eval()
+        dropout.eval()
         lora_b.normal_(std=1.0 / max(1, lora_b.shape[1]) ** 0.5,
                        generator=torch.Generator(device=lora_b.device).manual_seed(1))
         want = type(module).forward(module, x).float()
         got = _forward(module, x).float()
     finally:
         lora_b.copy_(saved_b)
-        module.train(was_training)
-    tolerance = 1e-4 if base.weight.dtype == torch.float32 else 3e-2
+        dropout.train(was_training)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     error = float((got - want).norm() / want.norm().clamp_min(1e-12))
     if not error <= tolerance:
         return (f"PEFT {type(module).__module__}.Linear computed something else than hasten's LoRA formula on a probe "
@@ -122,9 +169,12 @@ def install_fused_lora(model: nn.Module):
             patched.append(module)
         else:
             reasons[reason] = reasons.get(reason, 0) + 1
-    if patched and (mismatch := formula_mismatch(patched[0])) is not None:
-        reasons[mismatch] = len(patched)
-        patched = []
+    for kind in {_kind(m) for m in patched}:  # each PEFT class against its own forward
+        first = next(m for m in patched if _kind(m) == kind)
+        if (mismatch := formula_mismatch(first)) is not None:
+            dropped = [m for m in patched if _kind(m) == kind]
+            reasons[mismatch] = len(dropped)
+            patched = [m for m in patched if _kind(m) != kind]
     for module in patched:
         module.forward = types.MethodType(_forward, module)
         setattr(module, _TAG, True)

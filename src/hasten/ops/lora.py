@@ -5,6 +5,9 @@ scaling. y = x W^T (+ bias) + scale * (x_lora A^T) B^T, with x_lora = dropout(x)
 What autograd keeps: x_lora (x itself without dropout, which the caller holds anyway: q, k and v
 of one layer keep one tensor between them), xa = x_lora A^T (..., r), and references to the
 weights. No gradient for the base weight or bias: the op refuses them requiring one.
+
+`lora_linear_quantized`: the same over a quantized base (bitsandbytes NF4/FP4, QLoRA), the weight
+dequantized by the caller's function for the forward and again for the backward, never kept.
 """
 
 from __future__ import annotations
@@ -67,3 +70,39 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     after dropout (None: x). Returns (..., out) in x's dtype."""
     load()
     return call("lora_linear", x, x_lora, weight, bias, lora_a, lora_b, float(scale))[0]
+
+
+class _QuantizedLoraLinear(torch.autograd.Function):
+    """hasten::lora_linear over a base weight that exists only quantized (QLoRA). An
+    autograd.Function rather than a registered formula: the quantized weight comes with a Python
+    object (bitsandbytes' QuantState) that no op schema takes, so the dequantization runs here,
+    once in the forward and once in the backward (bitsandbytes' own 4-bit matmul does the same);
+    the dequantized (out, in) weight lives for one GEMM, not until the backward."""
+
+    @staticmethod
+    def forward(ctx, x, x_lora, bias, lora_a, lora_b, scale, dequantize):
+        weight = dequantize()  # (out, in) in x's dtype
+        y, xa = torch.ops.hasten.lora_linear(x, x_lora, weight, bias, lora_a, lora_b, scale)
+        ctx.dequantize, ctx.scale, ctx.shared_input = dequantize, scale, x_lora is None
+        ctx.save_for_backward(x if x_lora is None else x_lora, lora_a, lora_b, xa)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_lora, lora_a, lora_b, xa = ctx.saved_tensors
+        weight = ctx.dequantize()
+        grad_x, grad_x_lora, grad_a, grad_b = torch.ops.hasten.lora_linear_backward(
+            grad_y.contiguous(), x_lora, weight, lora_a, lora_b, xa, ctx.scale, ctx.shared_input)
+        need = ctx.needs_input_grad
+        return (grad_x if need[0] else None, None if ctx.shared_input or not need[1] else grad_x_lora, None,
+                grad_a if need[3] else None, grad_b if need[4] else None, None, None)
+
+
+def lora_linear_quantized(x: torch.Tensor, dequantize, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                          lora_b: torch.Tensor, scale: float, x_lora: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) + scale * (x_lora A^T) B^T with W = dequantize() (out, in) in x's dtype,
+    called in the forward and again in the backward. The base weight and bias get no gradient."""
+    load()
+    if bias is not None and bias.requires_grad:
+        raise NotImplementedError("hasten's quantized LoRA projection computes no gradient for the base bias")
+    return _QuantizedLoraLinear.apply(x, x_lora, bias, lora_a, lora_b, float(scale), dequantize)
