@@ -186,6 +186,9 @@ class LoraConfig:
     dropout: float = 0.0
     # Module names to adapt: a YAML list or a comma-separated string (kept as the latter).
     target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    # QLoRA: nf4 loads model.path's Linear weights in 4 bits (bitsandbytes NF4, double-quantized
+    # statistics, compute in training.dtype); the adapters train on top. none: the model's dtype.
+    quantize: Literal["none", "nf4"] = "none"
 
 
 @dataclass
@@ -405,6 +408,15 @@ def validate(config: Config, *, source: str = "config") -> None:
     if not 0 <= lora.dropout < 1:
         raise refuse(f"`lora.dropout` must be from 0 up to, not including, 1 (a probability; 0: none); "
                      f"got {lora.dropout}")
+    if lora.quantize != "none":
+        if not lora.enabled:
+            raise refuse(f"`lora.quantize: {lora.quantize}` quantizes the base model for LoRA training; set "
+                         "lora.enabled: true, or lora.quantize: none")
+        if not config.model.path:
+            raise refuse(f"`lora.quantize: {lora.quantize}` loads the weights of model.path in 4 bits; set model.path "
+                         "to a local transformers model folder (the embedded default model has no weights to load)")
+        if t.distributed == "fsdp2":
+            raise refuse("`lora.quantize` with training.distributed fsdp2 is not supported; use ddp or one process")
     if not config.data.text_field.strip():
         raise refuse("`data.text_field` must name a field of the records (default: text); got an empty string")
     context = sorted(set(config.data.assistant_roles) & set(CONTEXT_ROLES))

@@ -32,3 +32,32 @@ def test_lora_trains_adapters_only_and_resumes_on_the_same_losses(tmp_path, monk
 def test_lora_checks():
     with pytest.raises(ConfigError, match="lora.r"):
         Config.from_dict({"lora": {"enabled": True, "r": 0}})
+
+
+def test_qlora_trains_nf4_base_with_fused_4bit_lora_layers(tmp_path):
+    """lora.quantize: nf4 on the CPU: model.path loads in 4 bits (bitsandbytes), PEFT's 4-bit LoRA
+    layers run on hasten's fused path, the adapters train and are saved alone."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import Qwen3ForCausalLM
+
+    from hasten.data import ByteTokenizer
+    from hasten.training.defaults import embedded_model_config
+
+    folder = tmp_path / "model"
+    Qwen3ForCausalLM(embedded_model_config("tiny")).save_pretrained(folder)
+    ByteTokenizer().save_pretrained(folder)
+    settings = {**LORA, "model": {"path": str(folder)}, "training": {**LORA["training"], "dtype": "bfloat16"},
+                "lora": {**LORA["lora"], "quantize": "nf4"}}
+    result = loop.train(Config.from_dict(settings), tmp_path / "out", tmp_path / "out" / "logs", progress=False)
+    assert (result.model_dir / "adapter_model.safetensors").is_file()
+    assert not (result.model_dir / "model.safetensors").exists()
+    assert result.losses[-1] < result.losses[0]
+    summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
+    assert any(item.startswith("fused LoRA projections (") for item in summary["hasten_active"]), summary
+
+
+def test_qlora_checks():
+    with pytest.raises(ConfigError, match="lora.enabled: true"):
+        Config.from_dict({"lora": {"quantize": "nf4"}, "model": {"path": "/x"}})
+    with pytest.raises(ConfigError, match="model.path"):
+        Config.from_dict({"lora": {"enabled": True, "quantize": "nf4"}})

@@ -108,7 +108,7 @@ def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[choice]
 
 
-def load_model_and_tokenizer(config: Config, dtype: torch.dtype):
+def load_model_and_tokenizer(config: Config, dtype: torch.dtype, device: torch.device | None = None):
     path = config.model.path
     if not path:
         model = __import__("transformers").Qwen3ForCausalLM(embedded_model_config(config.model.default_size))
@@ -119,9 +119,27 @@ def load_model_and_tokenizer(config: Config, dtype: torch.dtype):
         raise ConfigError(f"model.path {path} is not a folder; give a local transformers model folder "
                           "(config.json and weights), or leave it empty for the embedded default model")
     tokenizer = load_model_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                 **_quantization(config.lora.quantize, dtype, device))
     check_tokenizer_fits(tokenizer, model, path)
     return model, tokenizer
+
+
+def _quantization(quantize: str, dtype: torch.dtype, device: torch.device | None) -> dict:
+    """from_pretrained's arguments for lora.quantize: NF4 through bitsandbytes, double-quantized
+    statistics, computing in the training dtype (hasten's fused QLoRA path takes bf16/fp16), the
+    weights quantized on `device` as they load (a 4-bit model cannot be moved with .to())."""
+    if quantize == "none":
+        return {}
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"lora.quantize: {quantize} needs bitsandbytes: pip install bitsandbytes") from exc
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize,
+                                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True),
+            "device_map": {"": str(device or "cpu")}}
 
 
 def _pad_collate(collator: PackingCollator, pad_token_id: int):
@@ -304,8 +322,10 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
     reset_fallbacks()
     torch.manual_seed(t.seed)
     run.dtype = dtype = resolve_dtype(t.dtype, device)
-    model, run.tokenizer = load_model_and_tokenizer(config, dtype)
-    model.to(device).train()
+    model, run.tokenizer = load_model_and_tokenizer(config, dtype, device)
+    if not getattr(model, "is_loaded_in_4bit", False):  # a 4-bit model was loaded onto the device
+        model.to(device)
+    model.train()
     run.handle = hasten.accelerate(model, config)
     if ctx.is_main:
         for line in run.handle.report().splitlines():
