@@ -17,6 +17,12 @@ the result), W1's batch of 16,384 tokens in 61 samples. One run measures, on the
                   gradient checkpointing (it does not fit without)
   unsloth         Unsloth (benchmarks/w4_unsloth.py: its own model load, gradient checkpointing
                   "unsloth" and its packed path), where the carried bundle imports
+W4_Q, the same with the base in 4 bits (bitsandbytes NF4, double-quantized statistics, bf16
+compute; the same seed-0 weights saved once to /tmp/w4_llama8b and loaded quantized):
+  hasten_nf4      hasten after get_peft_model: PEFT's 4-bit LoRA layers on hasten's fused path
+  hasten_nf4_lean the same with full activation checkpointing
+  hf_peft_bnb     transformers + PEFT + bitsandbytes, packed with position_ids, gradient checkpointing
+  unsloth_nf4     Unsloth's QLoRA (load_in_4bit), alone in its process like unsloth
 
 Each row: tokens/s (median step), peak GiB, and the first step's loss against hf_peft_packed's
 (the same weights and batch: a variant that computes something else shows there).
@@ -50,7 +56,7 @@ def _variants_asked() -> list[str]:
 # Unsloth patches transformers, PEFT and TRL when it is imported, and its model load replaces
 # transformers' Llama code for the whole process: its variant runs alone in a process of its own,
 # with unsloth imported before anything else (the bundle from .whl/, benchmarks/w4_unsloth.py).
-UNSLOTH_PROCESS = _variants_asked() == ["unsloth"]
+UNSLOTH_PROCESS = _variants_asked() in (["unsloth"], ["unsloth_nf4"])
 if UNSLOTH_PROCESS:
     import w4_unsloth
 
@@ -93,12 +99,34 @@ def seeded_adapters(model) -> None:
                 param.normal_(std=0.02, generator=gen)
 
 
-def peft_model(config=None):
+CHECKPOINT = "/tmp/w4_llama8b"  # the seed-0 weights, saved once for the loads that need a folder
+
+
+def workload_of(name: str) -> str:
+    return "W4_Q" if "nf4" in name or name == "hf_peft_bnb" else WORKLOAD
+
+
+def _nf4_base():
+    """The seed-0 Llama-8B weights loaded in 4 bits (NF4, double-quantized statistics, bf16 compute)."""
+    import w4_unsloth
+    from transformers import BitsAndBytesConfig
+
+    w4_unsloth._ensure_checkpoint(llama_8b(), Path(CHECKPOINT), TOKENS)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.bfloat16, quantization_config=quantization,
+                                                device_map={"": DEVICE}, local_files_only=True)
+
+
+def peft_model(config=None, nf4: bool = False):
     import peft
 
     torch.manual_seed(0)
-    with torch.device(DEVICE):
-        base = AutoModelForCausalLM.from_config(config or llama_8b(), dtype=torch.bfloat16)
+    if nf4:
+        base = _nf4_base()
+    else:
+        with torch.device(DEVICE):
+            base = AutoModelForCausalLM.from_config(config or llama_8b(), dtype=torch.bfloat16)
     base.train()
     model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                                       target_modules=TARGETS))
@@ -111,19 +139,20 @@ def build(name: str, samples):
     handles, notes = [], []
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), DEVICE)
     hf_packed = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")} | {"use_cache": False}]
-    if name == "unsloth":
+    if name in ("unsloth", "unsloth_nf4"):
         import w4_unsloth
 
-        model, note = w4_unsloth.unsloth_lora_model(llama_8b(), r=RANK, alpha=ALPHA, target_modules=TARGETS,
-                                                    folder="/tmp/w4_llama8b", max_seq_length=TOKENS)
+        load = w4_unsloth.unsloth_qlora_model if name == "unsloth_nf4" else w4_unsloth.unsloth_lora_model
+        model, note = load(llama_8b(), r=RANK, alpha=ALPHA, target_modules=TARGETS, folder=CHECKPOINT,
+                           max_seq_length=TOKENS)
         seeded_adapters(model)
         notes.append(note)
         return model, [w4_unsloth.unsloth_packed_batch(samples, DEVICE)], handles, notes
-    model = peft_model()
+    model = peft_model(nf4=workload_of(name) == "W4_Q")
     if name.startswith("hasten"):
-        settings = {"hasten": {}, "hasten_lean": {"training": {"checkpoint": {"activations": "full"}}},
-                    "hasten_peft_layers": {"kernels": {"fused_lora": False},
-                                           "training": {"checkpoint": {"activations": "full"}}}}[name]
+        full = {"training": {"checkpoint": {"activations": "full"}}}
+        settings = {"hasten": {}, "hasten_lean": full, "hasten_nf4": {}, "hasten_nf4_lean": full,
+                    "hasten_peft_layers": {"kernels": {"fused_lora": False}, **full}}[name]
         handle = hasten.accelerate(model.get_base_model(), Config.from_dict(settings))
         handles.append(handle)
         notes.append(handle.report().replace("\n", " | "))
@@ -135,7 +164,7 @@ def build(name: str, samples):
 
         apply_liger_kernel_to_llama(model=model.get_base_model())
         return model, hf_packed, handles, notes
-    if name == "hf_peft_packed":
+    if name in ("hf_peft_packed", "hf_peft_bnb"):
         return model, hf_packed, handles, notes
     if name == "hf_peft_padded":
         return model, padded_microbatches(samples), handles, notes
@@ -175,7 +204,7 @@ def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
             print_profile(name, step)
         step_s = common.median(times)
         trainable = sum(p.numel() for p in params)
-        return {"workload": WORKLOAD, "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
+        return {"workload": workload_of(name), "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
                 "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count,
                 "losses": [round(float(v), 5) for v in losses], "trainable_params": trainable,
                 "notes": f"steps {[round(t, 3) for t in times]}; fallbacks {fallback_counts()}"
@@ -189,13 +218,13 @@ def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
             torch.cuda.empty_cache()
 
 
-def _earlier_reference_loss(out: Path | None) -> float | None:
-    """hf_peft_packed's first loss at this commit from an earlier run's rows (the unsloth process)."""
-    path = (out or common.RESULTS) / f"{WORKLOAD}.jsonl"
+def _earlier_reference_loss(out: Path | None, workload: str, variant: str) -> float | None:
+    """`variant`'s first loss at this commit from an earlier run's rows (the unsloth processes)."""
+    path = (out or common.RESULTS) / f"{workload}.jsonl"
     if not path.is_file():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    found = [r for r in rows if r.get("variant") == "hf_peft_packed" and r.get("commit") == common.commit()
+    found = [r for r in rows if r.get("variant") == variant and r.get("commit") == common.commit()
              and r.get("losses")]
     return found[-1]["losses"][0] if found else None
 
@@ -210,10 +239,11 @@ def main() -> int:
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for one step")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    if "unsloth" in variants and variants != ["unsloth"]:
-        print("run the unsloth variant alone (--variants unsloth): it patches transformers for the whole process",
-              file=sys.stderr)
-        return 2
+    for alone in ("unsloth", "unsloth_nf4"):
+        if alone in variants and variants != [alone]:
+            print(f"run the {alone} variant alone (--variants {alone}): it patches transformers for the whole "
+                  "process", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("W4 needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -221,35 +251,39 @@ def main() -> int:
     print(f"{WORKLOAD}: {len(samples)} samples, {sum(map(len, samples))} tokens, LoRA r={RANK} on {','.join(TARGETS)}",
           flush=True)
     run_id, rows = common.new_run_id(), []
-    reference_loss = _earlier_reference_loss(args.out)
+    references = {"W4": "hf_peft_packed", "W4_Q": "hf_peft_bnb"}  # each workload's first-loss yardstick
+    reference_loss = {w: _earlier_reference_loss(args.out, w, v) for w, v in references.items()}
     for name in variants:
         try:
             row = run_variant(name, samples, args.steps, profile=name in args.profile.split(",")) | {"run_id": run_id}
         except Exception as exc:  # noqa: BLE001 - one variant's failure (out of memory, a missing peer) must not
             traceback.print_exc()  # cost the others
-            row = {"workload": WORKLOAD, "variant": name, **common.environment(), "tokens_per_s": None,
+            row = {"workload": workload_of(name), "variant": name, **common.environment(), "tokens_per_s": None,
                    "step_s": None, "peak_gib": None, "run_id": run_id,
                    "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"}
             gc.collect()
             torch.cuda.empty_cache()
         rows.append(row)
         done = {r["variant"]: r for r in rows if r["step_s"] is not None}
-        if "hf_peft_packed" in done:
-            reference_loss = done["hf_peft_packed"]["losses"][0]
-        if row["step_s"] is not None and reference_loss is not None and name != "hf_peft_packed":
-            diff = abs(row["losses"][0] - reference_loss)
-            row["first_loss_diff_vs_hf_peft_packed"] = diff
+        workload = workload_of(name)
+        reference = references[workload]
+        if reference in done:
+            reference_loss[workload] = done[reference]["losses"][0]
+        if row["step_s"] is not None and reference_loss[workload] is not None and name != reference:
+            diff = abs(row["losses"][0] - reference_loss[workload])
+            row[f"first_loss_diff_vs_{reference}"] = diff
             row["correct"] = diff <= LOSS_TOLERANCE
-        common.write_rows([row], WORKLOAD, args.out)
+        common.write_rows([row], workload, args.out)
         if row["step_s"] is None:
             print(f"{name:>18}: FAILED {row['error']}", flush=True)
             continue
         print(f"{name:>18}: {row['tokens_per_s']:>8,.0f} tok/s  {row['step_s']:.3f} s  {row['peak_gib']:6.1f} GiB  "
               f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}"
-              f"  (vs hf {row.get('first_loss_diff_vs_hf_peft_packed', 0.0):.1e})", flush=True)
+              f"  (vs {reference} {row.get(f'first_loss_diff_vs_{reference}', 0.0):.1e})", flush=True)
     base = {r["variant"]: r for r in rows if r["step_s"] is not None}
-    for mine in ("hasten", "hasten_lean"):
-        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_peft_layers", "hf_peft_padded"):
+    for mine in ("hasten", "hasten_lean", "hasten_nf4", "hasten_nf4_lean"):
+        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_peft_layers", "hf_peft_padded", "hf_peft_bnb",
+                    "unsloth_nf4"):
             if mine in base and ref in base:
                 print(f"{mine} vs {ref}: {base[mine]['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
                       f"peak {base[mine]['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")

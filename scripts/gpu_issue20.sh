@@ -8,6 +8,9 @@
 #           $W4_ARGS (e.g. "--profile hasten")                                              cap 300 s
 #   unsloth the same benchmark's unsloth variant, alone in its process, from the carried bundle
 #           .whl/unsloth_offline.tar.gz (unpacked to /tmp/unsloth_site)                      cap 330 s
+#   w4q     W4_Q, the 4-bit base: $W4Q_VARIANTS (hf_peft_bnb, hasten_nf4, hasten_nf4_lean)      cap 300 s
+#   unsloth_nf4  Unsloth's QLoRA alone in its process                                        cap 330 s
+# bitsandbytes comes from the Unsloth bundle (its CUDA 13 library only); the device image has none.
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue20.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w4" bash scripts/gpu_issue20.sh
 set -uo pipefail
@@ -33,6 +36,15 @@ if (( built )); then
   if [[ $PARTS == *" unsloth "* && -f .whl/unsloth_offline.tar.gz ]]; then
     part unsloth 330 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" --variants unsloth
     grep -E "tok/s|FAILED|Error|unsloth" "$LOGS/unsloth.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" w4q "* ]]; then  # QLoRA: the 4-bit base (needs bitsandbytes' CUDA 13 library)
+    part w4q 300 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" \
+      --variants "${W4Q_VARIANTS:-hf_peft_bnb,hasten_nf4,hasten_nf4_lean}"
+    grep -E "tok/s|FAILED|vs |Error" "$LOGS/w4q.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" unsloth_nf4 "* && -f .whl/unsloth_offline.tar.gz ]]; then
+    part unsloth_nf4 330 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" --variants unsloth_nf4
+    grep -E "tok/s|FAILED|Error|unsloth" "$LOGS/unsloth_nf4.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
 fi
 
