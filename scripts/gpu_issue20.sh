@@ -38,7 +38,9 @@ if (( built )); then
     grep -E "tok/s|FAILED|Error|unsloth" "$LOGS/unsloth.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w4q "* ]]; then  # QLoRA: the 4-bit base (needs bitsandbytes' CUDA 13 library)
-    part w4q 300 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" \
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import w4_unsloth; w4_unsloth.ensure_bundle('/tmp/unsloth_site')" \
+      >> "$LOGS/w4q.log" 2>&1  # bitsandbytes from the bundle
+    PYTHONPATH=/tmp/unsloth_site${PYTHONPATH:+:$PYTHONPATH} part w4q 300 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" \
       --variants "${W4Q_VARIANTS:-hf_peft_bnb,hasten_nf4,hasten_nf4_lean}"
     grep -E "tok/s|FAILED|vs |Error" "$LOGS/w4q.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
