@@ -49,8 +49,16 @@ def test_each_kernel_switches_alone():
         handle.undo()
 
 
+def _collect_dropped_models():
+    """Models of earlier tests dropped without undo(): collected, their RoPE patches released."""
+    from hasten.dense.patch import _restore_dropped_rope_patches
+
+    gc.collect()
+    _restore_dropped_rope_patches()
+
+
 def test_rope_patch_is_shared_and_restored_with_the_last_model():
-    gc.collect()  # models of earlier tests that were dropped without undo() restore it when collected
+    _collect_dropped_models()
     modeling = sys.modules[Qwen3ForCausalLM.__module__]
     original = modeling.apply_rotary_pos_emb
     assert original.__module__ == modeling.__name__
@@ -63,15 +71,39 @@ def test_rope_patch_is_shared_and_restored_with_the_last_model():
     assert modeling.apply_rotary_pos_emb is original
 
 
-def test_rope_patch_of_a_dropped_model_is_restored():
-    gc.collect()
+def test_rope_patch_of_a_dropped_model_is_restored_at_the_next_install_not_by_the_collector():
+    """A model dropped without undo() releases its RoPE patch at the next accelerate() (or undo),
+    not when the garbage collector runs: a collection in the middle of another model's backward
+    would swap the function between a checkpointed layer's forward and its recompute."""
+    _collect_dropped_models()
     modeling = sys.modules[Qwen3ForCausalLM.__module__]
     original = modeling.apply_rotary_pos_emb
     model, handle, _, _ = _run("qwen3", ALL_ON)
     assert modeling.apply_rotary_pos_emb is not original
     del model, handle
     gc.collect()
+    assert modeling.apply_rotary_pos_emb is not original  # not from the collector
+    _, other, _, _ = _run("llama", ALL_ON)  # the next install releases it
     assert modeling.apply_rotary_pos_emb is original
+    other.undo()
+
+
+def test_a_collection_during_a_checkpointed_backward_changes_nothing():
+    """An unpatched model trained with checkpointing while a patched model of its family is
+    collected between its forward and its recompute: the recompute runs the function the forward
+    ran (before, the collector restored transformers' function and the recompute raised)."""
+    _collect_dropped_models()
+    dropped, handle, _, _ = _run("qwen3", ALL_ON)
+    torch.manual_seed(0)
+    model = MODELS["qwen3"]()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    loss = model(**packed_batch(), use_cache=False).loss
+    del dropped, handle
+    gc.collect()
+    loss.backward()  # the recompute: no CheckpointError
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    _collect_dropped_models()
 
 
 def test_mixed_dtypes_fall_back_to_transformers_norm():

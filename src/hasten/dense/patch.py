@@ -39,6 +39,9 @@ from hasten.ops.moe import swiglu
 
 # modeling module name -> [original apply_rotary_pos_emb, the models patched with it (weak)]
 _ROPE_PATCHES: dict[str, list] = {}
+# modeling modules whose last patched model was garbage-collected without undo(): restored at the
+# next install or undo, never from the collector itself (see install_fused_rope)
+_DROPPED_ROPE_PATCHES: set[str] = set()
 
 _LLAMA_NORM = NormSpec()
 _SWIGLU = MlpSpec()
@@ -334,7 +337,11 @@ def _rotary_dim(config, spec: RotarySpec) -> int:
 def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None):
     """Returns (undo, None) when the modeling module's `apply_rotary_pos_emb` was replaced, else
     (no-op, the reason). Shared by every model of that modeling module in the process: restored
-    when the last patched model is undone or garbage-collected."""
+    when the last patched model is undone, or, for models dropped without undo(), at the next
+    install or undo. Not from the garbage collector: a collection can run in the middle of another
+    model's backward, and swapping the function between a checkpointed layer's forward and its
+    recompute changes what the recompute saves (torch.utils.checkpoint raises on it)."""
+    _restore_dropped_rope_patches()
     config = config if config is not None else model.config
     name = type(model).__module__
     modeling = sys.modules.get(name)
@@ -373,20 +380,32 @@ def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None
         modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
     _ROPE_PATCHES[name][1].add(model)
 
-    def release(model_ref=None) -> None:
+    def release(model_ref) -> None:
         entry = _ROPE_PATCHES.get(name)
         if entry is None:
             return
-        if model_ref is not None and (m := model_ref()) is not None:
+        if (m := model_ref()) is not None:
             entry[1].discard(m)
-        if not list(entry[1]):  # iterating yields live models only (a dying one may not be removed yet)
-            modeling.apply_rotary_pos_emb = entry[0]
-            del _ROPE_PATCHES[name]
+        _restore_if_unused(name)
 
     model_ref = weakref.ref(model)
-    finalizer = weakref.finalize(model, release)  # a patched model that is dropped without undo()
+    # a patched model dropped without undo(): marked here, restored at the next install or undo
+    finalizer = weakref.finalize(model, _DROPPED_ROPE_PATCHES.add, name)
 
     def undo() -> None:
         finalizer.detach()
         release(model_ref)
+        _restore_dropped_rope_patches()
     return undo, None
+
+
+def _restore_if_unused(name: str) -> None:
+    entry = _ROPE_PATCHES.get(name)
+    if entry is not None and not list(entry[1]):  # iterating yields live models only
+        sys.modules[name].apply_rotary_pos_emb = entry[0]
+        del _ROPE_PATCHES[name]
+
+
+def _restore_dropped_rope_patches() -> None:
+    while _DROPPED_ROPE_PATCHES:
+        _restore_if_unused(_DROPPED_ROPE_PATCHES.pop())
