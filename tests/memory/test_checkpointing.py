@@ -1,5 +1,7 @@
 """Activation checkpointing policies give the loss and gradients of keeping everything."""
 
+import functools
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -72,3 +74,44 @@ def test_moe_load_stats_not_double_counted_by_recompute():
     totals = [layer._hasten_moe_tokens for layer in handle.moe_stats._layers]
     assert len(totals) == 3 and all(int(t.sum()) == 20 for t in totals)  # 10 tokens x top-2, forward only
     assert handle.moe_stats.summary()["tokens_per_expert_max"] <= 20
+
+
+def test_selective_policy_keeps_hastens_attention_and_lora_ops():
+    """Issue 21: selective checkpointing recomputed hasten's own attention (its fastest path),
+    contrary to the docs; it keeps the attention ops' and the fused LoRA op's outputs now."""
+    import hasten.attention.varlen  # noqa: F401  (defines hasten_host::per_sequence_attention)
+
+    for op in (torch.ops.hasten.varlen_attention.default, torch.ops.hasten.lora_linear.default,
+               torch.ops.hasten_host.per_sequence_attention.default):
+        assert selective_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+
+
+def test_selective_checkpointing_does_not_recompute_hastens_attention():
+    """A checkpointed function with selective checkpointing: hasten's attention op runs once in the
+    forward and its recompute reuses the kept output (the op's backward runs, its forward does not)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from hasten.ops.attention import varlen_attention
+
+    class Count(TorchDispatchMode):
+        calls: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, h, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+
+    def layer(a, b, c):
+        return (varlen_attention(a.sin(), b, c, cu, 5) * 2).sum()
+
+    context = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    loss = checkpoint(layer, q, k, v, use_reentrant=False, context_fn=context)
+    with Count():
+        loss.backward()
+    forwards = [f for f in Count.calls if f == torch.ops.hasten.varlen_attention.default]
+    assert forwards == [], "hasten's attention ran again in the recompute"
+    assert q.grad is not None and k.grad is not None

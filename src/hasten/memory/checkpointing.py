@@ -2,7 +2,8 @@
 
   none       keep every activation
   full       keep only each decoder layer's input; recompute the layer in backward
-  selective  keep the outputs of matmuls and attention (expensive to recompute), recompute the
+  selective  keep the outputs of matmuls and attention (expensive to recompute: torch's kernels,
+             hasten's varlen attention and fused LoRA ops, flash-attn's), recompute the
              elementwise ops between them (norms, activations, rotary, residual adds: cheap)
 """
 
@@ -17,13 +18,27 @@ POLICIES = ("none", "full", "selective")
 
 
 def _expensive_ops() -> set:
+    """The ops whose outputs selective checkpointing keeps: matmuls and every attention kernel a
+    hasten-patched layer can run (torch's, hasten's own cuDNN op and its per-sequence op,
+    flash-attn's), and hasten's fused LoRA projection (two GEMMs)."""
+    from hasten.ops._lib import ExtensionError, load
+
+    try:
+        load()  # hasten's ops exist once hasten._C is loaded (accelerate() has loaded it)
+    except ExtensionError:
+        pass  # without the extension there are no hasten ops to keep
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
            aten._scaled_dot_product_cudnn_attention.default}
-    optional = [("aten", "_grouped_mm"), ("torch_attn", "_varlen_attn"), ("aten", "_flash_attention_forward")]
-    for namespace, name in optional:  # present depending on the torch build
-        packet = getattr(getattr(torch.ops, namespace), name, None)
+    optional = [("aten", "_grouped_mm"), ("torch_attn", "_varlen_attn"), ("aten", "_flash_attention_forward"),
+                ("hasten", "varlen_attention"), ("hasten", "lora_linear"), ("hasten_host", "per_sequence_attention"),
+                ("flash_attn", "_flash_attn_varlen_forward"), ("flash_attn", "_flash_attn_forward")]
+    for namespace, name in optional:  # present depending on the torch build, hasten's build, flash-attn
+        try:
+            packet = getattr(getattr(torch.ops, namespace), name, None)
+        except (AttributeError, RuntimeError):
+            packet = None
         if packet is not None:
             ops.add(packet.default)
     return ops
