@@ -33,6 +33,9 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
             tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 SLIDING_3 = ["sliding_attention", "full_attention", "sliding_attention"]
 FULL_3 = ["full_attention"] * 3
+# a tiny SigLIP tower for the multimodal wrappers (their text-only batches never run it)
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                     patch_size=16)
 # half of each head rotates (Phi-3 and GLM-4 configs set partial_rotary_factor), the rest passes
 PARTIAL_HALF = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
 
@@ -78,6 +81,13 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("olmoe", dict(num_experts=4, num_experts_per_tok=2), "hasten"),
     Entry("gemma3_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, query_pre_attn_scalar=24,
                               final_logit_softcapping=2.0), "hasten", feature_off=dict(final_logit_softcapping=None)),
+    # the multimodal wrapper, on text-only packed batches: its text model is gemma3_text's
+    Entry("gemma3", dict(text_config=dict(sliding_window=WINDOW, layer_types=SLIDING_3, query_pre_attn_scalar=24),
+                         vision_config=GEMMA3_VISION), "hasten",
+          feature_off=dict(text_config=dict(sliding_window=WINDOW, layer_types=FULL_3, query_pre_attn_scalar=24),
+                           vision_config=GEMMA3_VISION),
+          notes="Gemma3ForConditionalGeneration; a packed batch with images is refused (tests/integrations/"
+                "test_contract.py)"),
     Entry("phi3", dict(sliding_window=WINDOW, rope_parameters=PARTIAL_HALF), "hasten",
           feature_off=dict(sliding_window=None)),
     Entry("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
@@ -135,7 +145,12 @@ def build(entry: Entry, **override) -> torch.nn.Module:
 
     if entry.model_type not in CONFIG_MAPPING:  # e.g. gemma4_text before transformers 5.2x
         pytest.skip(f"transformers {__version__} has no model type '{entry.model_type}'")
-    values = {**BASE, **entry.config, **override}
+    values = {**entry.config, **override}
+    if "text_config" in values:  # a multimodal wrapper: the shared tiny shape is its text model's
+        values["text_config"] = {**BASE, **values["text_config"]}
+        values.setdefault("tie_word_embeddings", False)
+    else:
+        values = {**BASE, **values}
     config = AutoConfig.for_model(entry.model_type, **values)
     torch.manual_seed(0)
     extra = {"attn_implementation": entry.attn_implementation} if entry.attn_implementation else {}

@@ -180,19 +180,51 @@ def test_a_build_without_cuda_kernels_leaves_a_cuda_model_to_transformers(monkey
     assert "make install" in inactive
 
 
-def test_a_multimodal_wrapper_is_outside_the_table_even_with_table_classes_inside():
-    """gemma3 (vision + Gemma-3 text model) is keyed by its own model type: until its vision path
-    and loss are proven, none of the table's pieces apply to it, said once."""
+def test_a_multimodal_wrapper_without_an_entry_is_outside_the_table():
+    """paligemma (a vision tower + a Gemma text model) is keyed by its own model type: with no entry
+    of its own, none of the table's pieces apply to it, said once."""
     import hasten
     from hasten.observability import fallback_reasons
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from hasten.integrations.architectures import ARCHITECTURES
+
+    assert "paligemma" not in ARCHITECTURES
     text = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                   patch_size=16)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3", text_config=text, vision_config=vision))
+    from transformers import PaliGemmaForConditionalGeneration
+
+    model = PaliGemmaForConditionalGeneration(AutoConfig.for_model("paligemma", text_config=text,
+                                                                   vision_config=vision))
     handle = hasten.accelerate(model)
-    assert "model_type_not_in_table:gemma3" in fallback_reasons()
+    assert "model_type_not_in_table:paligemma" in fallback_reasons()
     assert not any(item.startswith(("fused kernels", "fused cross-entropy")) for item in handle.active), handle.report()
     handle.undo()
+
+
+def test_gemma3_multimodal_trains_text_packed_and_refuses_packed_images():
+    """Gemma3ForConditionalGeneration: hasten's attention in its text model only (the SigLIP tower
+    keeps its own), text-only packed batches run (tests/model_zoo.py's parity case), a packed
+    batch with image tokens is refused with the fix; undo restores both attention settings."""
+    import hasten
+    from hasten.integrations.transformers import PackedBatchRefused
+    from tests import model_zoo as zoo
+
+    model = zoo.build(zoo.ENTRIES["gemma3"])
+    vision_before = model.config.vision_config._attn_implementation
+    text_before = model.config.text_config._attn_implementation
+    handle = hasten.accelerate(model)
+    assert model.config.vision_config._attn_implementation == vision_before
+    assert model.config.text_config._attn_implementation != text_before
+    assert any(item.startswith("varlen attention (packed") for item in handle.active), handle.report()
+    batch = zoo.packed_batch(zoo.samples())
+    model(**batch).loss.backward()  # text only
+    token_types = torch.zeros_like(batch["input_ids"])
+    token_types[0, 3:5] = 1
+    with pytest.raises(PackedBatchRefused, match="training.packed_sequence: false"):
+        model(**batch, token_type_ids=token_types)
+    handle.undo()
+    assert model.config.text_config._attn_implementation == text_before
+    assert model.config.vision_config._attn_implementation == vision_before

@@ -33,6 +33,10 @@ class ArchSpec:
     # back to transformers' own code, with hasten's packed mask)
     attention: tuple[str, ...] = ()
     model_code: tuple[str, ...] = ()  # computed by the model's own code around hasten's pieces
+    # a multimodal wrapper: what its vision side does under hasten (its tower and projector run
+    # as transformers wrote them; a packed batch with image tokens is refused, since image tokens
+    # attend to each other both ways); empty for a text model
+    vision: str = ""
     notes: str = ""
 
 
@@ -87,6 +91,19 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                                    "by the model"),
                             attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
                             model_code=("embedding scale sqrt(hidden)",)),
+    # Gemma 3's multimodal wrapper (Gemma3ForConditionalGeneration): the text model of gemma3_text
+    # inside; its head applies no final softcap (Gemma3ForCausalLM does), so none is declared and a
+    # text config that sets one keeps transformers' loss
+    "gemma3": ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute="eps", placement="pre_post",
+                                              qk_norm=True),
+                       mlp=_GEMMA_MLP,
+                       rotary=RotarySpec(note="two rotary bases (local and global layers), chosen per layer by the "
+                                              "model"),
+                       attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
+                       model_code=("embedding scale sqrt(hidden)", "the SigLIP vision tower and its projector"),
+                       vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                               "(pixel_values, or image tokens in token_type_ids) is refused: image tokens attend "
+                               "to each other both ways. Images train padded (training.packed_sequence: false)")),
     "gemma4_text": ArchSpec("dense", norm=NormSpec(eps_attribute="eps", placement="pre_post", qk_norm=True),
                             mlp=_GEMMA_MLP, logits=_SOFTCAP,
                             rotary=RotarySpec(single_tensor=True, note="rotary on (B, L, heads, D) before the head "
@@ -115,8 +132,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 def model_type_of(config) -> str:
     """The model type the table is keyed by: the config's own. A multimodal wrapper (`gemma3`,
-    `gemma4`) is its own type, outside the table until its vision path and loss are proven, even
-    though its text model's classes are those of a table entry."""
+    `gemma4`) is its own type, in the table only with an entry of its own that says what its
+    vision side does (`vision`), even though its text model's classes are those of an entry."""
     return str(getattr(config, "model_type", None) or "?")
 
 

@@ -70,11 +70,15 @@ def _attention(model: nn.Module, declared: tuple[str, ...]) -> Piece:
         return Piece("attention", "warn", "packed batches refused: the model does not use transformers' attention "
                      "interface")
     missing = attention_features_not_implemented(model)
+    spec = spec_for(model.config)
+    if spec is not None and spec.vision:
+        missing.pop("multimodal", None)
     if missing:
         return Piece("attention", "info", "the model's own attention, packed rows kept apart by hasten's mask ("
                      + "; ".join(missing.values()) + ")")
     return Piece("attention", "ok", "hasten varlen attention (packed, no mask)"
-                 + (f"; the table entry lists: {'; '.join(declared)}" if declared else ""))
+                 + (f"; the table entry lists: {'; '.join(declared)}" if declared else "")
+                 + (f"; vision: {spec.vision}" if spec is not None and spec.vision else ""))
 
 
 def _loss(model: nn.Module, spec) -> Piece:

@@ -407,6 +407,17 @@ class PackedBatchRefused(PackingError):
     """A packed batch reached a model whose layers cannot keep packed samples apart."""
 
 
+def _refuse_images_in_a_packed_batch(bound: dict, what: str) -> None:
+    """A packed batch of a multimodal model must be text only: image tokens attend to each other
+    both ways, which hasten's causal varlen attention does not compute."""
+    token_types = bound.get("token_type_ids")
+    images = bound.get("pixel_values") is not None or (isinstance(token_types, torch.Tensor)
+                                                        and bool((token_types != 0).any()))  # once per forward
+    if images:
+        raise PackedBatchRefused(f"hasten: a packed batch with images (pixel_values or image tokens in "
+                                 f"token_type_ids); {what}")
+
+
 class _PackingPreHook:
     """Once per forward, before the model runs: what a packed batch needs, by who runs attention.
 
@@ -421,8 +432,9 @@ class _PackingPreHook:
     A packed batch never builds a KV cache (transformers would, and hold every layer's K/V)."""
 
     def __init__(self, model: PreTrainedModel, settings: _AttentionSettings | None, mode: str,
-                 refusal: str | None = None) -> None:
+                 refusal: str | None = None, images: str = "") -> None:
         self.settings, self.mode, self.refusal = settings, mode, refusal
+        self.images = images  # a multimodal table entry's `vision`: packed batches with images are refused
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -463,6 +475,8 @@ class _PackingPreHook:
                                  "from the batch (hasten.PackingCollator emits none).")
             args, kwargs = _without(args, kwargs, "attention_mask", self.signature)
         if self.mode == "hasten":
+            if self.images:
+                _refuse_images_in_a_packed_batch(bound, self.images)
             state.hasten_packed = True
             if cu_seqlens is None and self.settings.metadata_cache:
                 kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
@@ -542,6 +556,24 @@ def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated")]
 
 
+def _text_config_key(model: PreTrainedModel) -> str:
+    """The sub-config name of a multimodal model's text config (Gemma 3: "text_config")."""
+    text = text_config(model)
+    for key in getattr(model.config, "sub_configs", {}) or {}:
+        if getattr(model.config, key, None) is text:
+            return key
+    raise NotImplementedError(f"{type(model).__name__}: no sub-config holds its text config")
+
+
+def _language_model(model: PreTrainedModel) -> torch.nn.Module:
+    """The text model inside a multimodal model: the submodule built from its text config."""
+    text = text_config(model)
+    for module in model.modules():
+        if module is not model and isinstance(module, PreTrainedModel) and module.config is text:
+            return module
+    raise NotImplementedError(f"{type(model).__name__}: no submodule is built from its text config")
+
+
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     # transformers' attention modules carry their layer index or causality; tagging a module that
     # never calls attention is harmless, and a call from an untagged one raises
@@ -584,6 +616,10 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
                         "so neither hasten nor transformers keeps packed samples apart", "unsupported_architecture")
         return
     missing = attention_features_not_implemented(model)
+    spec = spec_for(model.config)
+    vision = spec.vision if spec is not None else ""
+    if vision:  # the entry says what its vision side does: text-only packing, image batches refused
+        missing.pop("multimodal", None)
     if missing:
         _patch_dense_packing(model, handle, missing)
         return
@@ -591,17 +627,20 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
                                   config.attention.verify, backend_facts())
     for device in {p.device for p in model.parameters()}:
         prepare_device(settings.facts, device, config.attention.gqa)
-    tagged = _attention_modules(model)
+    text_key = _text_config_key(model) if vision else None
+    # a multimodal model: hasten's attention in its text model only; the vision tower keeps its own
+    tagged = _attention_modules(_language_model(model) if vision else model)
     for module in tagged:
         setattr(module, _TAG, settings)
     previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
-    _install_packing_hook(model, handle, _PackingPreHook(model, settings, "hasten"))
+    previous_text = text_config(model)._attn_implementation
+    model.set_attn_implementation({text_key: ATTN_NAME} if text_key else ATTN_NAME)
+    _install_packing_hook(model, handle, _PackingPreHook(model, settings, "hasten", images=vision))
 
     def undo() -> None:
         for module in tagged:
             module.__dict__.pop(_TAG, None)
-        model.set_attn_implementation(previous or "sdpa")
+        model.set_attn_implementation({text_key: previous_text or "sdpa"} if text_key else previous or "sdpa")
 
     handle._undo_steps.append(undo)
     handle.active.append("varlen attention (packed sequences, no mask)")
