@@ -13,9 +13,9 @@ update in one op. A layer is taken only when that is all it does:
 and each call takes hasten's path only while it still holds: one active adapter, adapters on and
 not merged, no extra arguments (adapter_names for mixed batches), x in the base weight's dtype,
 no autocast. Otherwise the layer runs PEFT's own forward for that call (a setting change, not an
-error). A probe checks the formula against PEFT's forward once per process on the first layer
-(random lora_B for the probe, since PEFT initialises it to zero), so a PEFT release that changes
-the formula turns hasten's path off instead of training something else.
+error). A probe checks the formula against PEFT's forward at install, on the first layer of each
+PEFT class (random lora_B for the probe, since PEFT initialises it to zero), so a PEFT release that
+changes the formula turns hasten's path off instead of training something else.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from hasten.observability import record_fallback
 from hasten.ops.lora import lora_linear, lora_linear_quantized
 
-_TAG = "_hasten_lora"  # on each patched layer: its PEFT forward (the class's), for the fallbacks
+_TAG = "_hasten_lora"  # marks a patched layer (its forward is hasten's; the class's is PEFT's, for fallbacks)
 
 
 # PEFT's LoRA layer classes hasten computes, by (module, name): over a plain nn.Linear, and over
