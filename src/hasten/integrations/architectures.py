@@ -127,6 +127,21 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2_moe": ArchSpec("moe", attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),
     "mixtral": ArchSpec("moe", attention=(_WINDOWS,)),
     "olmoe": ArchSpec("moe", norm=NormSpec(qk_norm=True)),
+    # the routers below are the models' own (sigmoid scores with a correction bias, group-limited
+    # top-k, routed scaling, shared experts: all in transformers' code); hasten's grouping kernel
+    # takes the top-k ids and weights they return, and the experts are the standard SwiGLU stack
+    "glm4_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
+                         model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
+                                     "shared experts", "dense first layers (first_k_dense_replace)")),
+    "dots1": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                      model_code=("sigmoid router with a correction bias, routed scaling", "shared experts",
+                                  "dense first layers (first_k_dense_replace)")),
+    "ernie4_5_moe": ArchSpec("moe", rotary=RotarySpec(interleaved=True, cos_first_half=True),
+                             model_code=("shared experts", "dense first layers (moe_layer_start_index)")),
+    "hunyuan_v1_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), model_code=("shared expert",)),
+    "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
+                           attention=("the query scale attention_multiplier",),
+                           model_code=("embedding_multiplier", "residual_multiplier")),
 }
 
 
