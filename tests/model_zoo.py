@@ -89,6 +89,7 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_layer_start_index=1,
                                moe_num_shared_experts=1), "hasten"),
     Entry("hunyuan_v1_moe", dict(num_experts=4, moe_topk=2, moe_intermediate_size=16), "hasten"),
+    Entry("flex_olmo", dict(num_experts=4, num_experts_per_tok=2), "hasten"),
     Entry("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,
                              attention_multiplier=0.3, logits_scaling=4.0), "hasten",
           feature_off=dict(logits_scaling=1.0)),

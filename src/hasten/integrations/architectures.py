@@ -139,6 +139,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "ernie4_5_moe": ArchSpec("moe", rotary=RotarySpec(interleaved=True, cos_first_half=True),
                              model_code=("shared experts", "dense first layers (moe_layer_start_index)")),
     "hunyuan_v1_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), model_code=("shared expert",)),
+    "flex_olmo": ArchSpec("moe", norm=NormSpec(placement="post", qk_norm=True),
+                          notes="OLMo-2-style post-norms, q/k norms over the whole projection"),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),
