@@ -228,3 +228,48 @@ def test_gemma3_multimodal_trains_text_packed_and_refuses_packed_images():
     handle.undo()
     assert model.config.text_config._attn_implementation == text_before
     assert model.config.vision_config._attn_implementation == vision_before
+
+
+def test_gemma2_padded_batches_keep_the_softcap_and_the_padding_mask():
+    """A padded batch of an accelerated Gemma 2 runs its own eager attention (sdpa would drop the
+    softcap) with the dense mask hasten's mask interface built, which is sdpa's boolean kind: it
+    must reach eager attention as the additive mask eager adds to its scores. Loss and gradients
+    equal the unpatched eager model's on the same padded batch."""
+    import hasten
+    from tests import model_zoo as zoo
+
+    entry = zoo.ENTRIES["gemma2"]
+    reference = zoo.build(entry)
+    patched = zoo.clone(reference)
+    batch = zoo.padded_batch(zoo.samples())
+    want = reference(**batch).loss
+    want.backward()
+    handle = hasten.accelerate(patched)
+    got = patched(**batch).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    errors = zoo.relative_errors(zoo.gradients(patched), zoo.gradients(reference))
+    assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda item: item[1])
+    handle.undo()
+
+
+def test_gemma2_generation_keeps_the_softcap_and_causality():
+    """Decoding against a cache (and the prefill with generate's all-ones attention_mask) on an
+    accelerated Gemma 2: its own eager attention with hasten's dense mask, the logits of the
+    unpatched eager model at every step."""
+    import hasten
+    from tests import model_zoo as zoo
+
+    reference = zoo.build(zoo.ENTRIES["gemma2"]).eval()
+    patched = zoo.clone(reference)
+    prompt = torch.tensor([zoo.samples()[0]["input_ids"]])
+    with torch.no_grad():
+        want = reference.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+        handle = hasten.accelerate(patched)
+        got = patched.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    handle.undo()

@@ -161,7 +161,16 @@ def _dense_attention(module: torch.nn.Module, softcap: float | None):
         raise NotImplementedError(f"{type(module).__name__} passes softcap={softcap} on a padded batch (or a decoding "
                                   "step) and its modeling file has no eager attention taking a softcap; transformers' "
                                   "sdpa would drop it. Pack the batch (hasten.PackingCollator)")
-    return own
+
+    def eager_with_additive_mask(module, query, key, value, attention_mask, **kwargs):
+        # hasten's mask interface builds sdpa's boolean mask (True: attend); eager attention adds its
+        # mask to the scores, so it gets 0 where allowed and the dtype's lowest value elsewhere
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        return own(module, query, key, value, attention_mask, **kwargs)
+
+    return eager_with_additive_mask
 
 
 def _without_packing(kwargs: dict) -> dict:
@@ -177,6 +186,9 @@ def hasten_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     plain = (attention_mask is None and q_length == kv_length and isinstance(q_offset, int) and q_offset == 0
              and isinstance(kv_offset, int) and kv_offset == 0)
     if not plain:
+        # always a dense boolean mask, never sdpa's "None: plain causal" shortcut: the fallback may be a
+        # model's own eager attention (a softcap), which takes no is_causal and reads None as "no mask"
+        kwargs["allow_is_causal_skip"] = False
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     try:
