@@ -55,6 +55,23 @@ def time_steps(step, warmup: int, iters: int) -> list[float]:
     return times
 
 
+def training_step(model, inputs: list[dict], optimizer, losses: list):
+    """One optimizer step over the micro-batches `inputs` (gradients accumulated, each loss scaled
+    by 1 / len(inputs)); the step's loss, a device tensor, is appended to `losses` (no host sync)."""
+
+    def step():
+        total = 0.0
+        for micro in inputs:
+            loss = model(**micro).loss / len(inputs)
+            loss.backward()
+            total = total + loss.detach()
+        losses.append(total)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -183,15 +183,7 @@ def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
         optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
         losses = []
 
-        def step():
-            total = 0.0
-            for micro in inputs:
-                loss = model(**micro).loss / len(inputs)
-                loss.backward()
-                total = total + loss.detach()
-            losses.append(total)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        step = common.training_step(model, inputs, optimizer, losses)
 
         common.time_steps(step, warmup=2, iters=0)
         times = common.time_steps(step, warmup=0, iters=steps)

@@ -296,15 +296,7 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
 
     losses = []
 
-    def step():
-        total = 0.0
-        for micro in inputs:
-            loss = model(**micro).loss / len(inputs)
-            loss.backward()
-            total = total + loss.detach()
-        losses.append(total)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    step = common.training_step(model, inputs, optimizer, losses)
 
     # Isolation first, on the untrained seed-0 weights that the references were computed with.
     err = 0.0 if name == "hf_padded" else isolation_error(model, lambda: model(**inputs[0]), samples, refs)

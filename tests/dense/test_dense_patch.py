@@ -51,10 +51,10 @@ def test_each_kernel_switches_alone():
 
 def _collect_dropped_models():
     """Models of earlier tests dropped without undo(): collected, their RoPE patches released."""
-    from hasten.dense.patch import _restore_dropped_rope_patches
+    from hasten.dense.patch import release_dropped_rope_patches
 
     gc.collect()
-    _restore_dropped_rope_patches()
+    release_dropped_rope_patches()
 
 
 def test_rope_patch_is_shared_and_restored_with_the_last_model():

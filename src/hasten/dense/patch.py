@@ -341,7 +341,7 @@ def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None
     install or undo. Not from the garbage collector: a collection can run in the middle of another
     model's backward, and swapping the function between a checkpointed layer's forward and its
     recompute changes what the recompute saves (torch.utils.checkpoint raises on it)."""
-    _restore_dropped_rope_patches()
+    release_dropped_rope_patches()
     config = config if config is not None else model.config
     name = type(model).__module__
     modeling = sys.modules.get(name)
@@ -395,7 +395,7 @@ def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None
     def undo() -> None:
         finalizer.detach()
         release(model_ref)
-        _restore_dropped_rope_patches()
+        release_dropped_rope_patches()
     return undo, None
 
 
@@ -406,6 +406,9 @@ def _restore_if_unused(name: str) -> None:
         del _ROPE_PATCHES[name]
 
 
-def _restore_dropped_rope_patches() -> None:
+def release_dropped_rope_patches() -> None:
+    """Restore the `apply_rotary_pos_emb` of modeling modules whose patched models were all
+    garbage-collected without undo() (until then, other models of that module run hasten's
+    kernel, which computes the same rotation up to float rounding)."""
     while _DROPPED_ROPE_PATCHES:
         _restore_if_unused(_DROPPED_ROPE_PATCHES.pop())

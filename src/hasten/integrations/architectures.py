@@ -14,6 +14,7 @@ the decoder layer. The entry names them in `model_code` so the report can say wh
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hasten.dense.spec import LogitSpec, MlpSpec, NormSpec, RotarySpec
@@ -46,6 +47,14 @@ _GEMMA_MLP = MlpSpec(kind="geglu_tanh")
 _SOFTCAP = LogitSpec(softcap_key="final_logit_softcapping")
 _WINDOWS = "a sliding window where the config sets one"
 _LAYER_WINDOWS = "sliding windows on the layers `layer_types` marks"
+
+_GEMMA3_TEXT = ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute="eps", placement="pre_post",
+                                              qk_norm=True),
+                        mlp=_GEMMA_MLP, logits=_SOFTCAP,
+                        rotary=RotarySpec(note="two rotary bases (local and global layers), chosen per layer by the "
+                                               "model"),
+                        attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
+                        model_code=("embedding scale sqrt(hidden)",))
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- dense: Llama-style pre-norm decoders ------------------------------------------------
@@ -84,26 +93,16 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                   "flash-attn >= 2.6; else one sequence at a time)", _LAYER_WINDOWS,
                                   "the query scale query_pre_attn_scalar"),
                        model_code=("embedding scale sqrt(hidden)",)),
-    "gemma3_text": ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute="eps", placement="pre_post",
-                                                   qk_norm=True),
-                            mlp=_GEMMA_MLP, logits=_SOFTCAP,
-                            rotary=RotarySpec(note="two rotary bases (local and global layers), chosen per layer "
-                                                   "by the model"),
-                            attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
-                            model_code=("embedding scale sqrt(hidden)",)),
+    "gemma3_text": _GEMMA3_TEXT,
     # Gemma 3's multimodal wrapper (Gemma3ForConditionalGeneration): the text model of gemma3_text
     # inside; its head applies no final softcap (Gemma3ForCausalLM does), so none is declared and a
     # text config that sets one keeps transformers' loss
-    "gemma3": ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute="eps", placement="pre_post",
-                                              qk_norm=True),
-                       mlp=_GEMMA_MLP,
-                       rotary=RotarySpec(note="two rotary bases (local and global layers), chosen per layer by the "
-                                              "model"),
-                       attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
-                       model_code=("embedding scale sqrt(hidden)", "the SigLIP vision tower and its projector"),
-                       vision=("text-only packed batches on hasten's attention; a packed batch with images "
-                               "(pixel_values, or image tokens in token_type_ids) is refused: image tokens attend "
-                               "to each other both ways. Images train padded (training.packed_sequence: false)")),
+    "gemma3": dataclasses.replace(
+        _GEMMA3_TEXT, logits=LogitSpec(),
+        model_code=("embedding scale sqrt(hidden)", "the SigLIP vision tower and its projector"),
+        vision=("text-only packed batches on hasten's attention; a packed batch with images (pixel_values, or image "
+                "tokens in token_type_ids) is refused: image tokens attend to each other both ways. Images train "
+                "padded (training.packed_sequence: false)")),
     "gemma4_text": ArchSpec("dense", norm=NormSpec(eps_attribute="eps", placement="pre_post", qk_norm=True),
                             mlp=_GEMMA_MLP, logits=_SOFTCAP,
                             rotary=RotarySpec(single_tensor=True, note="rotary on (B, L, heads, D) before the head "

@@ -28,8 +28,6 @@ from torch import nn
 from hasten.observability import record_fallback
 from hasten.ops.lora import lora_linear, lora_linear_quantized
 
-_TAG = "_hasten_lora"  # marks a patched layer (its forward is hasten's; the class's is PEFT's, for fallbacks)
-
 
 # PEFT's LoRA layer classes hasten computes, by (module, name): over a plain nn.Linear, and over
 # bitsandbytes' 4-bit Linear (QLoRA: PEFT picks its bnb class for a model loaded in 4 bits)
@@ -177,7 +175,6 @@ def install_fused_lora(model: nn.Module):
             patched = [m for m in patched if _kind(m) != kind]
     for module in patched:
         module.forward = types.MethodType(_forward, module)
-        setattr(module, _TAG, True)
     if reasons:
         record_fallback("lora_not_fused", "; ".join(f"{count} LoRA layers: {why}" for why, count in reasons.items())
                         + "; PEFT's own forward runs them")
@@ -185,6 +182,5 @@ def install_fused_lora(model: nn.Module):
     def undo() -> None:
         for module in patched:
             module.__dict__.pop("forward", None)
-            module.__dict__.pop(_TAG, None)
 
     return undo, len(patched), [f"{count} LoRA layers: {why}" for why, count in reasons.items()]
