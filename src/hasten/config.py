@@ -37,6 +37,8 @@ class CheckpointConfig:
     # Activation offload to pinned host memory, per decoder layer, copies on their own streams:
     # none; all (every layer but the last); auto (measure the first step, then keep, offload or
     # recompute each layer so that the copies stay hidden, within max_memory_gib if given).
+    # With activations: full, what goes to the host is each layer's checkpointed input (all: every
+    # layer's but the last; auto: the planner keeps on the device what fits max_memory_gib).
     offload: Literal["none", "all", "auto"] = "none"
     # The deployment guide's switch: true turns offload on (auto, unless offload names a mode) and
     # brings layer i-1's activations back while layer i runs its backward (two device buffers);
@@ -46,6 +48,10 @@ class CheckpointConfig:
     # With offload auto: the peak device memory to plan for, in GiB; empty plans the lowest
     # memory that costs no step time.
     max_memory_gib: float | None = None
+    # Sequence tiling of each decoder layer's dense MLP: tokens per tile (its intermediate then
+    # exists one tile at a time, in forward and backward, for one more MLP forward per step;
+    # for long sequences); 0 tiles nothing. Single process only.
+    mlp_tile_tokens: int = 0
     # Optimizer steps between training checkpoints (OUTPUT_DIR/checkpoints), written atomically.
     interval_steps: int = 100
     # Checkpoints kept; older ones are deleted once a newer one is complete.
@@ -376,12 +382,16 @@ def validate(config: Config, *, source: str = "config") -> None:
         raise refuse(f"`training.fsdp2_layers_per_unit` must be 0 (auto) or a number of layers; "
                      f"got {t.fsdp2_layers_per_unit}")
     checkpoint = t.checkpoint
-    if checkpoint.offload_mode() != "none" and checkpoint.activations != "none":
+    if checkpoint.mlp_tile_tokens < 0:
+        raise refuse(f"`training.checkpoint.mlp_tile_tokens` must be 0 (no tiling) or a number of tokens per tile; "
+                     f"got {checkpoint.mlp_tile_tokens}")
+    if checkpoint.offload_mode() != "none" and checkpoint.activations == "selective":
         which = f"offload: {checkpoint.offload}" if checkpoint.offload != "none" else "double_buffer: true"
         raise refuse(f"`training.checkpoint.{which}` turns on activation offload, which plans per layer what is kept, "
-                     "offloaded or recomputed; it cannot combine with `training.checkpoint.activations: "
-                     f"{checkpoint.activations}`. Set activations: none (offload auto recomputes layers itself when "
-                     "that is cheaper), or turn offload off (offload: none, double_buffer: false).")
+                     "offloaded or recomputed; it cannot combine with `training.checkpoint.activations: selective` "
+                     "(what selective keeps inside a layer is not offloaded). Set activations: none (offload auto "
+                     "recomputes layers itself when that is cheaper) or full (the checkpointed inputs go to the host), "
+                     "or turn offload off (offload: none, double_buffer: false).")
     if t.compile:
         # each of these puts host work inside every decoder layer, which a compiled layer cannot run
         blockers = []
@@ -390,6 +400,9 @@ def validate(config: Config, *, source: str = "config") -> None:
             blockers.append(f"`training.checkpoint.{which}` (activation offload moves what each layer saves through "
                             "Python hooks and, in auto, times the first forwards to plan, which compiling distorts; "
                             "the two are not verified together)")
+        if checkpoint.mlp_tile_tokens:
+            blockers.append("`training.checkpoint.mlp_tile_tokens` (the tiled MLP loops over tiles in Python, in "
+                            "forward and backward; the two are not verified together)")
         if not t.metadata_cache:
             blockers.append("`training.metadata_cache: false` (each layer then reads the batch's sequence count back "
                             "to the host, which breaks the compiled graph)")

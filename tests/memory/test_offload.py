@@ -11,7 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hasten
 from hasten.config import Config
-from hasten.memory.offload import LayerOffload, OffloadEngine, OffloadManager, decoder_layers
+from hasten.memory.offload import TO_HOST, LayerOffload, OffloadEngine, OffloadManager, decoder_layers
 from hasten.observability import fallback_counts
 
 DENSE = dict(vocab_size=120, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -75,7 +75,9 @@ def test_engine_copy_is_a_snapshot_and_unknown_tickets_are_named():
     ["offload"] * 4,
     ["offload", "keep", "recompute", "offload"],
     ["recompute", "offload", "offload", "keep"],
-], ids=["all", "mixed", "recompute-first"])
+    ["recompute_offload"] * 3 + ["recompute"],
+    ["recompute_offload", "offload", "keep", "recompute_offload"],
+], ids=["all", "mixed", "recompute-first", "checkpointed-inputs", "mixed-checkpointed-inputs"])
 @pytest.mark.parametrize("double_buffer", [True, False], ids=["double", "single"])
 def test_plans_give_the_loss_and_gradients_of_keeping_everything(plan, double_buffer):
     batch = _batch()
@@ -93,9 +95,13 @@ def test_plans_give_the_loss_and_gradients_of_keeping_everything(plan, double_bu
     assert stats.bytes_offloaded > 0 and stats.fetches > 0
     gc.collect()
     assert stats.tickets == 0 and stats.host_bytes_held == 0  # autograd freed its saved tensors
-    offloaded_layers = [i for i, choice in enumerate(plan) if choice == "offload"]
+    offloaded_layers = [i for i, choice in enumerate(plan) if choice in TO_HOST]
     assert all(offload.bytes_per_layer[i] > 0 for i in offloaded_layers)
     assert all(offload.bytes_per_layer[i] == 0 for i in range(4) if i not in offloaded_layers)
+    hidden_bytes = int(batch["input_ids"].numel()) * DENSE["hidden_size"] * 4
+    for i, choice in enumerate(plan):  # a checkpointed layer sends its input, [1, tokens, hidden], and nothing else
+        if choice == "recompute_offload":
+            assert offload.bytes_per_layer[i] == hidden_bytes, (i, offload.bytes_per_layer[i], hidden_bytes)
 
 
 def test_aliases_are_copied_once_and_parameters_never():
@@ -214,7 +220,7 @@ def test_accelerate_on_cpu_says_offload_needs_a_gpu():
 
 
 @pytest.mark.parametrize("raw,message", [
-    ({"offload": "all", "activations": "full"}, "cannot combine with `training.checkpoint.activations: full`"),
+    ({"offload": "all", "activations": "selective"}, "cannot combine with `training.checkpoint.activations: selective`"),
     ({"double_buffer": True, "activations": "selective"}, "double_buffer: true` turns on activation offload"),
     ({"offload": "auto", "max_memory_gib": 0}, "max_memory_gib` must be a positive number of GiB"),
 ])
@@ -233,3 +239,63 @@ def test_recomputed_layers_do_not_count_as_new_forwards():
     for _ in range(2):
         model(**_batch()).loss.backward()
     assert starts == [0, 1, 2, 3] * 2
+
+
+# ---- full checkpointing with offload (activations: full) -------------------------------------
+def test_checkpointed_inputs_go_to_the_host_under_the_models_own_checkpointing():
+    """activations: full turns transformers' checkpointing on first; recompute_offload then wraps each
+    layer's own checkpoint function, sends only its input to the host, and detach gives the function back."""
+    batch = _batch()
+    want_loss, want = _loss_and_grads(_checkpointed_model(), batch)
+    model = _checkpointed_model()
+    layers = decoder_layers(model)
+    transformers_functions = [layer._gradient_checkpointing_func for layer in layers]
+    offload = LayerOffload(layers, ["recompute_offload"] * 3 + ["recompute"], min_bytes=0)
+    offload.attach()
+    for _ in range(2):
+        loss, grads = _loss_and_grads(model, batch)
+        assert torch.equal(loss, want_loss)
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    hidden_bytes = int(batch["input_ids"].numel()) * DENSE["hidden_size"] * 4
+    assert offload.bytes_per_layer == [hidden_bytes] * 3 + [0]
+    assert offload.engine.stats().fetches > 0
+    offload.detach()
+    assert [layer._gradient_checkpointing_func for layer in layers] == transformers_functions
+    assert all(layer.gradient_checkpointing for layer in layers)  # the model's own switch is left as it was
+
+
+def _checkpointed_model():
+    model = _model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def test_checkpointed_auto_plans_between_keeping_and_sending_the_inputs():
+    batch = _batch()
+    want_loss, want = _loss_and_grads(_checkpointed_model(), batch)  # the unpatched model masks a packed batch
+    model = _model()  # differently with and without its cache, which checkpointing turns off
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    manager = OffloadManager(model, "auto", min_bytes=0, checkpointed=True)
+    assert manager.offload.plan == ["recompute_offload"] * 3 + ["recompute"]
+    for _ in range(3):
+        loss, grads = _loss_and_grads(model, batch)
+        assert torch.equal(loss, want_loss)
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6)
+    assert manager.plan is not None
+    assert set(manager.plan.choices) <= {"recompute", "recompute_offload"}  # never keeps a layer's activations
+    manager.detach()
+
+
+def test_full_checkpointing_with_offload_is_accepted_and_reported_on_cpu():
+    config = Config.from_dict({"training": {"checkpoint": {"activations": "full", "offload": "all"}}})
+    model = _model()
+    handle = hasten.accelerate(model, config)
+    try:
+        assert handle.offload is None and any("runs on a GPU" in item for item in handle.inactive)
+        assert any("activation checkpointing (full" in item for item in handle.active)
+        assert all(layer.gradient_checkpointing for layer in decoder_layers(model))
+    finally:
+        handle.undo()
+    assert not any(layer.gradient_checkpointing for layer in decoder_layers(model))

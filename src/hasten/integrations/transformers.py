@@ -758,25 +758,50 @@ def _cuda_kernels_missing(model: PreTrainedModel, *ops: str) -> str | None:
 
 
 def _patch_memory(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    """Checkpointing first, then offload: with activations full the offload wraps each layer's
+    checkpoint to send its input to the host (config validation refuses offload with selective)."""
     checkpoint = config.training.checkpoint
-    if checkpoint.offload_mode() != "none":
-        _patch_offload(model, config, handle)
     policy = checkpoint.activations
-    if policy == "none":
+    checkpointed = False
+    if policy != "none":
+        from hasten.memory import apply_activation_checkpointing
+
+        try:
+            handle._undo_steps.append(apply_activation_checkpointing(model, policy))
+            checkpointed = policy == "full"
+            handle.active.append(f"activation checkpointing ({policy}, per decoder layer)")
+        except ValueError as exc:
+            record_fallback("activation_checkpointing", f"training.checkpoint.activations={policy} cannot be "
+                            f"applied ({exc}); activations are kept")
+            handle.inactive.append(f"activation checkpointing ({exc})")
+    if checkpoint.offload_mode() != "none":
+        _patch_offload(model, config, handle, checkpointed=checkpointed)
+
+
+def _patch_mlp_tiling(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    tile_tokens = config.training.checkpoint.mlp_tile_tokens
+    if not tile_tokens:
         return
-    from hasten.memory import apply_activation_checkpointing
-
-    try:
-        handle._undo_steps.append(apply_activation_checkpointing(model, policy))
-    except ValueError as exc:
-        record_fallback("activation_checkpointing", f"training.checkpoint.activations={policy} cannot be applied "
-                        f"({exc}); activations are kept")
-        handle.inactive.append(f"activation checkpointing ({exc})")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        reason = ("training.checkpoint.mlp_tile_tokens is single-process only for now (the tiled MLP's "
+                  "gradients under DDP and FSDP2 are not verified); the MLPs run untiled")
+        record_fallback("mlp_tiling", reason)
+        handle.inactive.append(f"MLP sequence tiling ({reason})")
         return
-    handle.active.append(f"activation checkpointing ({policy}, per decoder layer)")
+    from hasten.memory.tiling import install_mlp_tiling
+
+    undo, count, refused = install_mlp_tiling(model, tile_tokens)
+    handle._undo_steps.append(undo)
+    if count:
+        handle.active.append(f"MLP sequence tiling ({tile_tokens} tokens per tile, {count} MLPs)")
+    for reason in refused:
+        record_fallback("mlp_tiling", f"{reason}; that MLP runs untiled")
+        handle.inactive.append(f"MLP sequence tiling ({reason})")
 
 
-def _patch_offload(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+def _patch_offload(model: PreTrainedModel, config: Config, handle: AccelerationHandle, *,
+                   checkpointed: bool = False) -> None:
     from hasten.memory.offload import OffloadError, OffloadManager
 
     checkpoint = config.training.checkpoint
@@ -789,7 +814,8 @@ def _patch_offload(model: PreTrainedModel, config: Config, handle: AccelerationH
         handle.inactive.append(f"activation offload ({reason})")
         return
     try:
-        manager = OffloadManager(model, mode, double_buffer=double_buffer, max_memory_gib=checkpoint.max_memory_gib)
+        manager = OffloadManager(model, mode, double_buffer=double_buffer, max_memory_gib=checkpoint.max_memory_gib,
+                                 checkpointed=checkpointed)
     except OffloadError as exc:
         record_fallback("activation_offload", f"training.checkpoint offload ({mode}) cannot be applied ({exc}); "
                         "activations stay on the device")
@@ -799,6 +825,8 @@ def _patch_offload(model: PreTrainedModel, config: Config, handle: AccelerationH
     handle._undo_steps.append(manager.detach)
     buffers = "double-buffered" if double_buffer else "one buffer"
     what = "planned per layer after the first step" if mode == "auto" else "every decoder layer but the last"
+    if checkpointed:
+        what = f"the checkpointed inputs, {what}"
     handle.active.append(f"activation offload ({mode}: {what}; {buffers}, copy streams)")
 
 
@@ -938,6 +966,7 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
         _patch_loss(model, config, handle)
         _patch_dense_kernels(model, config, handle)
         patch_lora_layers(model, config, handle)
+        _patch_mlp_tiling(model, config, handle)  # wraps the MLP forwards the kernel patches set
     except BaseException:
         handle.undo()  # a failed accelerate() leaves the model, and the process, as they were
         raise

@@ -8,9 +8,12 @@ buffer); with one buffer only layer i is fetched then. A layer's restored activa
 as soon as autograd frees the saved tensors that use them.
 
 Per layer the plan says:
-  keep       nothing changes
-  offload    saved activations go to the host and come back ahead of use
-  recompute  the layer is checkpointed (transformers' own switch): only its input is kept
+  keep               nothing changes
+  offload            saved activations go to the host and come back ahead of use
+  recompute          the layer is checkpointed (transformers' own switch): only its input is kept
+  recompute_offload  the layer is checkpointed and that input goes to the host too, coming back
+                     double-buffered ahead of the layer's recompute (full checkpointing with
+                     offload: per layer the device then holds nothing between forward and backward)
 
 Not offloaded, whatever the plan: parameters and other leaf tensors (views of them too), tensor
 subclasses (DTensor), tensors under `min_bytes`, and anything saved outside decoder layers.
@@ -35,7 +38,9 @@ from hasten.ops._lib import load
 
 logger = logging.getLogger("hasten")
 
-PLAN_CHOICES = ("keep", "offload", "recompute")
+PLAN_CHOICES = ("keep", "offload", "recompute", "recompute_offload")
+RECOMPUTED = ("recompute", "recompute_offload")
+TO_HOST = ("offload", "recompute_offload")
 DEFAULT_MIN_BYTES = 1 << 20
 
 
@@ -175,6 +180,7 @@ class LayerOffload:
         self._by_storage: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ref]] = {}
         self._contexts: dict[int, torch.autograd.graph.saved_tensors_hooks] = {}
         self._current_layer: int | None = None
+        self._layer_begun: int | None = None
         self._prefetched = [False] * len(self.layers)
         self._handles: list = []
         self.layer_observers: list[Callable[[int, str], None]] = []  # (layer, "forward_start" | ...)
@@ -196,23 +202,33 @@ class LayerOffload:
         for index in list(self._contexts):
             self._contexts.pop(index).__exit__(None, None, None)
         for layer in self.layers:
+            if "_hasten_inner_checkpoint_func" in layer.__dict__:
+                layer._gradient_checkpointing_func = layer.__dict__.pop("_hasten_inner_checkpoint_func")
             if layer.__dict__.pop("_hasten_recompute", False):
                 layer.gradient_checkpointing = False
             if layer.__dict__.pop("_hasten_checkpoint_func", False):
                 del layer._gradient_checkpointing_func
 
     def apply_recompute(self) -> None:
-        """Turn transformers' per-layer checkpointing on exactly for the layers planned 'recompute'."""
-        for layer, choice in zip(self.layers, self.plan, strict=True):
-            wanted = choice == "recompute"
+        """Turn transformers' per-layer checkpointing on exactly for the layers planned 'recompute' or
+        'recompute_offload' (a layer the model itself checkpoints stays checkpointed), and route each
+        recomputed layer's checkpoint through `_checkpoint_to_host`, which sends its input to the host
+        when the plan says recompute_offload."""
+        for index, (layer, choice) in enumerate(zip(self.layers, self.plan, strict=True)):
+            wanted = choice in RECOMPUTED
             if wanted and getattr(layer, "_gradient_checkpointing_func", None) is None:
                 # what model.gradient_checkpointing_enable() would set, for this layer alone
                 layer._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
                                                                        use_reentrant=False)
                 layer._hasten_checkpoint_func = True
             if wanted or getattr(layer, "_hasten_recompute", False):
-                layer.gradient_checkpointing = wanted
-                layer._hasten_recompute = wanted
+                if not (getattr(layer, "gradient_checkpointing", False) and not layer.__dict__.get("_hasten_recompute")):
+                    layer.gradient_checkpointing = wanted
+                    layer._hasten_recompute = wanted
+            if wanted and "_hasten_inner_checkpoint_func" not in layer.__dict__:
+                inner = layer._gradient_checkpointing_func
+                layer._hasten_inner_checkpoint_func = inner
+                layer._gradient_checkpointing_func = functools.partial(self._checkpoint_to_host, index, inner)
 
     def set_plan(self, plan: Sequence[str]) -> None:
         if len(plan) != len(self.layers) or any(choice not in PLAN_CHOICES for choice in plan):
@@ -220,21 +236,34 @@ class LayerOffload:
         self.plan = list(plan)
         self.apply_recompute()
 
+    def _checkpoint_to_host(self, index: int, inner: Callable, function: Callable, *args, **kwargs):
+        """Layer `index`'s checkpoint call (transformers' `_gradient_checkpointing_func`). Under
+        recompute_offload the checkpoint runs inside this layer's pack hooks: torch's checkpoint saves
+        its inputs (the hidden states, [tokens, hidden]) as saved tensors before it enters its own
+        hooks, so exactly those reach `_pack` and go to the host; what the layer saves inside is the
+        checkpoint's own business (recomputed). The recompute in backward unpacks them, by then
+        prefetched. transformers checkpoints the layer's forward (module hooks outside it) or, in
+        older versions, its __call__ (hooks inside): whichever of this and the pre-forward hook runs
+        first begins the layer."""
+        if self.plan[index] != "recompute_offload" or not torch.is_grad_enabled() or _in_backward():
+            return inner(function, *args, **kwargs)
+        if self._layer_begun != index:
+            self._begin_layer(index)
+        self._current_layer = index
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return inner(function, *args, **kwargs)
+        finally:
+            self._current_layer = None
+
     def _pre_forward(self, index: int):
         def hook(module, args):
             # no graph to offload from (eval), or a checkpointed layer's recompute inside backward
             if not torch.is_grad_enabled() or _in_backward():
                 return
-            if index == 0:
-                self._start_graph()
-            else:
-                # releases the device copies of offloads that have completed: without this, nothing
-                # polls during the kept layers after the last offloaded one, and the memory would
-                # stay held through the peak at the loss
-                self.engine.poll()
-            for observer in self.layer_observers:
-                observer(index, "forward_start")
-            self.bytes_per_layer[index] = 0
+            if self._layer_begun == index:  # begun by _checkpoint_to_host around this call
+                return
+            self._begin_layer(index)
             if self.plan[index] == "offload":
                 self._current_layer = index
                 context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -242,8 +271,22 @@ class LayerOffload:
                 self._contexts[index] = context
         return hook
 
+    def _begin_layer(self, index: int) -> None:
+        if index == 0:
+            self._start_graph()
+        else:
+            # releases the device copies of offloads that have completed: without this, nothing
+            # polls during the kept layers after the last offloaded one, and the memory would
+            # stay held through the peak at the loss
+            self.engine.poll()
+        for observer in self.layer_observers:
+            observer(index, "forward_start")
+        self.bytes_per_layer[index] = 0
+        self._layer_begun = index  # until the layer's forward hook
+
     def _post_forward(self, index: int):
         def hook(module, args, output):
+            self._layer_begun = None
             context = self._contexts.pop(index, None)
             if context is not None:
                 context.__exit__(None, None, None)
@@ -279,11 +322,11 @@ class LayerOffload:
         """Prefetch the next offloaded layers below `index` while the restored bytes not yet used
         stay within two layers' worth (the double buffer). Kept layers take no buffer, so across
         them the prefetch reaches further ahead."""
-        offloaded = [self.bytes_per_layer[k] for k, choice in enumerate(self.plan) if choice == "offload"]
+        offloaded = [self.bytes_per_layer[k] for k, choice in enumerate(self.plan) if choice in TO_HOST]
         budget = 2 * max(offloaded, default=0)
         held = self.engine.stats().device_bytes_held
         for k in range(index - 1, -1, -1):
-            if self.plan[k] != "offload" or self._prefetched[k]:
+            if self.plan[k] not in TO_HOST or self._prefetched[k]:
                 continue
             if held + self.bytes_per_layer[k] > budget:
                 break
@@ -416,12 +459,17 @@ class OffloadManager:
             the link's bandwidth, the step's peak); from the second forward on, the planner's
             choice of keep / offload / recompute per layer (hasten.memory.planner)
 
+    `checkpointed` (training.checkpoint.activations: full): every layer is recomputed, and what
+    goes to the host is each checkpoint's input (recompute_offload); 'auto' then chooses per layer
+    between that and keeping the input on the device (recompute), the planner's offload / keep.
+
     `summary()` gives the per-logging-step metrics (counters since the previous call).
     """
 
     def __init__(self, model: nn.Module, mode: str, *, double_buffer: bool = True,
                  max_memory_gib: float | None = None, keep_last: int = 1,
-                 min_bytes: int = DEFAULT_MIN_BYTES, host_fraction: float = 0.8) -> None:
+                 min_bytes: int = DEFAULT_MIN_BYTES, host_fraction: float = 0.8,
+                 checkpointed: bool = False) -> None:
         if mode not in ("all", "auto"):
             raise ValueError(f"offload mode must be 'all' or 'auto', got {mode!r}")
         layers = decoder_layers(model)
@@ -431,7 +479,9 @@ class OffloadManager:
         self.mode = mode
         self.budget_bytes = int(max_memory_gib * 2**30) if max_memory_gib else None
         keep = min(max(keep_last, 0), len(layers))
-        calibration = ["offload"] * (len(layers) - keep) + ["keep"] * keep
+        self.checkpointed = checkpointed
+        to_host, stay = ("recompute_offload", "recompute") if checkpointed else ("offload", "keep")
+        calibration = [to_host] * (len(layers) - keep) + [stay] * keep
         self.offload = LayerOffload(layers, calibration, double_buffer=double_buffer, min_bytes=min_bytes)
         self.calibration_choices = list(calibration)
         self.plan = None  # hasten.memory.planner.Plan once 'auto' has planned
@@ -496,11 +546,16 @@ class OffloadManager:
         measures = [LayerMeasure(b, f) for b, f in zip(self.offload.bytes_per_layer, forward_s, strict=True)]
         keep_all_peak = None
         if self._calibration_peak is not None:
-            calibration = simulate(measures, self.calibration_choices, bandwidth_bps, head_s,
+            as_planned = ([{"recompute": "keep", "recompute_offload": "offload"}[c] for c in self.calibration_choices]
+                          if self.checkpointed else self.calibration_choices)  # in the planner's terms
+            calibration = simulate(measures, as_planned, bandwidth_bps, head_s,
                                    self.offload.double_buffer)
             keep_all_peak = self._calibration_peak + calibration.saved_at_peak
         self.plan = plan_layers(measures, bandwidth_bps, head_s=head_s, double_buffer=self.offload.double_buffer,
-                                keep_all_peak_bytes=keep_all_peak, budget_bytes=self.budget_bytes)
+                                keep_all_peak_bytes=keep_all_peak, budget_bytes=self.budget_bytes,
+                                may_recompute=not self.checkpointed)
+        if self.checkpointed:  # the planner's keep / offload of a checkpoint's input
+            self.plan.choices = [{"keep": "recompute", "offload": "recompute_offload"}[c] for c in self.plan.choices]
         self.offload.set_plan(self.plan.choices)
         logger.warning("hasten: activation offload plan: %s (link %s; predicted extra step time %.1f ms%s)",
                        self.plan.summary(),
@@ -537,4 +592,7 @@ class OffloadManager:
         return row
 
     def _static_plan_summary(self) -> str:
+        if self.checkpointed:
+            return (f"{self.offload.plan.count('recompute_offload')} recompute_offload (checkpointed input on the "
+                    f"host) of {len(self.offload.plan)} layers")
         return f"{self.offload.plan.count('offload')} offload of {len(self.offload.plan)} layers"

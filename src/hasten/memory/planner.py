@@ -59,7 +59,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        counts = {c: self.choices.count(c) for c in ("keep", "offload", "recompute")}
+        counts = {c: self.choices.count(c) for c in ("keep", "offload", "recompute", "recompute_offload")}
         return ", ".join(f"{n} {c}" for c, n in counts.items() if n) + f" of {len(self.choices)} layers"
 
 
@@ -119,9 +119,12 @@ def simulate(layers: Sequence[LayerMeasure], choices: Sequence[str], bandwidth_b
 
 
 def plan_layers(layers: Sequence[LayerMeasure], bandwidth_bps: float, *, head_s: float, double_buffer: bool,
-                keep_all_peak_bytes: int | None = None, budget_bytes: int | None = None) -> Plan:
+                keep_all_peak_bytes: int | None = None, budget_bytes: int | None = None,
+                may_recompute: bool = True) -> Plan:
     """`keep_all_peak_bytes`: the peak with every layer kept (estimated by the caller from its
-    calibration step); without it no peak is predicted and a budget cannot be planned for."""
+    calibration step); without it no peak is predicted and a budget cannot be planned for.
+    `may_recompute` false: the budget is met by offload alone (the layers are checkpointed
+    already, and `bytes` is what their checkpoints keep)."""
     n = len(layers)
     if bandwidth_bps <= 0:
         raise ValueError("the link bandwidth must be positive")
@@ -152,7 +155,7 @@ def plan_layers(layers: Sequence[LayerMeasure], bandwidth_bps: float, *, head_s:
             for i in range(n):
                 if choices[i] != "keep" or layers[i].bytes == 0:
                     continue
-                for choice in ("offload", "recompute"):
+                for choice in ("offload", "recompute") if may_recompute else ("offload",):
                     trial_choices = list(choices)
                     trial_choices[i] = choice
                     trial = simulate(layers, trial_choices, bandwidth_bps, head_s, double_buffer)
