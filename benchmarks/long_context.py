@@ -5,6 +5,9 @@ Variants in one run (rows to benchmarks/results/W2_long.jsonl):
   hf_grad_ckpt   transformers gradient checkpointing (non-reentrant), sdpa, transformers' loss
   hasten         hasten.accelerate: packed varlen attention, fused cross-entropy and dense
                  kernels, activation checkpointing full
+  hasten_offload hasten.accelerate after get_peft_model (PEFT's layers on the fused LoRA op), full
+                 checkpointing with every layer's checkpointed input on the host (offload all) and
+                 the MLP in tiles of --tile_tokens (sequence tiling)
 
 For each variant its lengths (--hf_lengths, --hasten_lengths) are tried in order until one runs
 out of memory, or until the next step would take longer than --max_step_s (predicted from the last
@@ -40,7 +43,7 @@ HASTEN_LENGTHS = "98304,131072,196608,262144"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(variant: str):
+def build(variant: str, tile_tokens: int = 16384):
     import peft
 
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -50,11 +53,21 @@ def build(variant: str):
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     handle = None
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
     if variant == "hf_grad_ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
+    elif variant == "hasten":
         handle = hasten.accelerate(model, Config.from_dict({"training": {"checkpoint": {"activations": "full"}}}))
-    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS))
+    elif variant == "hasten_offload":
+        model = peft.get_peft_model(model, lora)
+        checkpoint = {"activations": "full", "offload": "all", "mlp_tile_tokens": tile_tokens}
+        handle = hasten.accelerate(model.get_base_model(), Config.from_dict({"training": {"checkpoint": checkpoint}}))
+        print(handle.report(), flush=True)
+        model.train()
+        return model, handle
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    model = peft.get_peft_model(model, lora)
     model.train()
     return model, handle
 
@@ -92,16 +105,20 @@ def main() -> int:
     parser.add_argument("--hf_lengths", default=HF_LENGTHS)
     parser.add_argument("--hasten_lengths", default=HASTEN_LENGTHS)
     parser.add_argument("--max_step_s", type=float, default=200.0)
-    parser.add_argument("--variants", default="hf_grad_ckpt,hasten")
+    parser.add_argument("--variants", default="hf_grad_ckpt,hasten,hasten_offload")
+    parser.add_argument("--offload_lengths", default="131072,196608,262144,393216",
+                        help="the lengths hasten_offload tries")
+    parser.add_argument("--tile_tokens", type=int, default=16384, help="hasten_offload's MLP tile")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     run_id = common.new_run_id()
     rows = []
     for variant in args.variants.split(","):
-        model, handle = build(variant)
+        model, handle = build(variant, args.tile_tokens)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         trained, tried, capped = None, [], ""
-        lengths = [int(x) for x in (args.hf_lengths if variant.startswith("hf") else args.hasten_lengths).split(",")]
+        ladder = {"hf_grad_ckpt": args.hf_lengths, "hasten": args.hasten_lengths, "hasten_offload": args.offload_lengths}
+        lengths = [int(x) for x in ladder[variant].split(",")]
         for tokens in lengths:
             if trained and trained[1] * (tokens / trained[0]) ** 2 > args.max_step_s:
                 capped = (f"; stopped before {tokens} tokens: predicted step "
@@ -116,12 +133,16 @@ def main() -> int:
             if result is None:
                 break
             trained = (tokens, *result)
+        offload = handle.offload.summary() if handle is not None and handle.offload is not None else None
+        if offload:
+            print(f"{variant:>14} offload over its steps: {offload}", flush=True)
         rows.append({"workload": "W2_long", "variant": variant, **common.environment(),
                      "tokens_per_s": trained[0] / trained[1] if trained else None,
                      "step_s": trained[1] if trained else None, "peak_gib": trained[2] if trained else None,
                      "host_syncs_per_step": None, "correct": trained is not None,
                      "notes": f"longest trained {trained[0] if trained else 0} tokens; tried {tried}{capped}",
-                     "max_tokens": trained[0] if trained else 0, "run_id": run_id})
+                     "max_tokens": trained[0] if trained else 0, "run_id": run_id,
+                     **({"offload": offload} if offload else {})})
         if handle is not None:
             handle.undo()
         del model, optimizer

@@ -7,7 +7,9 @@ the result), W1's batch of 16,384 tokens in 61 samples. One run measures, on the
 
   hasten          hasten.accelerate after get_peft_model: packed varlen attention, fused norm,
                   SwiGLU, RoPE, loss, and PEFT's LoRA layers on hasten::lora_linear; no checkpointing
-  hasten_lean     the same with full activation checkpointing (hasten's lowest-memory setting)
+  hasten_lean     the same with full activation checkpointing
+  hasten_offload  full checkpointing with each layer's checkpointed input on the host (offload all)
+  hasten_tiled    hasten_offload with the MLP in tiles of 4,096 tokens (hasten's lowest-memory setting)
   hasten_peft_layers  hasten with kernels.fused_lora off (PEFT's own LoRA forward), full checkpointing:
                   what hasten ran before the fused LoRA op (its float32 input copies need it)
   hf_peft_packed  transformers + PEFT, one packed row with position_ids (sdpa, transformers' correct
@@ -21,6 +23,7 @@ W4_Q, the same with the base in 4 bits (bitsandbytes NF4, double-quantized stati
 compute; the same seed-0 weights saved once to /tmp/w4_llama8b and loaded quantized):
   hasten_nf4      hasten after get_peft_model: PEFT's 4-bit LoRA layers on hasten's fused path
   hasten_nf4_lean the same with full activation checkpointing
+  hasten_nf4_offload, hasten_nf4_tiled  as hasten_offload and hasten_tiled
   hf_peft_bnb     transformers + PEFT + bitsandbytes, packed with position_ids, gradient checkpointing
   unsloth_nf4     Unsloth's QLoRA (load_in_4bit), alone in its process like unsloth
 
@@ -151,8 +154,11 @@ def build(name: str, samples):
     model = peft_model(nf4=workload_of(name) == "W4_Q")
     if name.startswith("hasten"):
         full = {"training": {"checkpoint": {"activations": "full"}}}
-        settings = {"hasten": {}, "hasten_lean": full, "hasten_nf4": {}, "hasten_nf4_lean": full,
-                    "hasten_peft_layers": {"kernels": {"fused_lora": False}, **full}}[name]
+        offload = {"training": {"checkpoint": {"activations": "full", "offload": "all"}}}
+        tiled = {"training": {"checkpoint": {"activations": "full", "offload": "all", "mlp_tile_tokens": 4096}}}
+        settings = {"hasten": {}, "hasten_lean": full, "hasten_offload": offload, "hasten_tiled": tiled,
+                    "hasten_nf4": {}, "hasten_nf4_lean": full, "hasten_nf4_offload": offload,
+                    "hasten_nf4_tiled": tiled, "hasten_peft_layers": {"kernels": {"fused_lora": False}, **full}}[name]
         handle = hasten.accelerate(model.get_base_model(), Config.from_dict(settings))
         handles.append(handle)
         notes.append(handle.report().replace("\n", " | "))
@@ -196,8 +202,12 @@ def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
             print_profile(name, step)
         step_s = common.median(times)
         trainable = sum(p.numel() for p in params)
+        offload = [h.offload.summary() for h in handles if getattr(h, "offload", None) is not None]
+        if offload:  # counters over the run's steps: what went to the host, and the waits for it
+            print(f"{name:>18}: offload {offload[0]}", flush=True)
         return {"workload": workload_of(name), "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
                 "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count,
+                **({"offload": offload[0]} if offload else {}),
                 "losses": [round(float(v), 5) for v in losses], "trainable_params": trainable,
                 "notes": f"steps {[round(t, 3) for t in times]}; fallbacks {fallback_counts()}"
                          + "".join(f"; {n}" for n in notes)}
@@ -273,7 +283,8 @@ def main() -> int:
               f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}"
               f"  (vs {reference} {row.get(f'first_loss_diff_vs_{reference}', 0.0):.1e})", flush=True)
     base = {r["variant"]: r for r in rows if r["step_s"] is not None}
-    for mine in ("hasten", "hasten_lean", "hasten_nf4", "hasten_nf4_lean"):
+    for mine in ("hasten", "hasten_lean", "hasten_offload", "hasten_tiled", "hasten_nf4", "hasten_nf4_lean",
+                 "hasten_nf4_offload", "hasten_nf4_tiled"):
         for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_peft_layers", "hf_peft_padded", "hf_peft_bnb",
                     "unsloth_nf4"):
             if mine in base and ref in base:

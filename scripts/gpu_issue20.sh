@@ -26,7 +26,11 @@ export HASTEN_UNSLOTH_SITE=/tmp/unsloth_site
 
 if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
-    part gpu 150 python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} -q -rs
+    # bitsandbytes alone from the bundle (its CUDA 13 library) for the 4-bit LoRA test, without the
+    # bundle's other packages (its xformers does not load against this torch)
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import w4_unsloth; w4_unsloth.ensure_bundle('/tmp/unsloth_site')" \
+      > "$LOGS/bundle.log" 2>&1 && mkdir -p /tmp/bnb_site && ln -sfn /tmp/unsloth_site/bitsandbytes /tmp/bnb_site/bitsandbytes
+    PYTHONPATH=/tmp/bnb_site${PYTHONPATH:+:$PYTHONPATH} part gpu 150 python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w4 "* ]]; then
