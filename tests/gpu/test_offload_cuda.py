@@ -296,8 +296,9 @@ def test_random_layer_sizes_and_random_plans_give_the_same_gradients(trial):
 
 
 # ---- full checkpointing with offload, and the tiled MLP (training.checkpoint) ------------------
-def _accelerated(checkpoint: dict):
-    model = _model()
+def _accelerated(checkpoint: dict, layers: int = SHAPE["num_hidden_layers"]):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**(SHAPE | {"num_hidden_layers": layers}))).to("cuda", torch.bfloat16).train()
     handle = hasten.accelerate(model, Config.from_dict({"training": {"checkpoint": checkpoint}}))
     return model, handle
 
@@ -339,18 +340,21 @@ def test_checkpointed_inputs_on_the_host_train_like_full_checkpointing(tile_toke
 
 
 def test_checkpointed_inputs_offloaded_and_tiles_lower_the_peak():
+    """8 layers: full checkpointing holds all 8 inputs at the first backward; with offload the
+    device holds the last layer's and at most two more brought back ahead (the double buffer).
+    (With 4 layers, measured at 302dfb6, the double buffer took back the whole saving.)"""
     batch = _batches(1, seed=8, max_tokens=8192)[0]
-    peaks = {}
+    peaks, rows = {}, {}
     for name, checkpoint in [("full", {"activations": "full"}),
                              ("offload", {"activations": "full", "offload": "all"}),
                              ("tiled", {"activations": "full", "offload": "all", "mlp_tile_tokens": 2048})]:
-        model, handle = _accelerated(checkpoint)
+        model, handle = _accelerated(checkpoint, layers=8)
         peaks[name] = _step_peak(model, batch)
+        rows[name] = handle.offload.summary() if handle.offload is not None else None
         handle.undo()
         del model, handle
         gc.collect()
-    print("peaks above the step's start (MiB):", {k: v >> 20 for k, v in peaks.items()})
+    print("peaks above the step's start (MiB):", {k: v >> 20 for k, v in peaks.items()}, rows)
     hidden_bytes = int(batch["input_ids"].numel()) * SHAPE["hidden_size"] * 2
-    # 3 of the 4 inputs go to the host; the double buffer brings up to two back ahead of their recompute
-    assert peaks["full"] - peaks["offload"] >= hidden_bytes // 2, (peaks, hidden_bytes)
+    assert peaks["full"] - peaks["offload"] >= 4 * hidden_bytes, (peaks, hidden_bytes)
     assert peaks["tiled"] < peaks["offload"], peaks

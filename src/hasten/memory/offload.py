@@ -489,6 +489,7 @@ class OffloadManager:
         available = _available_host_bytes()
         self.host_limit_bytes = int(available * host_fraction) if available else None
         self._forwards = 0
+        self._boundary_max: tuple[int, str, int] = (0, "", 0)  # (bytes allocated, where, restored bytes held)
         self._timing: dict[int, list] = {}
         self._calibration_peak: int | None = None
         self._head_end = None
@@ -507,6 +508,7 @@ class OffloadManager:
     _PLAN_AT_FORWARD = 3
 
     def _observe(self, index: int, event: str) -> None:
+        self._note_memory(index, event)
         last = len(self.offload.layers) - 1
         if index == 0 and event == "forward_start":
             self._forwards += 1
@@ -521,6 +523,18 @@ class OffloadManager:
             self._head_end = _marker(device)
         if event == "backward_start" and index == 0 and device.type == "cuda":
             self._calibration_peak = torch.cuda.max_memory_allocated(device)
+
+    def _note_memory(self, index: int, event: str) -> None:
+        """The most device memory allocated at a layer boundary since the last summary, and where
+        (a host-side counter: no sync). It tells which part of the step holds the peak: the loss
+        (after the last forward), or a layer's backward, and what the device held there."""
+        device = self._layer_device(index)
+        if device.type != "cuda":
+            return
+        allocated = torch.cuda.memory_allocated(device)
+        if allocated > self._boundary_max[0]:
+            held = self.offload.engine.stats().device_bytes_held
+            self._boundary_max = (allocated, f"layer {index} {event}", held)
 
     def _layer_device(self, index: int) -> torch.device:
         if self._device is None:
@@ -589,6 +603,10 @@ class OffloadManager:
                ("calibrating" if self.mode == "auto" else self._static_plan_summary())}
         if self.offload.fell_back_to_single_buffer:
             row["single_buffer_reason"] = self.offload.fell_back_to_single_buffer
+        if self._boundary_max[1]:
+            allocated, where, held = self._boundary_max
+            row["boundary_max"] = {"gib": allocated / 2**30, "at": where, "restored_gib": held / 2**30}
+            self._boundary_max = (0, "", 0)
         return row
 
     def _static_plan_summary(self) -> str:
