@@ -125,6 +125,7 @@ TORCH_LIBRARY(hasten, m) {
       .def("fetch", &hasten::OffloadEngine::fetch)
       .def("release", &hasten::OffloadEngine::release)
       .def("poll", &hasten::OffloadEngine::poll)
+      .def("bound_in_flight", &hasten::OffloadEngine::bound_in_flight)
       .def("synchronize", &hasten::OffloadEngine::synchronize)
       .def("stats", &hasten::OffloadEngine::stats)
       .def("reset_counters", &hasten::OffloadEngine::reset_counters)

@@ -214,6 +214,35 @@ void OffloadEngine::synchronize() {
   poll_locked();
 }
 
+int64_t OffloadEngine::bound_in_flight(int64_t max_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  poll_locked();
+  int64_t waits = 0;
+  while (d2h_bytes_in_flight_ > max_bytes) {
+    c10::Event* oldest = nullptr;  // copies complete in issue order on the one D2H stream
+    for (const int64_t ticket : awaiting_store_) {
+      auto it = entries_.find(ticket);
+      if (it != entries_.end() && it->second.stored && it->second.device_source.defined()) {
+        oldest = it->second.stored.get();
+        break;
+      }
+    }
+    if (oldest == nullptr) {  // only released entries still copying: wait for one of them
+      for (auto& e : retired_) {
+        if (e.stored && e.device_source.defined() && !done(e.stored)) {
+          oldest = e.stored.get();
+          break;
+        }
+      }
+    }
+    if (oldest == nullptr) break;
+    oldest->synchronize();
+    ++waits;
+    poll_locked();
+  }
+  return waits;
+}
+
 std::vector<int64_t> OffloadEngine::stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   poll_locked();

@@ -47,6 +47,12 @@ class OffloadEngine : public torch::CustomClassHolder {
   int64_t poll();
   // Waits for every copy in flight (end of step, tests).
   void synchronize();
+  // Blocks the host, oldest device-to-host copy first, until at most `max_bytes` of them are in
+  // flight, releasing their device sources; returns how many copies it waited for. A host that
+  // runs ahead of the device (no syncs in a step) would otherwise still hold, at the loss, the
+  // device copies of every layer whose offload the device has not reached yet: allocated memory
+  // is the host's view, and only a completed copy lets the allocator hand the block out again.
+  int64_t bound_in_flight(int64_t max_bytes);
   // [bytes_offloaded, bytes_fetched, bytes_prefetched, d2h_bytes_in_flight, device_bytes_held,
   //  host_bytes_held, fetches, exposed_fetches, exposed_wait_us, tickets]
   std::vector<int64_t> stats();

@@ -358,3 +358,28 @@ def test_checkpointed_inputs_offloaded_and_tiles_lower_the_peak():
     hidden_bytes = int(batch["input_ids"].numel()) * SHAPE["hidden_size"] * 2
     assert peaks["full"] - peaks["offload"] >= 4 * hidden_bytes, (peaks, hidden_bytes)
     assert peaks["tiled"] < peaks["offload"], peaks
+
+
+def test_copies_behind_a_host_that_runs_ahead_are_done_before_the_loss():
+    """The device sleeps while the host queues the forward (as in a step without syncs): the
+    offload copies would still be in flight at the loss, holding their device memory; the host
+    waits for them instead (at most two layers' worth during the forward, none at its end)."""
+    batch = _batches(1, seed=9, max_tokens=8192)[0]
+    model, handle = _accelerated({"activations": "full", "offload": "all"}, layers=8)
+    model(**batch).loss.backward()  # warm-up: pools, kernels
+    model.zero_grad(set_to_none=True)
+    handle.offload.summary()
+    engine = handle.offload.offload.engine
+    seen = {}
+    last = decoder_layers(model)[-1]
+    probe = last.register_forward_hook(lambda *args: seen.setdefault("in_flight", engine.stats().d2h_bytes_in_flight))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # about a quarter of a second of device time queued first
+    model(**batch).loss.backward()
+    torch.cuda.synchronize()
+    probe.remove()
+    row = handle.offload.summary()
+    print("after a sleeping device:", row, seen)
+    assert seen["in_flight"] == 0  # hasten's own post-forward hook of the last layer ran first
+    assert row["forward_waits"] > 0
+    handle.undo()

@@ -299,3 +299,15 @@ def test_full_checkpointing_with_offload_is_accepted_and_reported_on_cpu():
     finally:
         handle.undo()
     assert not any(layer.gradient_checkpointing for layer in decoder_layers(model))
+
+
+def test_bounded_copies_wait_for_nothing_on_the_cpu_and_are_counted():
+    """bound_in_flight waits only for device copies; the CPU engine copies synchronously, so a
+    forward under offload waits for none, and the summary says so."""
+    model = _model()
+    manager = OffloadManager(model, "all", min_bytes=0)
+    model(**_batch()).loss.backward()
+    assert manager.offload.engine.bound_in_flight(0) == 0
+    row = manager.summary()
+    assert row["forward_waits"] == 0 and "boundary_max" not in row  # boundaries are measured on a GPU
+    manager.detach()

@@ -38,6 +38,10 @@ from hasten.ops._lib import load
 
 logger = logging.getLogger("hasten")
 
+# Device-to-host copies a forward lets run behind the host, in layers' worth of bytes: beyond it the
+# host waits for the oldest (see OffloadEngine.bound_in_flight). A host ahead of the device by more
+# layers would hold their device copies at the loss, where the step's memory peaks.
+D2H_LAYERS_IN_FLIGHT = 2
 PLAN_CHOICES = ("keep", "offload", "recompute", "recompute_offload")
 RECOMPUTED = ("recompute", "recompute_offload")
 TO_HOST = ("offload", "recompute_offload")
@@ -85,6 +89,11 @@ class OffloadEngine:
 
     def poll(self) -> int:
         return self._engine.poll()
+
+    def bound_in_flight(self, max_bytes: int) -> int:
+        """Waits (host) for the oldest device-to-host copies until at most `max_bytes` are in
+        flight; returns how many it waited for (0 on the CPU, where copies are synchronous)."""
+        return self._engine.bound_in_flight(int(max_bytes))
 
     def synchronize(self) -> None:
         self._engine.synchronize()
@@ -172,6 +181,7 @@ class LayerOffload:
         self.min_bytes = min_bytes
         self.engine = engine or OffloadEngine()
         self.fell_back_to_single_buffer: str | None = None
+        self.forward_waits = 0  # host waits for device-to-host copies (D2H_LAYERS_IN_FLIGHT), since the last summary
         self.bytes_per_layer = [0] * len(self.layers)  # of the latest forward
         # tickets of each layer of the graph being built or run: weak, autograd owns them
         self._layer_tickets: list[list[weakref.ref]] = [[] for _ in self.layers]
@@ -275,10 +285,10 @@ class LayerOffload:
         if index == 0:
             self._start_graph()
         else:
-            # releases the device copies of offloads that have completed: without this, nothing
+            # releases the device copies of offloads that have completed (without this, nothing
             # polls during the kept layers after the last offloaded one, and the memory would
-            # stay held through the peak at the loss
-            self.engine.poll()
+            # stay held through the peak at the loss), waiting for the oldest beyond the bound
+            self._bound_copies(D2H_LAYERS_IN_FLIGHT * max(self.bytes_per_layer, default=0))
         for observer in self.layer_observers:
             observer(index, "forward_start")
         self.bytes_per_layer[index] = 0
@@ -294,13 +304,19 @@ class LayerOffload:
             if not torch.is_grad_enabled() or _in_backward():
                 return
             if index == len(self.layers) - 1:
-                self.engine.poll()  # the last chance before the LM head and loss, where the peak is
+                self._bound_copies(0)  # every copy done before the LM head and loss, where the peak is
             for observer in self.layer_observers:
                 observer(index, "forward_end")
             grad_output = _first_grad_tensor(output)
             if grad_output is not None:
                 grad_output.register_hook(self._backward_start(index))
         return hook
+
+    def _bound_copies(self, max_bytes: int) -> None:
+        if any(choice in TO_HOST for choice in self.plan):
+            self.forward_waits += self.engine.bound_in_flight(max_bytes)
+        else:
+            self.engine.poll()
 
     def _start_graph(self) -> None:
         self._by_storage.clear()
@@ -489,7 +505,8 @@ class OffloadManager:
         available = _available_host_bytes()
         self.host_limit_bytes = int(available * host_fraction) if available else None
         self._forwards = 0
-        self._boundary_max: tuple[int, str, int] = (0, "", 0)  # (bytes allocated, where, restored bytes held)
+        # (bytes allocated, where, restored bytes held, device-to-host bytes in flight)
+        self._boundary_max: tuple[int, str, int, int] = (0, "", 0, 0)
         self._timing: dict[int, list] = {}
         self._calibration_peak: int | None = None
         self._head_end = None
@@ -533,8 +550,9 @@ class OffloadManager:
             return
         allocated = torch.cuda.memory_allocated(device)
         if allocated > self._boundary_max[0]:
-            held = self.offload.engine.stats().device_bytes_held
-            self._boundary_max = (allocated, f"layer {index} {event}", held)
+            stats = self.offload.engine.stats()
+            self._boundary_max = (allocated, f"layer {index} {event}", stats.device_bytes_held,
+                                  stats.d2h_bytes_in_flight)
 
     def _layer_device(self, index: int) -> torch.device:
         if self._device is None:
@@ -599,14 +617,17 @@ class OffloadManager:
         row = {"gib_offloaded": stats.bytes_offloaded / 2**30, "gib_fetched": stats.bytes_fetched / 2**30,
                "fetches": stats.fetches, "exposed_fetches": stats.exposed_fetches,
                "exposed_wait_ms": stats.exposed_wait_ms, "double_buffer": self.offload.double_buffer,
+               "forward_waits": self.offload.forward_waits,
                "plan": self.plan.summary() if self.plan else
                ("calibrating" if self.mode == "auto" else self._static_plan_summary())}
         if self.offload.fell_back_to_single_buffer:
             row["single_buffer_reason"] = self.offload.fell_back_to_single_buffer
+        self.offload.forward_waits = 0
         if self._boundary_max[1]:
-            allocated, where, held = self._boundary_max
-            row["boundary_max"] = {"gib": allocated / 2**30, "at": where, "restored_gib": held / 2**30}
-            self._boundary_max = (0, "", 0)
+            allocated, where, held, in_flight = self._boundary_max
+            row["boundary_max"] = {"gib": allocated / 2**30, "at": where, "restored_gib": held / 2**30,
+                                   "d2h_in_flight_gib": in_flight / 2**30}
+            self._boundary_max = (0, "", 0, 0)
         return row
 
     def _static_plan_summary(self) -> str:
