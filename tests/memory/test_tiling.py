@@ -72,10 +72,10 @@ def test_tiled_mlp_under_lora_gives_the_adapters_gradients():
 class _MLP(nn.Module):
     def __init__(self, hidden=6, intermediate=40):
         super().__init__()
-        self.up, self.down = nn.Linear(hidden, intermediate), nn.Linear(intermediate, hidden)
+        self.up_proj, self.down_proj = nn.Linear(hidden, intermediate), nn.Linear(intermediate, hidden)
 
     def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
+        return self.down_proj(torch.relu(self.up_proj(x)))
 
 
 def _saved_bytes(fn):
@@ -144,3 +144,12 @@ def test_a_model_with_experts_reports_the_untiled_blocks():
 def test_bad_tiling_config_is_refused(raw, message):
     with pytest.raises(ConfigError, match=message):
         Config.from_dict({"training": raw})
+
+
+def test_an_moe_block_named_mlp_is_not_tiled():
+    """gpt-oss's GptOssMLP holds a router and experts and returns its router scores too."""
+    torch.manual_seed(0)
+    model = zoo.build(zoo.ENTRIES["gpt_oss"])
+    undo, count, refused = install_mlp_tiling(model, 4)
+    assert count == 0 and refused == ["GptOssMLP is not a dense MLP (routed experts are not tiled)"]
+    undo()

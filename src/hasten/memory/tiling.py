@@ -69,10 +69,16 @@ class _TiledMLP(torch.autograd.Function):
         return (None, None, grad_x, *param_grads)
 
 
+_ROUTING_CHILDREN = ("experts", "router", "gate")  # an MoE block's (a dense MLP's gate is `gate_proj`)
+
+
 def tiling_refusal(mlp: nn.Module) -> str | None:
-    """Why this decoder layer's `mlp` is not tiled; None when it is a dense MLP without dropout."""
+    """Why this decoder layer's `mlp` is not tiled; None when it is a dense MLP without dropout: an
+    ...MLP class with a `down_proj` and no experts or router (gpt-oss's GptOssMLP is an MoE block,
+    and returns its router scores too)."""
     name = type(mlp).__name__
-    if not name.endswith("MLP"):
+    routed = [child for child in _ROUTING_CHILDREN if isinstance(getattr(mlp, child, None), nn.Module)]
+    if not name.endswith("MLP") or routed or not isinstance(getattr(mlp, "down_proj", None), nn.Module):
         return f"{name} is not a dense MLP (routed experts are not tiled)"
     for child in mlp.modules():
         if isinstance(child, nn.Dropout) and child.p > 0:
