@@ -135,7 +135,8 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
           attn_implementation="eager", notes="the reference runs eager: transformers 5.17 picks sdpa for it, which "
           "drops the softcap"),
     Entry("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                          layer_types=SLIDING_3, rope_parameters=dict(rope_type="default", rope_theta=10000.0)), "transformers", tensor_feature_off=_zero_sinks),
+                          layer_types=SLIDING_3, rope_parameters=dict(rope_type="default", rope_theta=10000.0)), "hasten",
+          tensor_feature_off=_zero_sinks),
     Entry("deepseek_v3", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
                               v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                               moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,

@@ -16,8 +16,12 @@ struct Sequence {
 };
 
 // Scores of one sequence [start, end): softmax probabilities and their log-sum-exp (Hq, L).
+// `given_lse` (the backward): the probabilities are exp(score - given_lse), with the forward's
+// statistics as cuDNN and flash-attn take them, so a caller's statistics set the softmax's
+// denominator (attention sinks: the forward's lse with each head's sink logit added in).
 std::tuple<Sequence, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                                        int64_t end, double scale, bool causal, int64_t window, double softcap) {
+                                        int64_t end, double scale, bool causal, int64_t window, double softcap,
+                                        const at::Tensor& given_lse = {}) {
   const int64_t groups = q.size(1) / k.size(1), length = end - start;
   auto heads_first = [&](const at::Tensor& x) { return x.slice(0, start, end).to(at::kFloat).permute({1, 0, 2}); };
   Sequence s{heads_first(q), heads_first(k).repeat_interleave(groups, 0), heads_first(v).repeat_interleave(groups, 0),
@@ -31,7 +35,7 @@ std::tuple<Sequence, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k
   if (causal) scores.masked_fill_(at::ones({length, length}, at::kBool).triu(1), -INFINITY);
   // key j hidden from query i when j <= i - window: each query keeps itself and window - 1 before it
   if (window > 0) scores.masked_fill_(at::ones({length, length}, at::kBool).tril(-window), -INFINITY);
-  auto lse = at::logsumexp(scores, -1);
+  auto lse = given_lse.defined() ? given_lse : at::logsumexp(scores, -1);
   s.probs = at::exp(scores - lse.unsqueeze(-1));
   return {s, lse};
 }
@@ -91,7 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
   for (int64_t b = 0; b + 1 < cu_seqlens.numel(); ++b) {
     const int64_t start = cu[b], end = cu[b + 1];
     if (end <= start) continue;
-    auto [s, unused] = attend(q, k, v, start, end, scale, causal, window, softcap);
+    auto [s, unused] = attend(q, k, v, start, end, scale, causal, window, softcap,
+                              lse.slice(0, start, end).t().to(at::kFloat));  // (Hq, L)
     auto d_out = grad_out.slice(0, start, end).to(at::kFloat).permute({1, 0, 2});           // (Hq, L, D)
     auto o = out.slice(0, start, end).to(at::kFloat).permute({1, 0, 2});
     auto d_probs = at::matmul(d_out, s.v.transpose(1, 2));                                   // (Hq, L, L)

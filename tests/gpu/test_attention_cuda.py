@@ -159,3 +159,35 @@ def test_cudnn_softcap_matches_the_float32_reference(causal, window, softcap, he
     for label, g, w in zip(("dq", "dk", "dv"), grads, ref_grads):
         rel = float((g.float().cpu() - w.float()).norm() / w.float().norm())
         assert rel < 2e-2, f"{label}: relative error {rel:.2e} against the float32 reference"
+
+
+@needs_cudnn_op
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (7, 0.0), (33, 1.0)])
+def test_cudnn_attention_sinks_match_the_float32_reference(window, softcap):
+    """gpt-oss's attention sinks on cuDNN (hasten_py::varlen_attention_sinks: the forward's
+    log-sum-exp with each head's sink added, and cuDNN's backward given those statistics and the
+    sink-scaled output): output and the gradients of q, k, v and the sinks against the same op on
+    the CPU's float32 reference, bf16 inputs, one-token samples and samples past the window."""
+    from hasten.ops.attention import varlen_attention_sinks
+
+    lengths = [5, 130, 1, 64, 300, 1]
+    gen = torch.Generator(device="cuda").manual_seed(window + 11)
+    t, head_dim = sum(lengths), 64
+    q, k, v, grad = (torch.randn(t, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for h in (4, 2, 2, 4))
+    sinks = torch.randn(4, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    scale = head_dim ** -0.5
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    cpu = [x.detach().cpu().requires_grad_() for x in (q, k, v, sinks)]
+    out = varlen_attention_sinks(*leaves[:3], cu, max(lengths), leaves[3], scale, True, window, softcap)
+    ref = varlen_attention_sinks(*cpu[:3], cu.cpu(), max(lengths), cpu[3], scale, True, window, softcap)
+    no_sink = torch.ops.hasten.varlen_attention(*(x.detach() for x in cpu[:3]), cu.cpu(), max(lengths), scale,
+                                                True, window, softcap)[0]
+    assert (no_sink.float() - ref.detach().float()).abs().max() > 0.05  # the sinks matter at these values
+    torch.testing.assert_close(out.detach().float().cpu(), ref.detach().float(), atol=2e-2, rtol=0)
+    out.backward(grad)
+    ref.backward(grad.cpu())
+    for label, g, w in zip(("dq", "dk", "dv", "dsinks"), leaves, cpu):
+        rel = float((g.grad.float().cpu() - w.grad.float()).norm() / w.grad.float().norm())
+        assert rel < 2e-2, f"{label}: relative error {rel:.2e} against the float32 reference"

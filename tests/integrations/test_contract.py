@@ -273,3 +273,50 @@ def test_gemma2_generation_keeps_the_softcap_and_causality():
     for g, w in zip(got.logits, want.logits):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     handle.undo()
+
+
+def test_gpt_oss_padded_batches_and_generation_keep_the_sinks():
+    """gpt-oss's sinks on the paths hasten's varlen op does not take: a padded batch and decoding
+    against a cache run the model's own eager attention (which reads module.sinks) with the additive
+    mask; loss, gradients (the sinks' too) and generated logits equal the unpatched model's."""
+    import hasten
+    from tests import model_zoo as zoo
+
+    reference = zoo.build(zoo.ENTRIES["gpt_oss"])
+    patched = zoo.clone(reference)
+    batch = zoo.padded_batch(zoo.samples())
+    want = reference(**batch).loss
+    want.backward()
+    handle = hasten.accelerate(patched)
+    assert any(item.startswith("varlen attention (packed") for item in handle.active), handle.report()
+    got = patched(**batch).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    errors = zoo.relative_errors(zoo.gradients(patched), zoo.gradients(reference))
+    assert any("sinks" in name for name in errors)
+    assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda item: item[1])
+    reference.eval()
+    patched.eval()
+    prompt = torch.tensor([zoo.samples()[0]["input_ids"]])
+    with torch.no_grad():
+        want_gen = reference.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True)
+        got_gen = patched.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)
+    assert torch.equal(got_gen.sequences, want_gen.sequences)
+    for g, w in zip(got_gen.logits, want_gen.logits):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    handle.undo()
+
+
+def test_a_module_with_sinks_whose_call_passes_none_is_refused():
+    from hasten.integrations.transformers import _attention_sinks
+
+    module = _Attention()
+    assert _attention_sinks(module, None) is None  # no sinks anywhere
+    module.sinks = nn.Parameter(torch.zeros(4))
+    assert _attention_sinks(module, module.sinks) is module.sinks
+    with pytest.raises(NotImplementedError, match="passes none"):
+        _attention_sinks(module, None)
+    with pytest.raises(NotImplementedError, match="not its module's `sinks`"):
+        _attention_sinks(module, torch.zeros(4))

@@ -151,7 +151,10 @@ def test_table_types_run_every_piece_their_entry_declares(name):
     assert any(item.startswith("fused cross-entropy (LM head") for item in handle.active), handle.report()
     # what stays off is only what the entry says is torch's own kernel already
     allowed = ("fused norm (the model's", "fused MLP (an ungated MLP") + (
-        ("fused SwiGLU (no gated MLP modules",) if spec.family == "moe" else ())
+        ("fused SwiGLU (no gated MLP modules",) if spec.family == "moe" else ()) + (
+        ("fused MoE experts (",) if spec.experts else ())  # declared: the experts stay transformers'
+    if spec.experts:
+        assert any(item.startswith("fused MoE experts (") for item in handle.inactive), handle.report()
     off = [item for item in handle.inactive if item.startswith("fused") and not item.startswith(allowed)]
     assert not off, handle.report()
     handle.undo()

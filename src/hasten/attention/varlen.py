@@ -248,7 +248,7 @@ def _capped_scores(qs, ks, scale: float, softcap: float) -> torch.Tensor:
 
 
 def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dropout: float,
-                  softcap: float = 0.0) -> torch.Tensor:
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty_like(q)
     groups = q.shape[1] // k.shape[1]
     bounds = cu_seqlens.tolist()  # host sync per call: this path is the fallback
@@ -256,12 +256,19 @@ def _per_sequence(q, k, v, cu_seqlens, scale, causal: bool, left_window: int, dr
         if end == start:
             continue
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, _repeat_kv(k, groups), _repeat_kv(v, groups)))
-        if softcap > 0.0:  # sdpa has no softcap: the scores written out, as the model's eager attention does
-            scores = _capped_scores(qs, ks, q.shape[-1] ** -0.5 if scale is None else scale, softcap)
+        if softcap > 0.0 or sinks is not None:  # sdpa has neither: the scores written out, as the model's eager
+            scale_used = q.shape[-1] ** -0.5 if scale is None else scale  # attention does
+            scores = (_capped_scores(qs, ks, scale_used, softcap) if softcap > 0.0
+                      else qs @ ks.transpose(1, 2) * scale_used)
             allowed = _allowed_keys(end - start, causal, left_window, q.device)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
+            compute = torch.promote_types(q.dtype, torch.float32)
+            if sinks is not None:  # (H, L, L + 1): each head's sink logit in the denominator, dropped after
+                sink = sinks.to(compute).view(-1, 1, 1).expand(-1, end - start, 1)
+                probs = torch.softmax(torch.cat([scores.to(compute), sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1, dtype=compute)
             probs = F.dropout(probs.to(q.dtype), p=dropout)
             out[start:end] = (probs @ vs).transpose(0, 1)
             continue
@@ -367,11 +374,14 @@ def _cudnn_max_seqlen(max_seqlen: int) -> int:
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      *, scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                      softcap: float | None = None, dropout: float = 0.0, backend: str = "auto",
-                     gqa: GqaMode = "auto", facts: BackendFacts | None = None) -> torch.Tensor:
+                     gqa: GqaMode = "auto", facts: BackendFacts | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every packed sequence to itself only. Returns (T, Hq, D). `softcap` c: the
     scaled scores s become c * tanh(s / c) before the mask (Gemma 2's attn_logit_softcapping;
     cuDNN and flash-attn compute it, torch's varlen kernel does not, so without those it runs one
-    sequence at a time). `facts`: what the process can run (accelerate() reads them once; read per
+    sequence at a time). `sinks` (Hq,): a logit per query head in every softmax's denominator
+    (gpt-oss): hasten's own op (cuDNN, or its CPU reference) computes it packed, anything else one
+    sequence at a time. `facts`: what the process can run (accelerate() reads them once; read per
     call when not given, which torch.compile cannot trace)."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
@@ -385,6 +395,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         facts = backend_facts()
     # sliding_window W (transformers' meaning): a query sees itself and the W - 1 tokens before it.
     left = sliding_window - 1 if sliding_window is not None else -1
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, cu_seqlens, max_seqlen, scale, causal, sliding_window, softcap,
+                                     dropout, sinks, backend, facts, left)
     chosen = select_backend(q, backend, facts=facts)
     if chosen == "cudnn" and dropout > 0.0:
         record_fallback("cudnn_attention_features", "cuDNN packed attention is not used for layers with dropout; "
@@ -432,3 +445,35 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if groups > 1 and not native:
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     return _call_torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale, native, window, facts)
+
+
+def _attention_with_sinks(q, k, v, cu_seqlens, max_seqlen: int, scale, causal: bool, sliding_window, softcap: float,
+                          dropout: float, sinks: torch.Tensor, backend: str, facts: BackendFacts,
+                          left: int) -> torch.Tensor:
+    """varlen_attention with sinks: hasten's op where it runs (cuDNN on a GPU, its float32 reference
+    on the CPU: the log-sum-exp it returns is what a sink adds to), else one sequence at a time.
+    flash-attn 2 and torch's varlen kernel take no sink."""
+    reason = None
+    if dropout > 0.0:
+        reason = f"attention dropout ({dropout:g}): hasten's op has none"
+    elif q.device.type == "cuda":
+        chosen = select_backend(q, backend, facts=facts)
+        if chosen != "cudnn":
+            reason = f"the {chosen} backend has no attention sinks (hasten's cuDNN op computes them packed)"
+    elif q.device.type != "cpu":
+        reason = f"hasten's op has no kernel for {q.device.type} tensors"
+    if reason is None:
+        from hasten.ops.attention import varlen_attention_sinks
+
+        bucketed = _cudnn_max_seqlen(max_seqlen) if torch.compiler.is_compiling() and q.is_cuda else max_seqlen
+        try:
+            return varlen_attention_sinks(q, k, v, cu_seqlens, bucketed, sinks, scale, causal, sliding_window or 0,
+                                          softcap)
+        except RuntimeError as exc:  # a shape cuDNN refuses
+            if torch.compiler.is_compiling():
+                raise
+            reason = f"cuDNN refused this batch ({exc})"
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(f"hasten's attention with sinks cannot run compiled here: {reason}")
+    record_fallback("attention_sinks", f"attention sinks run one sequence at a time: {reason}")
+    return _per_sequence(q, k, v, cu_seqlens, scale, causal, left if causal else -1, dropout, softcap, sinks)

@@ -184,6 +184,8 @@ def _kernel_cos_sin(cos: torch.Tensor, sin: torch.Tensor, spec: RotarySpec):
     if spec.cos_first_half:
         cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
         sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    if spec.half_width_cos:  # one value per frequency, for both halves
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return cos, sin
 
 
@@ -210,8 +212,10 @@ def rope_mismatch(original, head_dim: int, spec: RotarySpec = _HALVES, rotary_di
     width = rotary_dim or head_dim
     width = max(2, width - width % 2)
     gen = torch.Generator().manual_seed(0)
-    # any cos and sin, not only rotary ones: the kernel reads them per element, as the model does
-    cos, sin = torch.randn(2, 5, width, generator=gen), torch.randn(2, 5, width, generator=gen)
+    # any cos and sin, not only rotary ones: the kernel reads them per element, as the model does;
+    # as wide as the model passes them (half the rotary width where one value serves both halves)
+    passed = width // 2 if spec.half_width_cos else width
+    cos, sin = torch.randn(2, 5, passed, generator=gen), torch.randn(2, 5, passed, generator=gen)
     error = 0.0
     for unsqueeze_dim in (1, 2):
         heads_at = unsqueeze_dim  # (B, heads, L, D) or (B, L, heads, D)

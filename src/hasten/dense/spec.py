@@ -60,6 +60,9 @@ class RotarySpec:
     partial        the rotated width R is below head_dim (`partial_rotary_factor`: Phi-3, GLM-4);
                    the rest of each head passes through. R is read from cos at every call.
     single_tensor  the function rotates one tensor, `apply_rotary_pos_emb(x, cos, sin)` (Gemma 4)
+    half_width_cos cos and sin carry one value per frequency (R/2) for both halves (gpt-oss's
+                   `_apply_rotary_emb`: x1 * cos - x2 * sin, x2 * cos + x1 * sin); hasten repeats
+                   them to R
     note           what the model's own code does around it (no-rotary layers, two bases)
     """
 
@@ -67,6 +70,7 @@ class RotarySpec:
     cos_first_half: bool = False
     partial: bool = False
     single_tensor: bool = False
+    half_width_cos: bool = False
     note: str = ""
 
 

@@ -38,6 +38,9 @@ class ArchSpec:
     # as transformers wrote them; a packed batch with image tokens is refused, since image tokens
     # attend to each other both ways); empty for a text model
     vision: str = ""
+    # an MoE entry whose experts stay transformers' (what they compute that hasten's fused path
+    # does not yet); empty: the fused MoE path is expected to take them (its probe still decides)
+    experts: str = ""
     notes: str = ""
 
 
@@ -140,6 +143,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "hunyuan_v1_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), model_code=("shared expert",)),
     "flex_olmo": ArchSpec("moe", norm=NormSpec(placement="post", qk_norm=True),
                           notes="OLMo-2-style post-norms, q/k norms over the whole projection"),
+    "gpt_oss": ArchSpec("moe", rotary=RotarySpec(half_width_cos=True),
+                        attention=(_LAYER_WINDOWS, "attention sinks (a logit per head in the softmax denominator)",
+                                   "qkv bias"),
+                        experts=("a clamped SwiGLU (alpha, limit) on interleaved gate/up columns with expert biases: "
+                                 "transformers' experts run"),
+                        model_code=("router with a bias, top-k before its softmax",)),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),

@@ -60,13 +60,13 @@ def _nonzero(value) -> bool:
 
 def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     """Attention features of this model that hasten's varlen attention does not compute, by name
-    (sinks, mla, chunked, bidirectional, alibi, layer_types, multimodal) with a line for the
-    report. (Attention logit softcapping is computed: cuDNN's score modifier, flash-attn, or one
-    sequence at a time; the attention call's `softcap` is what each path reads.)"""
+    (mla, chunked, bidirectional, alibi, layer_types, multimodal) with a line for the report.
+    (Attention logit softcapping and sinks are computed: the attention call's `softcap` and `s_aux`
+    are what each path reads: cuDNN's score modifier or flash-attn for the cap, hasten's op for
+    sinks, else one sequence at a time; a module with sinks whose call passes none is refused at
+    the call.)"""
     config = text_config(model)
     missing: dict[str, str] = {}
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
-        missing["sinks"] = "attention sinks (a learned per-head logit in the softmax denominator)"
     qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)
     if qk_dim is not None and v_dim is not None and qk_dim != v_dim:
         missing["mla"] = (f"a value head size ({v_dim}) other than the query/key head size ({qk_dim}) "

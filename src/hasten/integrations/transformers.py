@@ -91,6 +91,7 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     caller_causal = {} if is_causal is None else {"is_causal": is_causal}  # for the dense fallbacks, as given
     softcap = kwargs.pop("softcap", None) or None  # Gemma 2's attn_logit_softcapping: every path applies it
+    sinks = _attention_sinks(module, kwargs.pop("s_aux", None))  # gpt-oss: every path applies them
     check_attention_kwargs(kwargs, module)
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"hasten's varlen attention takes one head size for queries, keys and values; "
@@ -115,18 +116,18 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     cu_seqlens, max_seqlen = kwargs.get(CU_Q), kwargs.get(MAX_Q)
     position_ids = kwargs.get("position_ids")
     if q_len != key.shape[2]:  # decoding against a KV cache: not a training path, never packed
-        return _dense_attention(module, softcap)(module, query, key, value, attention_mask, scaling=scaling,
-                                                 dropout=dropout, **_without_packing(kwargs), **caller_causal,
-                                                 **_softcap_kwarg(softcap))
+        return _dense_attention(module, softcap, sinks)(module, query, key, value, attention_mask, scaling=scaling,
+                                                        dropout=dropout, **_without_packing(kwargs), **caller_causal,
+                                                        **_softcap_kwarg(softcap), **_sinks_kwarg(sinks))
     if cu_seqlens is None:
         if attention_mask is not None:
             record_fallback("attention_padded_batch", "a batch came with a padding attention_mask, so attention ran "
                             "through transformers' sdpa (eager with a softcap) with a dense mask; pack the batch "
                             "with hasten.PackingCollator (or pass position_ids without attention_mask) for the "
                             "varlen path")
-            return _dense_attention(module, softcap)(module, query, key, value, attention_mask, scaling=scaling,
-                                                     dropout=dropout, **kwargs, **caller_causal,
-                                                     **_softcap_kwarg(softcap))
+            return _dense_attention(module, softcap, sinks)(module, query, key, value, attention_mask,
+                                                            scaling=scaling, dropout=dropout, **kwargs, **caller_causal,
+                                                            **_softcap_kwarg(softcap), **_sinks_kwarg(sinks))
         if position_ids is not None:
             # metadata_cache off (or a caller that bypassed the model hook): derive in this layer.
             meta = PackedMeta.from_position_ids(position_ids)
@@ -143,7 +144,8 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
     out = varlen_attention(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), int(max_seqlen),
                            scale=scaling, causal=causal, sliding_window=sliding_window, softcap=softcap,
-                           dropout=dropout, backend=settings.backend, gqa=settings.gqa, facts=settings.facts)
+                           dropout=dropout, backend=settings.backend, gqa=settings.gqa, facts=settings.facts,
+                           sinks=sinks)
     return out.view(batch, q_len, out.shape[1], out.shape[2]), None
 
 
@@ -151,16 +153,42 @@ def _softcap_kwarg(softcap: float | None) -> dict:
     return {"softcap": softcap} if softcap else {}
 
 
-def _dense_attention(module: torch.nn.Module, softcap: float | None):
+def _sinks_kwarg(sinks: torch.Tensor | None) -> dict:
+    return {"s_aux": sinks} if sinks is not None else {}
+
+
+def _attention_sinks(module: torch.nn.Module, s_aux) -> torch.Tensor | None:
+    """The sink logits (Hq,) this attention call computes with: gpt-oss passes its module's
+    `sinks` as `s_aux` (and its eager attention reads `module.sinks`). A module with sinks whose
+    call passes none, or passes other ones, is refused: hasten cannot tell which the model means."""
+    own = getattr(module, "sinks", None)
+    if s_aux is None:
+        if isinstance(own, torch.Tensor):
+            raise NotImplementedError(f"{type(module).__name__} has attention sinks (`sinks`) but its attention call "
+                                      "passes none (`s_aux`); rather than drop them, hasten stops: leave this model's "
+                                      "attention to transformers (training.packed_sequence: false)")
+        return None
+    if not isinstance(s_aux, torch.Tensor) or s_aux is not own:
+        raise NotImplementedError(f"{type(module).__name__}'s attention call passes `s_aux` that is not its module's "
+                                  "`sinks` parameter; hasten computes sinks as gpt-oss defines them and stops here")
+    return s_aux
+
+
+def _dense_attention(module: torch.nn.Module, softcap: float | None, sinks: torch.Tensor | None = None):
     """The dense attention for a padded batch or a decoding step: transformers' sdpa, or with a
-    softcap (which sdpa ignores) the modeling file's own eager attention, which applies it."""
-    if not softcap:
+    softcap or sinks (which sdpa ignores) the modeling file's own eager attention, which applies
+    them (gpt-oss's reads `module.sinks`)."""
+    if not softcap and sinks is None:
         return sdpa_attention_forward
     own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if own is None or "softcap" not in inspect.signature(own).parameters:
+    if softcap and (own is None or "softcap" not in inspect.signature(own).parameters):
         raise NotImplementedError(f"{type(module).__name__} passes softcap={softcap} on a padded batch (or a decoding "
                                   "step) and its modeling file has no eager attention taking a softcap; transformers' "
                                   "sdpa would drop it. Pack the batch (hasten.PackingCollator)")
+    if sinks is not None and (own is None or "sinks" not in inspect.getsource(own)):
+        raise NotImplementedError(f"{type(module).__name__} has attention sinks on a padded batch (or a decoding step) "
+                                  "and its modeling file has no eager attention that applies them; transformers' sdpa "
+                                  "would drop them. Pack the batch (hasten.PackingCollator)")
 
     def eager_with_additive_mask(module, query, key, value, attention_mask, **kwargs):
         # hasten's mask interface builds sdpa's boolean mask (True: attend); eager attention adds its

@@ -176,6 +176,14 @@ def check_attention_softcap(op: str, softcap) -> None:
           lambda: f"`softcap` must be 0 (off) or a positive finite number, got {softcap:g}")
 
 
+def check_attention_sinks(op: str, q, sinks) -> None:
+    check_dim(sinks, 1, op, "sinks", "(q_heads,)")
+    check(sinks.shape[0] == q.shape[1], op, lambda: f"`sinks` needs one logit per query head ({q.shape[1]}), got "
+          f"{shape(sinks.shape)}")
+    check(sinks.device == q.device, op, lambda: f"`sinks` must be on q's device {q.device}, got {sinks.device}")
+    check(sinks.is_floating_point(), op, lambda: f"`sinks` must be floating point, got {dtype_name(sinks.dtype)}")
+
+
 def check_varlen_attention_backward_args(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen) -> None:
     op = "varlen_attention_backward"
     check_varlen_attention_args(op, q, k, v, cu_seqlens, max_seqlen)
