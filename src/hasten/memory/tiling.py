@@ -33,6 +33,10 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, tile_tokens: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.run, ctx.tile_tokens = run, tile_tokens
+        # the backward's recompute runs under the forward's autocast (as torch's checkpoint does):
+        # mixed precision on float32 weights would otherwise recompute in float32
+        device_type = x.device.type
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(x)
         ctx.params = params  # leaves: kept by reference, not as saved activations
         with torch.no_grad():
@@ -52,8 +56,9 @@ class _TiledMLP(torch.autograd.Function):
         wanted = [p for p, needed in zip(params, ctx.needs_input_grad[3:], strict=True) if needed]
         grad_x = torch.empty_like(x) if wants_x else None
         sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in wanted]
+        device_type, autocast_on, autocast_dtype = ctx.autocast
         for start in range(0, x.shape[0], tile):
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
                 x_tile = x[start:start + tile].detach().requires_grad_(wants_x)
                 y_tile = ctx.run(x_tile)
                 inputs = ([x_tile] if wants_x else []) + wanted
