@@ -157,16 +157,20 @@ def test_an_moe_block_named_mlp_is_not_tiled():
 
 def test_the_recompute_runs_under_the_forwards_autocast():
     """Mixed precision on float32 weights (autocast, bf16): the tiles recomputed in backward run in
-    bf16 as the forward did, so the gradients equal the untiled MLP's under the same autocast."""
+    bf16 as the forward did (seen inside the MLP), and the gradients equal the untiled MLP's."""
     torch.manual_seed(0)
     mlp = _MLP()
+    seen = []
+    mlp.up_proj.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     x = torch.randn(1, 23, 6, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want_out = mlp(x)
         got_out = tiled_mlp_forward(mlp, mlp.forward, x, tile_tokens=5)
     assert got_out.dtype == want_out.dtype == torch.bfloat16
     want = torch.autograd.grad(want_out.float().square().sum(), [x, *mlp.parameters()])
+    seen.clear()
     got = torch.autograd.grad(got_out.float().square().sum(), [x, *mlp.parameters()])
+    assert seen == [torch.bfloat16] * 5  # five tiles of 5 for 23 tokens, recomputed under autocast
     torch.testing.assert_close(got_out, want_out)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
