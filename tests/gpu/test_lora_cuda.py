@@ -161,3 +161,47 @@ def test_fused_4bit_layer_is_within_the_bf16_noise_of_peft():
         error = float((fused - want).norm() / want.norm())
         noise = float((theirs - want).norm() / want.norm())
         assert error <= 1.5 * noise + 1e-4, f"{label}: hasten {error:.2e} vs PEFT's bf16 noise {noise:.2e}"
+
+
+def test_expert_lora_split_on_grouped_gemms_is_within_the_bf16_noise_of_peft():
+    """LoRA on a Qwen3-MoE's experts (PEFT target_parameters, one adapter): hasten's split
+    projection on grouped GEMMs (base, then x rhs^T, then its lhs^T) against the float32 unpatched
+    model, within the error of the unpatched bf16 PEFT model, whose parametrization folds the
+    merged expert stack into one weight per forward."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64)
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    reference = peft.get_peft_model(Qwen3MoeForCausalLM(config).cuda(), lora)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    unpatched = copy.deepcopy(reference)
+    unpatched.get_base_model().to(torch.bfloat16)
+    for name, param in unpatched.named_parameters():  # float32 adapters under a bf16 base, as PEFT keeps them
+        if "lora_" in name:
+            param.data = param.data.float()
+    patched = copy.deepcopy(unpatched)
+    gen = torch.Generator().manual_seed(4)
+    samples = [{"input_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (1, 200, 37, 1, 300)]
+    batch = move_batch(hasten.PackingCollator(max_tokens=1024)(samples), "cuda") | {"use_cache": False}
+
+    def adapter_grads(model):
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        return torch.cat([p.grad.double().flatten() for n, p in sorted(model.named_parameters())
+                          if "lora_" in n and "experts" in n])
+
+    want = adapter_grads(reference)
+    noise = float((adapter_grads(unpatched) - want).norm() / want.norm())
+    handle = hasten.accelerate(patched.get_base_model(), Config())
+    assert any(item.startswith("fused MoE experts") for item in handle.active), handle.report()
+    error = float((adapter_grads(patched) - want).norm() / want.norm())
+    print(f"expert LoRA: hasten {error:.3e}, PEFT bf16 {noise:.3e}")
+    assert error <= 1.5 * noise, f"hasten {error:.3e} vs the unpatched bf16 model's {noise:.3e}"
+    handle.undo()

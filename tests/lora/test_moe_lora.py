@@ -45,3 +45,49 @@ def test_expert_lora_on_the_fused_moe_path_equals_peft_one_sample_at_a_time():
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-4, (worst, errors[worst])
     handle.undo()
+
+
+def test_expert_lora_runs_split_without_the_merged_expert_stack(monkeypatch):
+    """One adapter: hasten runs x W^T + s (x rhs^T) lhs^T on PEFT's factors and never reads the
+    merged W + s lhs @ rhs that PEFT's parametrization offers (torch's parametrize computes it once
+    when PEFT registers it, a check it drops; a read would compute it again); the same loss and
+    gradients as PEFT one sample at a time."""
+    from peft.tuners.lora import layer as lora_layer
+
+    torch.manual_seed(0)
+    base = zoo.build(zoo.ENTRIES["qwen3_moe"])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    reference = copy.deepcopy(model)
+    samples = zoo.samples()
+    want_loss, want = zoo.per_sample_reference(reference, samples)
+    handle = hasten.accelerate(model.get_base_model(), Config())
+    counts = {"proxies": 0, "merged": 0}
+    init, forward = lora_layer._LoraFactorsProxy.__init__, lora_layer._LoraFactorsProxy.forward
+
+    def counting_init(self, *args, **kwargs):
+        counts["proxies"] += 1
+        init(self, *args, **kwargs)
+
+    def counting_forward(self, weight):
+        counts["merged"] += 1
+        return forward(self, weight)
+
+    monkeypatch.setattr(lora_layer._LoraFactorsProxy, "__init__", counting_init)
+    monkeypatch.setattr(lora_layer._LoraFactorsProxy, "forward", counting_forward)
+    model.zero_grad(set_to_none=True)
+    loss = model(**zoo.packed_batch(samples)).loss
+    loss.backward()
+    assert counts["proxies"] > 0 and counts["merged"] == counts["proxies"], counts  # the registration check only
+    got = zoo.gradients(model)
+    assert any("experts" in n and "lora_A" in n for n in got)
+    torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-5, atol=1e-6)
+    errors = zoo.relative_errors(got, want)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-4, (worst, errors[worst])
+    handle.undo()

@@ -6,6 +6,13 @@ Works on the experts module's own weights in place (gate_up_proj (E, 2I, H), dow
   ids (T, k) --moe_group--> grouping (one kernel, no host sync)
   x (T, H) --permute--> (S, H) --grouped GEMM gate_up--> (S, 2I) --swiglu--> (S, I)
            --grouped GEMM down--> (S, H) --combine, router weights--> (T, H)
+
+LoRA on the experts (PEFT's target_parameters, one adapter): PEFT hands the experts module its
+weights through a parametrization that folds W + scaling * lhs @ rhs per forward, a merged copy of
+the whole expert stack that autograd keeps for backward (for Qwen3-30B-A3B, 1.2 GB a layer).
+When that parametrization holds the factors (peft's _LoraFactorsProxy), the projection runs split
+instead: x W^T + scaling * (x rhs^T) lhs^T per expert, three grouped GEMMs on the base weight and
+the factors (lhs (E, out, r), rhs (E, r, in)); backward keeps x and the (S, r) product only.
 """
 
 from __future__ import annotations
@@ -173,6 +180,35 @@ class MoeLoadStats:
                 "imbalance_max": float(imbalance.max()), "imbalance_mean": float(imbalance.mean())}
 
 
+def lora_factors(experts: torch.nn.Module, name: str):
+    """(base weight, (lhs, rhs, scaling)) when PEFT's parametrization of `name` holds one adapter's
+    low-rank factors (delta = scaling * lhs @ rhs, lhs (E, out, r), rhs (E, r, in)); None otherwise
+    (no LoRA, or a merged delta: several adapters, a low-precision base)."""
+    from torch.nn.utils import parametrize
+
+    if not parametrize.is_parametrized(experts, name):
+        return None
+    chain = experts.parametrizations[name]
+    if len(chain) != 1 or type(chain[0]).__name__ != "_LoraFactorsProxy":
+        return None
+    proxy = chain[0]
+    if not (proxy.lhs.dim() == proxy.rhs.dim() == 3 and proxy.lhs.shape[-1] == proxy.rhs.shape[-2]):
+        return None
+    return chain.original, (proxy.lhs, proxy.rhs, float(proxy.scaling))
+
+
+def _projection(experts: torch.nn.Module, name: str, x: torch.Tensor, g: moe_ops.Grouping) -> torch.Tensor:
+    """x (S, in) through the expert weight `name`, split where it carries LoRA factors."""
+    split = lora_factors(experts, name)
+    if split is None:
+        return grouped_linear(x, getattr(experts, name), g)
+    base, (lhs, rhs, scaling) = split
+    # PEFT's factors are permuted views of its adapters (lhs strided across experts); grouped GEMM
+    # needs one of the last two dimensions dense, and the copies are small (E x out x r)
+    low = grouped_linear(x, rhs.contiguous(), g)  # (S, r)
+    return grouped_linear(x, base, g) + grouped_linear(low, lhs.contiguous(), g) * scaling
+
+
 def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers experts forward: hidden (T, H), ids (T, k), weights (T, k) -> (T, H)."""
@@ -181,6 +217,6 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     if stats is not None:
         stats.add(self, g.counts)
     x = moe_ops.permute(hidden_states, g)
-    act = moe_ops.swiglu(grouped_linear(x, self.gate_up_proj, g))
-    y = grouped_linear(act, self.down_proj, g)
+    act = moe_ops.swiglu(_projection(self, "gate_up_proj", x, g))
+    y = _projection(self, "down_proj", act, g)
     return moe_ops.combine(y, top_k_weights.to(y.dtype), g)
