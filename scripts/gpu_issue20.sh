@@ -10,6 +10,8 @@
 #           .whl/unsloth_offline.tar.gz (unpacked to /tmp/unsloth_site)                      cap 330 s
 #   w4q     W4_Q, the 4-bit base: $W4Q_VARIANTS (hf_peft_bnb, hasten_nf4, hasten_nf4_lean)      cap 300 s
 #   unsloth_nf4  Unsloth's QLoRA alone in its process                                        cap 330 s
+#   w5      benchmarks/moe_lora.py (Qwen3-30B-A3B shape, $W5_LAYERS layers, LoRA on attention and
+#           experts): hasten's split expert LoRA against transformers' grouped_mm + PEFT        cap 300 s
 # bitsandbytes comes from the Unsloth bundle (its CUDA 13 library only); the device image has none.
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue20.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w4" bash scripts/gpu_issue20.sh
@@ -51,6 +53,11 @@ if (( built )); then
   if [[ $PARTS == *" unsloth_nf4 "* && -f .whl/unsloth_offline.tar.gz ]]; then
     part unsloth_nf4 330 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" --variants unsloth_nf4
     grep -E "tok/s|FAILED|Error|unsloth" "$LOGS/unsloth_nf4.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" w5 "* ]]; then
+    part w5 300 python3 benchmarks/moe_lora.py --steps "$STEPS" --out "$LOGS" --layers "${W5_LAYERS:-24}" \
+      --variants "${W5_VARIANTS:-hf_grouped_mm,hasten}"
+    grep -E "tok/s|FAILED|vs |Error" "$LOGS/w5.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
   fi
 fi
 
