@@ -39,7 +39,7 @@ def test_stateful_model_trains_padded(capsys, tmp_path):
     outcome.assert_nothing_lost()
 
 
-@pytest.mark.parametrize("model_type,feature", [("gpt_oss", "attention sinks")])
+@pytest.mark.parametrize("model_type,feature", [("deepseek_v3", "multi-head latent attention")])
 def test_model_with_unsupported_attention_trains_packed_on_its_own_attention(capsys, tmp_path, model_type, feature):
     folder = _folder(tmp_path, model_type)
     outcome = run_train(capsys, tmp_path, config=_config(folder))
@@ -48,4 +48,17 @@ def test_model_with_unsupported_attention_trains_packed_on_its_own_attention(cap
     summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
     assert summary["fallbacks"].get("attention_feature_not_implemented", 0) >= 1
     assert any(feature in item for item in summary["hasten_inactive"])
+    outcome.assert_nothing_lost()
+
+
+def test_gpt_oss_trains_packed_on_hasten_attention_with_its_sinks(capsys, tmp_path):
+    """gpt-oss's attention sinks are computed by hasten's varlen attention (no fallback for them),
+    and the run says its experts stay transformers'."""
+    folder = _folder(tmp_path, "gpt_oss")
+    outcome = run_train(capsys, tmp_path, config=_config(folder))
+    assert outcome.rc == 0, outcome.err
+    summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
+    assert "attention_feature_not_implemented" not in summary["fallbacks"]
+    assert any(item.startswith("varlen attention") for item in summary["hasten_active"])
+    assert any(item.startswith("fused MoE experts") for item in summary["hasten_inactive"])
     outcome.assert_nothing_lost()
