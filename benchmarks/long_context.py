@@ -100,6 +100,26 @@ def try_length(model, optimizer, tokens: int, variant: str) -> tuple[float, floa
         return None
 
 
+def stated_max_tokens(model, handle, optimizer, sizes=(16384, 32768)) -> int:
+    """hasten.memory.preflight's largest length for this model and machine, from two probe steps
+    (the optimizer's state not yet made is counted as AdamW's two tensors per adapter weight)."""
+    from hasten.memory import preflight
+
+    def step(tokens):
+        model(**batch_for(tokens, "hasten_offload")).loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+
+    engine = handle.offload.offload.engine if handle.offload is not None else None
+    offloaded = (lambda: engine.stats().bytes_offloaded) if engine is not None else None
+    probes, _ = preflight.measure(step, list(sizes), preflight.CudaMemory(torch.device("cuda")), offloaded)
+    if handle.offload is not None:
+        handle.offload.restart_calibration()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    forecast = preflight.forecast(probes, preflight.optimizer_state_bytes(trainable), torch.device("cuda"),
+                                  with_offload=engine is not None)
+    return forecast.largest_tokens()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf_lengths", default=HF_LENGTHS)
@@ -119,6 +139,10 @@ def main() -> int:
         trained, tried, capped = None, [], ""
         ladder = {"hf_grad_ckpt": args.hf_lengths, "hasten": args.hasten_lengths, "hasten_offload": args.offload_lengths}
         lengths = [int(x) for x in ladder[variant].split(",")]
+        stated = None
+        if variant == "hasten_offload":  # the memory preflight's forecast: what this machine would take
+            stated = stated_max_tokens(model, handle, optimizer)
+            print(f"{variant:>14} preflight: the largest sequence that fits is about {stated:,} tokens", flush=True)
         for tokens in lengths:
             if trained and trained[1] * (tokens / trained[0]) ** 2 > args.max_step_s:
                 capped = (f"; stopped before {tokens} tokens: predicted step "
@@ -142,6 +166,7 @@ def main() -> int:
                      "host_syncs_per_step": None, "correct": trained is not None,
                      "notes": f"longest trained {trained[0] if trained else 0} tokens; tried {tried}{capped}",
                      "max_tokens": trained[0] if trained else 0, "run_id": run_id,
+                     **({"preflight_max_tokens": stated} if stated is not None else {}),
                      **({"offload": offload} if offload else {})})
         if handle is not None:
             handle.undo()

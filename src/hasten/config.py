@@ -85,6 +85,10 @@ class TrainingConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     # Tokens in one packed batch (rows of at most this many tokens).
     max_tokens: int = 4096
+    # On a GPU, before the first step: one or two probe steps measure the memory per token under
+    # these settings, and a max_tokens that would not fit the GPU (or, with activation offload, the
+    # host) stops the run with the largest that fits. Single process only; false skips it.
+    memory_preflight: bool = True
     # Samples longer than max_tokens: cut to max_tokens, or drop them.
     overlong: Literal["truncate", "drop"] = "truncate"
     # Optimizer steps to train (the LR schedule spans them).

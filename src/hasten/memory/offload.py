@@ -518,6 +518,19 @@ class OffloadManager:
     def detach(self) -> None:
         self.offload.detach()
 
+    def restart_calibration(self) -> None:
+        """Forget the forwards seen so far (the memory preflight's probe steps, of other sizes than
+        training's): 'auto' measures and plans on the run's own first forwards."""
+        self._forwards = 0
+        self._timing.clear()
+        self._calibration_peak = self._head_end = None
+        if self.mode == "auto":
+            self.plan = None
+            self.offload.set_plan(self.calibration_choices)
+        self.offload.engine.reset_counters()
+        self.offload.forward_waits = 0
+        self._boundary_max = (0, "", 0, 0)
+
     # ---- observation and planning -----------------------------------------------------------
     # forward 1 runs the calibration plan and fills the host pool (first-touch page-locking is
     # slow and would distort timings); forward 2 is timed; forward 3 runs the plan.

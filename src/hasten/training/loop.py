@@ -35,7 +35,7 @@ from hasten.data import ByteTokenizer, DataError, load_dataset
 from hasten.data.tokenizer import check_tokenizer_fits, load_model_tokenizer
 from hasten.integrations.transformers import patch_lora_layers
 from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, reset_fallbacks
-from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler
+from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
 from hasten.training.compile import compile_decoder_layers
 from hasten.training.checkpoint import (CheckpointError, CheckpointWriteError, TrainerState, load_checkpoint,
                                        read_trainer_state, remove_stale_temporaries, save_checkpoint,
@@ -353,9 +353,10 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
                         len(run.compiled.layers))
 
     _set_up_data(run)
+    run.trainable = [p for p in run.model.parameters() if p.requires_grad]
+    _memory_preflight(run)  # before the optimizer makes its state: its bytes are part of the forecast
 
     # optimizer, and the state to continue from
-    run.trainable = [p for p in run.model.parameters() if p.requires_grad]
     # fused AdamW on CUDA; training.cuda_graphs optimizer captures its step in a CUDA graph (a
     # GraphedAdamW: gradients zeroed in place, the LR read from a device tensor), or says once why not
     run.optimizer = build_adamw(run.trainable, lr=t.learning_rate, weight_decay=t.weight_decay, device=device,
@@ -385,6 +386,69 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
         (log_dir / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2))
         (log_dir / "versions.json").write_text(json.dumps(redact(version_record()), indent=2))
     return None
+
+
+def _memory_preflight(run: _Run) -> None:
+    """training.memory_preflight (hasten.memory.preflight): probe steps measure this run's memory
+    per token; a max_tokens past the GPU's (or, offloading, the host's) free memory stops the run
+    before its first step, with the largest batch that fits. The probes leave no trace: gradients
+    dropped, the random generators restored, offload calibration and MoE counts started afresh."""
+    t, ctx, device = run.config.training, run.ctx, run.device
+    if not t.memory_preflight or device.type != "cuda":
+        return
+    if ctx.enabled:
+        logger.info("hasten: training.memory_preflight runs in one process only; skipped under torchrun")
+        return
+    from hasten.memory import preflight
+
+    config = run.hf_model.config
+    vocab = (config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def probe_step(tokens: int) -> None:
+        ids = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
+        batch = move_batch(PackingCollator(max_tokens=tokens)([{"input_ids": ids}]), device)
+        try:
+            run.model(**batch).loss.backward()
+        finally:
+            run.model.zero_grad(set_to_none=True)
+
+    offload = run.handle.offload
+    offloaded = (lambda: offload.offload.engine.stats().bytes_offloaded) if offload is not None else None
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all()
+    sizes = preflight.probe_sizes(t.max_tokens)
+    try:
+        probes, failed_at = preflight.measure(probe_step, sizes, preflight.CudaMemory(device), offloaded)
+    finally:
+        torch.set_rng_state(rng[0])
+        torch.cuda.set_rng_state_all(rng[1])
+        if offload is not None:
+            offload.restart_calibration()
+        if run.handle.moe_stats is not None:
+            run.handle.moe_stats.summary(reset=True)
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(device)
+    if not probes:
+        raise ConfigError(f"training.max_tokens={t.max_tokens:,}: even a probe step of {min(sizes):,} tokens ran out "
+                          f"of memory on {name} (measured before the first step); lower training.max_tokens, or "
+                          "lower the memory per token (training.checkpoint.activations: full, offload: all, "
+                          "mlp_tile_tokens)")
+    forecast = preflight.forecast(probes, preflight.optimizer_state_bytes(run.trainable), device,
+                                  with_offload=offloaded is not None)
+    refusal = forecast.refusal(t.max_tokens, name)
+    if refusal is None and failed_at is not None:
+        refusal = (f"training.max_tokens={t.max_tokens:,} ran out of memory in a probe step of {failed_at:,} tokens "
+                   f"on {name} (measured before the first step); the line through the smaller probes puts the "
+                   f"largest batch at about {min(forecast.largest_tokens(), failed_at - 1):,} tokens: lower "
+                   "training.max_tokens to it, or set training.memory_preflight: false to try anyway")
+    if refusal is not None:
+        raise ConfigError(refusal)
+    logger.info("hasten: memory preflight (%s): a %s-token batch needs about %.1f GiB beyond the weights of %.1f "
+                "GiB free%s; the largest that fits is about %s tokens", ", ".join(f"{p.tokens:,}" for p in probes),
+                f"{t.max_tokens:,}", forecast.device_bytes(t.max_tokens) / 2**30, forecast.device_limit / 2**30,
+                "" if forecast.host_limit is None else
+                f", and {forecast.host_bytes(t.max_tokens) / 2**30:.1f} GiB of host memory of "
+                f"{forecast.host_limit / 2**30:.1f}", f"{forecast.largest_tokens():,}")
 
 
 def _finished_steps(log_dir: Path) -> int:

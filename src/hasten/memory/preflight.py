@@ -1,0 +1,181 @@
+"""Before the first step: does a batch of training.max_tokens fit this GPU, and with activation
+offload this host? (training.memory_preflight)
+
+Measured, not guessed: one or two probe steps (forward and backward of one packed sample of
+random tokens, no optimizer step) under the run's own settings (checkpointing, offload, tiles,
+LoRA), each recording the device's peak above what was allocated before it and the bytes the
+offload engine sent to the host. Activation memory grows linearly with the batch's tokens on
+every path hasten runs (varlen attention keeps no tokens x tokens matrix, the fused loss works in
+chunks), so a line through the probes gives the step's memory at any length:
+
+  device(T) = optimizer state (AdamW: two tensors per trainable parameter, made at the first step)
+              + per_token * T + constant (the gradients, workspaces)
+  host(T)   = host_per_token * T                                    (offload only)
+
+against what is free now (the device's free memory plus the allocator's cached blocks, less a 5%
+margin for fragmentation; the host's MemAvailable, 80% of it, the offload guard's own limit).
+A batch past either stops the run before its first step, naming the largest that fits. Batches up
+to PROBE_EXACT tokens are probed at their own size (the forecast is the measurement).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+PROBE_EXACT = 8192
+DEVICE_MARGIN = 0.95
+HOST_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class Probe:
+    tokens: int
+    device_bytes: int  # peak above the allocation before the step
+    host_bytes: int    # sent to the host by activation offload during the step
+
+
+def fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through (tokens, bytes); one point: through 0."""
+    if not points:
+        raise ValueError("no probe to fit")
+    if len(points) == 1 or len({t for t, _ in points}) == 1:
+        tokens, value = points[0]
+        return value / tokens, 0.0
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in points) / sum((t - mean_t) ** 2 for t, _ in points)
+    return slope, mean_v - slope * mean_t
+
+
+@dataclass
+class MemoryForecast:
+    optimizer_bytes: int
+    per_token: float
+    constant: float
+    device_limit: int  # bytes this step may add to what is allocated now
+    host_per_token: float = 0.0
+    host_limit: int | None = None
+
+    def device_bytes(self, tokens: int) -> float:
+        return self.optimizer_bytes + self.per_token * tokens + self.constant
+
+    def host_bytes(self, tokens: int) -> float:
+        return self.host_per_token * tokens
+
+    def largest_tokens(self) -> int:
+        room = self.device_limit - self.optimizer_bytes - self.constant
+        largest = math.inf if self.per_token <= 0 else room / self.per_token
+        if self.host_limit is not None and self.host_per_token > 0:
+            largest = min(largest, self.host_limit / self.host_per_token)
+        return max(0, int(largest)) if math.isfinite(largest) else 2**62
+
+    def refusal(self, tokens: int, where: str) -> str | None:
+        """Why `tokens` does not fit (None when it does), naming the largest batch that would."""
+        gib = 2**30
+        problems = []
+        if self.device_bytes(tokens) > self.device_limit:
+            problems.append(f"about {self.device_bytes(tokens) / gib:.1f} GiB on {where} beyond the weights, with "
+                            f"{self.device_limit / gib:.1f} GiB free there ({self.per_token * 1000 / 2**20:.1f} MiB "
+                            f"of activations per 1,000 tokens, {self.optimizer_bytes / gib:.2f} GiB of optimizer "
+                            "state)")
+        if self.host_limit is not None and self.host_bytes(tokens) > self.host_limit:
+            problems.append(f"about {self.host_bytes(tokens) / gib:.1f} GiB of host memory for the offloaded "
+                            f"activations, with {self.host_limit / gib:.1f} GiB to spare on this machine")
+        if not problems:
+            return None
+        largest = self.largest_tokens()
+        return (f"training.max_tokens={tokens:,} needs " + " and ".join(problems) + f" (measured before the first "
+                f"step). The largest batch that fits with these settings is about {largest:,} tokens: lower "
+                "training.max_tokens to it, or lower the memory per token (training.checkpoint.activations: full, "
+                "offload: all, mlp_tile_tokens), or set training.memory_preflight: false to try anyway")
+
+
+def probe_sizes(max_tokens: int) -> list[int]:
+    """The batch itself when small; else two fractions of it, on the same line."""
+    if max_tokens <= PROBE_EXACT:
+        return [max_tokens]
+    return [max(PROBE_EXACT // 2, max_tokens // 8), max(PROBE_EXACT, max_tokens // 4)]
+
+
+def optimizer_state_bytes(params: Sequence[torch.Tensor]) -> int:
+    """AdamW's exp_avg and exp_avg_sq, one of each per trainable parameter in its dtype."""
+    return 2 * sum(p.numel() * p.element_size() for p in params)
+
+
+def _host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class CudaMemory:
+    """The device's allocation counters around one probe step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def begin(self) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def release(self) -> None:
+        torch.cuda.empty_cache()
+
+
+def measure(step: Callable[[int], None], sizes: Sequence[int], memory,
+            offloaded: Callable[[], int] | None = None) -> tuple[list[Probe], int | None]:
+    """Runs `step(tokens)` (forward and backward of a probe batch) at each size; returns the probes
+    and the smallest size that ran out of memory, below which a quarter and a half of it are probed
+    instead. `memory`: begin() -> bytes allocated, peak() -> the peak since, release()."""
+    probes: list[Probe] = []
+    failed_at = None
+    queue = list(sizes)
+    while queue:
+        tokens = queue.pop(0)
+        start = memory.begin()
+        sent = offloaded() if offloaded is not None else 0
+        try:
+            step(tokens)
+            peak = memory.peak() - start
+        except torch.OutOfMemoryError:
+            failed_at = tokens if failed_at is None else min(failed_at, tokens)
+            memory.release()
+            smaller = tokens // 4
+            if smaller >= 256 and not any(p.tokens <= smaller for p in probes):
+                queue = [smaller, tokens // 2] + [t for t in queue if t < smaller]
+            else:
+                queue = [t for t in queue if t < tokens]
+            continue
+        host = (offloaded() - sent) if offloaded is not None else 0
+        probes.append(Probe(tokens, peak, host))
+    return probes, failed_at
+
+
+def forecast(probes: Sequence[Probe], optimizer_bytes: int, device: torch.device,
+             with_offload: bool) -> MemoryForecast:
+    per_token, constant = fit_line([(p.tokens, float(p.device_bytes)) for p in probes])
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    limit = int((free + cached) * DEVICE_MARGIN)
+    host_per_token, host_limit = 0.0, None
+    if with_offload:
+        host_per_token, _ = fit_line([(p.tokens, float(p.host_bytes)) for p in probes])
+        available = _host_available()
+        host_limit = int(available * HOST_FRACTION) if available else None
+    return MemoryForecast(optimizer_bytes, max(per_token, 0.0), max(constant, 0.0), limit, max(host_per_token, 0.0),
+                          host_limit)
