@@ -146,9 +146,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "gpt_oss": ArchSpec("moe", rotary=RotarySpec(half_width_cos=True),
                         attention=(_LAYER_WINDOWS, "attention sinks (a logit per head in the softmax denominator)",
                                    "qkv bias"),
-                        experts=("a clamped SwiGLU (alpha, limit) on interleaved gate/up columns with expert biases: "
-                                 "transformers' experts run"),
-                        model_code=("router with a bias, top-k before its softmax",)),
+                        model_code=("router with a bias, top-k before its softmax",
+                                    "the clamped SwiGLU (alpha, limit) on interleaved gate/up columns: its experts' "
+                                    "own _apply_gate, on hasten's grouped rows, with the expert biases")),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),

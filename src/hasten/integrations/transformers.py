@@ -738,6 +738,7 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
         handle.inactive.append("training.moe.fused_grouping is false: experts left as transformers configured them")
         return
     from hasten.moe import MoeLoadStats, unsupported_reason
+    from hasten.moe.experts import describe
 
     reasons = {reason for m in experts if (reason := unsupported_reason(m)) is not None}
     if (no_kernels := _cuda_kernels_missing(model, "moe_group", "moe_permute", "moe_combine", "swiglu")) is not None:
@@ -762,8 +763,7 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
 
     handle._undo_steps.append(undo)
     handle.moe_stats = stats
-    handle.active.append(f"fused MoE experts ({len(experts)} layers: one-kernel grouping, grouped GEMM, "
-                         "fused SwiGLU, deterministic combine)")
+    handle.active.append(f"fused MoE experts ({len(experts)} layers: {describe(experts[0])})")
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

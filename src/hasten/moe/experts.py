@@ -34,27 +34,50 @@ def _transformers_default_gate():
 
 
 def unsupported_reason(experts: torch.nn.Module) -> str | None:
-    """Why this experts module cannot take the fused path, or None when it can."""
-    if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")):
+    """Why this experts module cannot take the fused path, or None when it can.
+
+    Follows transformers' experts interface (the flags `use_experts_implementation` sets): weights
+    as stored (transposed or not), biases added per row (the row's expert), and the gated
+    activation: hasten's fused SwiGLU kernel where it is transformers' default act(gate) * up on a
+    concatenated [gate | up] with SiLU, else the class's own `_apply_gate` on the same rows
+    (gpt-oss's clamped SwiGLU on interleaved columns), as transformers' grouped_mm path calls it."""
+    if not (isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+            and isinstance(getattr(experts, "down_proj", None), torch.Tensor)):
         return "its weights are not stored as gate_up_proj / down_proj 3-D tensors"
-    if not getattr(experts, "has_gate", True) or not getattr(experts, "is_concatenated", True):
-        return "its gate and up projections are not concatenated [gate | up]"
-    if getattr(experts, "has_bias", False):
-        return "its projections have biases"
-    if getattr(experts, "is_transposed", False):
-        return "its weights are stored transposed"
+    if not getattr(experts, "has_gate", True):
+        return "it has no gated projection (up_proj only)"
+    if getattr(experts, "has_bias", False) and not all(
+            isinstance(getattr(experts, name, None), torch.Tensor) for name in ("gate_up_proj_bias", "down_proj_bias")):
+        return "its biases are not gate_up_proj_bias / down_proj_bias tensors"
     if getattr(experts, "has_post_expert_norm", False):
         return "it normalises each expert's output"
     if getattr(experts, "_is_expert_parallel", False):
         return "its experts are sharded across ranks (expert parallelism)"
-    apply_gate = getattr(type(experts), "_apply_gate", None)
-    if apply_gate is not None and apply_gate is not _transformers_default_gate():
-        # transformers' default is act(gate) * up over [gate | up]; gpt-oss, for one, clamps it
-        return f"{type(experts).__name__} computes its own gated activation ({type(experts).__name__}._apply_gate)"
-    act = getattr(getattr(experts, "config", None), "hidden_act", None)
-    if act not in ("silu", "swish") and not isinstance(getattr(experts, "act_fn", None), torch.nn.SiLU):
-        return f"its activation is {act or type(getattr(experts, 'act_fn', None)).__name__}, not SiLU (SwiGLU)"
+    if getattr(type(experts), "_apply_gate", None) is None:
+        return f"{type(experts).__name__} has no _apply_gate (not transformers' experts interface)"
     return None
+
+
+def uses_fused_swiglu(experts: torch.nn.Module) -> bool:
+    """True where the gate is transformers' default act(gate) * up on [gate | up] with SiLU: hasten's
+    swiglu kernel computes exactly that. Otherwise the class's own _apply_gate runs."""
+    if getattr(type(experts), "_apply_gate", None) is not _transformers_default_gate():
+        return False
+    if not getattr(experts, "is_concatenated", True):
+        return False
+    act = getattr(getattr(experts, "config", None), "hidden_act", None)
+    return act in ("silu", "swish") or isinstance(getattr(experts, "act_fn", None), torch.nn.SiLU)
+
+
+def describe(experts: torch.nn.Module) -> str:
+    """What the fused path runs for this experts class, for the report."""
+    parts = ["one-kernel grouping", "grouped GEMM"]
+    parts.append("fused SwiGLU" if uses_fused_swiglu(experts) else
+                 f"the model's own gated activation ({type(experts).__name__}._apply_gate)")
+    if getattr(experts, "has_bias", False):
+        parts.append("expert biases")
+    parts.append("deterministic combine")
+    return ", ".join(parts)
 
 
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -197,16 +220,36 @@ def lora_factors(experts: torch.nn.Module, name: str):
     return chain.original, (proxy.lhs, proxy.rhs, float(proxy.scaling))
 
 
-def _projection(experts: torch.nn.Module, name: str, x: torch.Tensor, g: moe_ops.Grouping) -> torch.Tensor:
-    """x (S, in) through the expert weight `name`, split where it carries LoRA factors."""
+def _row_experts(g: moe_ops.Grouping, rows: int) -> torch.Tensor:
+    """(S,) the expert of each sorted row, on the device without a sync (rows past the valid slots
+    get the last expert: their values are never combined)."""
+    ids = torch.searchsorted(g.group_ends, torch.arange(rows, device=g.group_ends.device, dtype=torch.int32),
+                             right=True)
+    return ids.clamp_(max=g.counts.shape[0] - 1)
+
+
+def _projection(experts: torch.nn.Module, name: str, x: torch.Tensor, g: moe_ops.Grouping,
+                row_experts: torch.Tensor | None) -> torch.Tensor:
+    """x (S, in) through the expert weight `name` (E, out, in), or (E, in, out) where the module
+    stores it transposed; split where it carries LoRA factors; plus the row's expert bias."""
+    transposed = getattr(experts, "is_transposed", False)
     split = lora_factors(experts, name)
     if split is None:
-        return grouped_linear(x, getattr(experts, name), g)
-    base, (lhs, rhs, scaling) = split
-    # PEFT's factors are permuted views of its adapters (lhs strided across experts); grouped GEMM
-    # needs one of the last two dimensions dense, and the copies are small (E x out x r)
-    low = grouped_linear(x, rhs.contiguous(), g)  # (S, r)
-    return grouped_linear(x, base, g) + grouped_linear(low, lhs.contiguous(), g) * scaling
+        weight = getattr(experts, name)
+        y = grouped_linear(x, weight.transpose(-2, -1) if transposed else weight, g)
+    else:
+        base, (lhs, rhs, scaling) = split  # delta = scaling * lhs @ rhs, in the stored layout
+        if transposed:  # (E, in, out): y = x (lhs rhs) = (x lhs) rhs
+            base, first, second = base.transpose(-2, -1), lhs.transpose(-2, -1), rhs.transpose(-2, -1)
+        else:  # (E, out, in): y = x (lhs rhs)^T = (x rhs^T) lhs^T
+            first, second = rhs, lhs
+        # PEFT's factors are permuted views of its adapters; grouped GEMM needs one of the last two
+        # dimensions dense, and the copies are small (E x out x r)
+        low = grouped_linear(x, first.contiguous(), g)  # (S, r)
+        y = grouped_linear(x, base, g) + grouped_linear(low, second.contiguous(), g) * scaling
+    if row_experts is not None:
+        y = y + getattr(experts, f"{name}_bias")[row_experts].to(y.dtype)
+    return y
 
 
 def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -217,6 +260,8 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     if stats is not None:
         stats.add(self, g.counts)
     x = moe_ops.permute(hidden_states, g)
-    act = moe_ops.swiglu(_projection(self, "gate_up_proj", x, g))
-    y = _projection(self, "down_proj", act, g)
+    row_experts = _row_experts(g, x.shape[0]) if getattr(self, "has_bias", False) else None
+    gate_up = _projection(self, "gate_up_proj", x, g, row_experts)
+    act = moe_ops.swiglu(gate_up) if uses_fused_swiglu(self) else type(self)._apply_gate(self, gate_up)
+    y = _projection(self, "down_proj", act, g, row_experts)
     return moe_ops.combine(y, top_k_weights.to(y.dtype), g)

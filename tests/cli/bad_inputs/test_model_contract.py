@@ -53,12 +53,13 @@ def test_model_with_unsupported_attention_trains_packed_on_its_own_attention(cap
 
 def test_gpt_oss_trains_packed_on_hasten_attention_with_its_sinks(capsys, tmp_path):
     """gpt-oss's attention sinks are computed by hasten's varlen attention (no fallback for them),
-    and the run says its experts stay transformers'."""
+    and its experts run on the fused path with their own clamped SwiGLU and biases."""
     folder = _folder(tmp_path, "gpt_oss")
     outcome = run_train(capsys, tmp_path, config=_config(folder))
     assert outcome.rc == 0, outcome.err
     summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
     assert "attention_feature_not_implemented" not in summary["fallbacks"]
     assert any(item.startswith("varlen attention") for item in summary["hasten_active"])
-    assert any(item.startswith("fused MoE experts") for item in summary["hasten_inactive"])
+    assert any(item.startswith("fused MoE experts") and "GptOssExperts._apply_gate" in item and "biases" in item
+               for item in summary["hasten_active"])
     outcome.assert_nothing_lost()
