@@ -1,4 +1,10 @@
-"""W3: one MoE block forward + backward, Qwen3-30B-A3B shape, 16,384 tokens, one H200.
+"""W3: one MoE block forward + backward, 16,384 tokens, one H200. --block picks the shape:
+  qwen3_30b_a3b     Qwen3-30B-A3B (128 experts, top-8, hidden 2048, expert intermediate 768)
+  gpt_oss_20b       gpt-oss-20b (32 experts, top-4, hidden 2880, expert intermediate 2880: a router
+                    with a bias, top-k before its softmax, transposed experts with biases and a
+                    clamped SwiGLU on interleaved columns)
+  deepseek_v2_lite  DeepSeek-V2-Lite (64 routed experts, top-6, 2 shared, hidden 2048, expert
+                    intermediate 1408)
 
 Variants in one run (rows to benchmarks/results/W3.jsonl):
   hf_moe_eager        transformers' expert loop
@@ -46,12 +52,41 @@ DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and
 GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2}
 
 
+BLOCK = "qwen3_30b_a3b"  # set by --block
+
+
+class _HiddenOnly(torch.nn.Module):
+    """gpt-oss's MoE block returns (hidden, router scores): the block's hidden states alone."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x)[0]
+
+
 def build_block():
-    config = Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                            norm_topk_prob=True)
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        block = Qwen3MoeSparseMoeBlock(config)
+        if BLOCK == "gpt_oss_20b":
+            from transformers import GptOssConfig
+            from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+            config = GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                                  num_experts_per_tok=4)
+            block = _HiddenOnly(GptOssMLP(config))
+        elif BLOCK == "deepseek_v2_lite":
+            from transformers import DeepseekV2Config
+            from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+
+            config = DeepseekV2Config(hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64,
+                                      num_experts_per_tok=6, n_shared_experts=2, n_group=1, topk_group=1)
+            block = DeepseekV2Moe(config)
+        else:
+            config = Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8,
+                                    moe_intermediate_size=768, norm_topk_prob=True)
+            block = Qwen3MoeSparseMoeBlock(config)
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
     return block.to(torch.bfloat16), config
@@ -176,7 +211,7 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
               f"largest gradient rel diff {check[1]:.3e}, bitwise equal {check[2]}", flush=True)
     for undo in cleanup:
         undo()
-    return {"workload": "W3", "variant": name, "run_id": run_id, **common.environment(),
+    return {"workload": "W3", "variant": name, "block": BLOCK, "run_id": run_id, **common.environment(),
             "tokens_per_s": x.shape[1] / common.median(times), "step_s": common.median(times), "peak_gib": None,
             "host_syncs_per_step": syncs.count, "correct": correct, "notes": "; ".join(notes)}
 
@@ -188,8 +223,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="same as --iters")
     parser.add_argument("--variants", default=",".join(IMPL), help=f"comma-separated, of {','.join(IMPL)}")
     parser.add_argument("--no-grouping", action="store_true", help="skip the grouping-op rows")
+    parser.add_argument("--block", default="qwen3_30b_a3b", choices=["qwen3_30b_a3b", "gpt_oss_20b", "deepseek_v2_lite"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    global BLOCK
+    BLOCK = args.block
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in IMPL]
     if unknown:
@@ -223,7 +261,7 @@ def run(args, variants: list[str]) -> int:
             rows.append(run_variant(name, block, config, x, grad, iters, want, ref_out, run_id))
         except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others
             traceback.print_exc()
-            rows.append({"workload": "W3", "variant": name, "run_id": run_id, **common.environment(),
+            rows.append({"workload": "W3", "variant": name, "block": BLOCK, "run_id": run_id, **common.environment(),
                          "tokens_per_s": None, "step_s": None, "peak_gib": None, "host_syncs_per_step": None,
                          "correct": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}",
                          "notes": "failed"})
@@ -239,7 +277,9 @@ def run(args, variants: list[str]) -> int:
 
     grouping_rows = []
     if not args.no_grouping:
-        experts, top_k = config.num_experts, config.num_experts_per_tok
+        experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+                   or config.n_routed_experts)
+        top_k = config.num_experts_per_tok
         ids = torch.randint(0, experts, (args.tokens, top_k), device=DEVICE)
 
         def sort_histc_cumsum():

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 18 (MoE and MLA families) on the GPU machine (one H200), in one call of at most BUDGET (560)
+# seconds, most important first:
+#   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
+#   gpu     $GPU_TESTS (default: the zoo's GPU parity, gpt-oss's sinks on cuDNN, the MoE GPU tests)
+#                                                                                          cap 200 s
+#   w3      benchmarks/moe_block.py for each block in $W3_BLOCKS (gpt_oss_20b deepseek_v2_lite
+#           qwen3_30b_a3b): hasten_fused against transformers' grouped_mm, 16,384 tokens      cap 120 s each
+# Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue18.tgz at the end.
+#   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w3" bash scripts/gpu_issue18.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUDGET=${BUDGET:-560}
+PARTS=" ${PARTS:-build gpu w3} "
+RUN_NAME=issue18
+source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
+
+if (( built )); then
+  if [[ $PARTS == *" gpu "* ]]; then
+    part gpu 200 python3 -m pytest ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_attention_cuda.py tests/gpu/test_moe_cuda.py} -q -rs
+    grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" w3 "* ]]; then
+    for block in ${W3_BLOCKS:-gpt_oss_20b deepseek_v2_lite qwen3_30b_a3b}; do
+      part "w3_$block" 120 python3 benchmarks/moe_block.py --block "$block" --out "$LOGS" --no-grouping \
+        --variants "${W3_VARIANTS:-hf_moe_grouped_mm,hasten_fused}"
+      grep -E "ms |FAILED|Error" "$LOGS/w3_$block.log" 2>/dev/null | tail -6 | tee -a "$SUMMARY"
+    done
+  fi
+fi
+
+echo "total $(( SECONDS - START )) s" | tee -a "$SUMMARY"
+tar czf "$OUT/issue18.tgz" -C "$OUT" logs && rm -rf "$LOGS" && echo "packed: $OUT/issue18.tgz" \
+  || echo "tar failed: the logs stay in $LOGS"
