@@ -18,32 +18,47 @@ from hasten.config import Config  # noqa: E402
 from tests import model_zoo as zoo  # noqa: E402
 
 
-def test_expert_lora_on_the_fused_moe_path_equals_peft_one_sample_at_a_time():
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _expert_lora_model(model_type: str, attention_targets: list[str]):
+    """A zoo model with PEFT LoRA on `attention_targets` and on its experts (target_parameters),
+    lora_B drawn at random (PEFT starts it at zero, which would hide the update); with its
+    per-sample reference (loss, gradients) from an untouched copy."""
     torch.manual_seed(0)
-    base = zoo.build(zoo.ENTRIES["qwen3_moe"])
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    base = zoo.build(zoo.ENTRIES[model_type])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=attention_targets, target_parameters=EXPERT_TARGETS)
     model = peft.get_peft_model(base, config)
-    with torch.no_grad():  # PEFT starts lora_B at zero: random values make the update visible
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.1)
-    reference = copy.deepcopy(model)
-    samples = zoo.samples()
-    want_loss, want = zoo.per_sample_reference(reference, samples)
-    handle = hasten.accelerate(model.get_base_model(), Config())
-    assert any(item.startswith("fused MoE experts") for item in handle.active), handle.report()
-    assert any(item.startswith("fused LoRA projections") for item in handle.active), handle.report()
+    want_loss, want = zoo.per_sample_reference(copy.deepcopy(model), zoo.samples())
+    return model, want_loss, want
+
+
+def _packed_step_equals(model, want_loss, want) -> dict:
+    """Loss and every gradient of a packed batch against the per-sample reference; the gradients."""
     model.zero_grad(set_to_none=True)
-    loss = model(**zoo.packed_batch(samples)).loss
+    loss = model(**zoo.packed_batch(zoo.samples())).loss
     loss.backward()
     got = zoo.gradients(model)
-    expert_adapters = [n for n in got if "experts" in n and "lora_" in n]
-    assert expert_adapters and all(float(got[n].abs().sum()) > 0 for n in expert_adapters)
+    assert any("experts" in n and "lora_" in n for n in got)
     torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-5, atol=1e-6)
     errors = zoo.relative_errors(got, want)
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-4, (worst, errors[worst])
+    return got
+
+
+def test_expert_lora_on_the_fused_moe_path_equals_peft_one_sample_at_a_time():
+    model, want_loss, want = _expert_lora_model("qwen3_moe", ["q_proj", "v_proj"])
+    handle = hasten.accelerate(model.get_base_model(), Config())
+    assert any(item.startswith("fused MoE experts") for item in handle.active), handle.report()
+    assert any(item.startswith("fused LoRA projections") for item in handle.active), handle.report()
+    got = _packed_step_equals(model, want_loss, want)
+    expert_adapters = [n for n in got if "experts" in n and "lora_" in n]
+    assert all(float(got[n].abs().sum()) > 0 for n in expert_adapters)
     handle.undo()
 
 
@@ -54,18 +69,7 @@ def test_expert_lora_runs_split_without_the_merged_expert_stack(monkeypatch):
     gradients as PEFT one sample at a time."""
     from peft.tuners.lora import layer as lora_layer
 
-    torch.manual_seed(0)
-    base = zoo.build(zoo.ENTRIES["qwen3_moe"])
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.1)
-    reference = copy.deepcopy(model)
-    samples = zoo.samples()
-    want_loss, want = zoo.per_sample_reference(reference, samples)
+    model, want_loss, want = _expert_lora_model("qwen3_moe", ["q_proj"])
     handle = hasten.accelerate(model.get_base_model(), Config())
     counts = {"proxies": 0, "merged": 0}
     init, forward = lora_layer._LoraFactorsProxy.__init__, lora_layer._LoraFactorsProxy.forward
@@ -80,45 +84,19 @@ def test_expert_lora_runs_split_without_the_merged_expert_stack(monkeypatch):
 
     monkeypatch.setattr(lora_layer._LoraFactorsProxy, "__init__", counting_init)
     monkeypatch.setattr(lora_layer._LoraFactorsProxy, "forward", counting_forward)
-    model.zero_grad(set_to_none=True)
-    loss = model(**zoo.packed_batch(samples)).loss
-    loss.backward()
+    _packed_step_equals(model, want_loss, want)
     assert counts["proxies"] > 0 and counts["merged"] == counts["proxies"], counts  # the registration check only
-    got = zoo.gradients(model)
-    assert any("experts" in n and "lora_A" in n for n in got)
-    torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-5, atol=1e-6)
-    errors = zoo.relative_errors(got, want)
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-4, (worst, errors[worst])
     handle.undo()
 
 
 def test_expert_lora_on_gpt_oss_transposed_biased_experts_equals_peft():
     """gpt-oss stores its experts transposed (E, in, out), with biases and its own clamped SwiGLU on
     interleaved columns: the split LoRA in the stored layout, the biases per row and the class's own
-    gate on hasten's grouped rows give PEFT's loss and every gradient, one sample at a time."""
-    torch.manual_seed(0)
-    base = zoo.build(zoo.ENTRIES["gpt_oss"])
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.1)
-    reference = copy.deepcopy(model)
-    samples = zoo.samples()
-    want_loss, want = zoo.per_sample_reference(reference, samples)
+    gate on hasten's grouped rows give PEFT's loss and every gradient, one sample at a time (the
+    biases are frozen here; the zoo's parity case trains them)."""
+    model, want_loss, want = _expert_lora_model("gpt_oss", ["q_proj"])
     handle = hasten.accelerate(model.get_base_model(), Config())
     assert any(item.startswith("fused MoE experts") and "_apply_gate" in item for item in handle.active), \
         handle.report()
-    model.zero_grad(set_to_none=True)
-    loss = model(**zoo.packed_batch(samples)).loss
-    loss.backward()
-    got = zoo.gradients(model)
-    assert any("experts" in n and "lora_B" in n for n in got)  # the biases are frozen here; the zoo case trains them
-    torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-5, atol=1e-6)
-    errors = zoo.relative_errors(got, want)
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-4, (worst, errors[worst])
+    _packed_step_equals(model, want_loss, want)
     handle.undo()

@@ -237,7 +237,7 @@ def offload_findings(gpu_count: int) -> list[Finding]:
         return []
     import torch
 
-    from hasten.memory.offload import OffloadEngine, _available_host_bytes, measure_link_bandwidth
+    from hasten.memory.offload import OffloadEngine, available_host_bytes, measure_link_bandwidth
 
     findings = []
     engines = OffloadEngine(0).copy_engine_count(torch.cuda.current_device())
@@ -249,7 +249,7 @@ def offload_findings(gpu_count: int) -> list[Finding]:
                                 "double buffering hides less here; prefer offload: auto, which plans for it"))
     else:
         findings.append(Finding("copy engines", "info", "unknown in this build"))
-    available = _available_host_bytes()
+    available = available_host_bytes()
     findings.append(Finding("pinned host memory", "info", "up to " + (_format_bytes(available * 0.8) if available
                                                                        else "unknown") + " for offload (80% of "
                             "available now)"))

@@ -456,7 +456,8 @@ def _elapsed(start, end) -> float:
     return start.elapsed_time(end) / 1000.0
 
 
-def _available_host_bytes() -> int | None:
+def available_host_bytes() -> int | None:
+    """The host's MemAvailable in bytes (None where /proc/meminfo cannot tell)."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -502,7 +503,7 @@ class OffloadManager:
         self.calibration_choices = list(calibration)
         self.plan = None  # hasten.memory.planner.Plan once 'auto' has planned
         self.bandwidth: dict[str, float] | None = None
-        available = _available_host_bytes()
+        available = available_host_bytes()
         self.host_limit_bytes = int(available * host_fraction) if available else None
         self._forwards = 0
         # (bytes allocated, where, restored bytes held, device-to-host bytes in flight)

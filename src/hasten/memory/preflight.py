@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hasten.memory.offload import available_host_bytes
+
 PROBE_EXACT = 8192
 DEVICE_MARGIN = 0.95
 HOST_FRACTION = 0.8
@@ -107,17 +109,6 @@ def optimizer_state_bytes(params: Sequence[torch.Tensor]) -> int:
     return 2 * sum(p.numel() * p.element_size() for p in params)
 
 
-def _host_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class CudaMemory:
     """The device's allocation counters around one probe step."""
 
@@ -175,7 +166,7 @@ def forecast(probes: Sequence[Probe], optimizer_bytes: int, device: torch.device
     host_per_token, host_limit = 0.0, None
     if with_offload:
         host_per_token, _ = fit_line([(p.tokens, float(p.host_bytes)) for p in probes])
-        available = _host_available()
+        available = available_host_bytes()
         host_limit = int(available * HOST_FRACTION) if available else None
     return MemoryForecast(optimizer_bytes, max(per_token, 0.0), max(constant, 0.0), limit, max(host_per_token, 0.0),
                           host_limit)
