@@ -135,3 +135,31 @@ def test_my_model_my_data_trains_as_written(tmp_path, monkeypatch, capsys):
                "--max_steps", "1", "--no_progress"])
     assert rc == 0, capsys.readouterr().err[-3000:]
     assert (tmp_path / "run" / "final").is_dir() and (tmp_path / "run" / "logs" / "summary.json").is_file()
+
+
+# --- configs/long_context_lora.yaml: the long-context LoRA settings, loadable and runnable as written
+LONG_CONFIG = ROOT / "configs" / "long_context_lora.yaml"
+
+
+def test_long_context_config_sets_the_lowest_memory_per_token_and_trains(tmp_path, monkeypatch, capsys):
+    from hasten.cli.main import main
+    from hasten.config import Config
+
+    text = LONG_CONFIG.read_text(encoding="utf-8")
+    assert text.startswith("# hasten train --config configs/long_context_lora.yaml --output_dir ")
+    config = Config.from_yaml(LONG_CONFIG)
+    checkpoint = config.training.checkpoint
+    assert (checkpoint.activations, checkpoint.offload, checkpoint.mlp_tile_tokens) == ("full", "all", 16384)
+    assert config.training.memory_preflight and config.lora.enabled
+    monkeypatch.chdir(ROOT)
+    rc = main(["train", "--config", str(LONG_CONFIG), "--output_dir", str(tmp_path / "run"), "--device", "cpu",
+               "--max_steps", "1", "--no_progress"])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-3000:]
+    assert "runs on a GPU" in err  # offload is the GPU's, said once
+    import json
+
+    summary = json.loads((tmp_path / "run" / "logs" / "summary.json").read_text())
+    assert any(item.startswith("activation checkpointing (full") for item in summary["hasten_active"])
+    assert any(item.startswith("MLP sequence tiling (16384 tokens per tile") for item in summary["hasten_active"])
+    assert (tmp_path / "run" / "final").is_dir()
