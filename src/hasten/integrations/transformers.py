@@ -738,7 +738,7 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
         handle.inactive.append("training.moe.fused_grouping is false: experts left as transformers configured them")
         return
     from hasten.moe import MoeLoadStats, unsupported_reason
-    from hasten.moe.experts import describe
+    from hasten.moe.experts import describe, uses_fused_swiglu
 
     reasons = {reason for m in experts if (reason := unsupported_reason(m)) is not None}
     if (no_kernels := _cuda_kernels_missing(model, "moe_group", "moe_permute", "moe_combine", "swiglu")) is not None:
@@ -753,12 +753,14 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     stats = MoeLoadStats()
     for m in experts:
         m._hasten_moe_stats = stats
+        m._hasten_fused_swiglu = uses_fused_swiglu(m)  # read per forward: a bool, not a lookup to trace
         stats.track(m, m.num_experts, m.gate_up_proj.device)
 
     def undo() -> None:
         stats.untrack()
         for m in experts:
             m.__dict__.pop("_hasten_moe_stats", None)
+            m.__dict__.pop("_hasten_fused_swiglu", None)
         model.set_experts_implementation(previous or "eager")
 
     handle._undo_steps.append(undo)

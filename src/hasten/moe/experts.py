@@ -262,6 +262,9 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     x = moe_ops.permute(hidden_states, g)
     row_experts = _row_experts(g, x.shape[0]) if getattr(self, "has_bias", False) else None
     gate_up = _projection(self, "gate_up_proj", x, g, row_experts)
-    act = moe_ops.swiglu(gate_up) if uses_fused_swiglu(self) else type(self)._apply_gate(self, gate_up)
+    fused_gate = getattr(self, "_hasten_fused_swiglu", None)  # decided at accelerate(); else here
+    if fused_gate is None:
+        fused_gate = uses_fused_swiglu(self)
+    act = moe_ops.swiglu(gate_up) if fused_gate else type(self)._apply_gate(self, gate_up)
     y = _projection(self, "down_proj", act, g, row_experts)
     return moe_ops.combine(y, top_k_weights.to(y.dtype), g)
