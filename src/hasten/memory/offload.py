@@ -313,7 +313,11 @@ class LayerOffload:
         return hook
 
     def _bound_copies(self, max_bytes: int) -> None:
-        if any(choice in TO_HOST for choice in self.plan):
+        """Bounds the copies behind the host where the checkpointed inputs go to the host (each a
+        [tokens, hidden] tensor, copied in a fraction of its layer's forward); the 'offload' plan's
+        copies of whole layers' activations are the planner's to time (it counts a copy still
+        running at the peak as freeing nothing) and are only polled, as before."""
+        if "recompute_offload" in self.plan:
             self.forward_waits += self.engine.bound_in_flight(max_bytes)
         else:
             self.engine.poll()
