@@ -103,10 +103,12 @@ TORCH_LIBRARY(hasten, m) {
   // hidden (T, H), weight (V, H), bias (V,)?, targets (T,) int64 (already shifted),
   // denominator: one value, the loss is sum / denominator. chunk_tokens 0 = about 1 GiB of logits
   // per chunk. With compute_grad the gradients of the loss come back too (else empty (0,) tensors):
-  // (loss float32 scalar, grad_hidden (T, H), grad_weight (V, H), grad_bias (V,)?).
+  // (loss float32 scalar, grad_hidden (T, H), grad_weight (V, H), grad_bias (V,)?). weight_grad
+  // false (a frozen LM head: LoRA) skips grad_weight (empty): its (V, H) float32 accumulator and
+  // one GEMM per chunk.
   m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, Tensor denominator, "
-        "int ignore_index, float label_smoothing, float softcap, int chunk_tokens, bool compute_grad) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "int ignore_index, float label_smoothing, float softcap, int chunk_tokens, bool compute_grad, "
+        "bool weight_grad=True) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // Host memory pool for activation offload (csrc/offload/host_pool.h): blocks reused by size
   // class, page-locked on CUDA builds. torch.classes.hasten.HostPool(max_cached_bytes).

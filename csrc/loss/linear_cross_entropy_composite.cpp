@@ -6,7 +6,8 @@
 //   logits (C, V)   = hidden_c @ weight^T (+ bias)             hidden's dtype
 //   loss_rows (C,)  , logits <- d loss_sum / d logits * scale  float accumulation, in place
 //   grad_hidden_c   = logits @ weight                           (C, H)
-//   grad_weight    += logits^T @ hidden_c                       float32 accumulator (V, H)
+//   grad_weight    += logits^T @ hidden_c                       float32 accumulator (V, H), unless
+//                                                               weight_grad is false (a frozen head)
 // The gradients are computed in the forward and scaled by the upstream gradient in backward
 // (ops/loss.py): one pass over the vocabulary instead of keeping logits for backward.
 // loss = sum(loss_rows) / denominator, where denominator is the caller's count of target
@@ -38,7 +39,7 @@ at::Tensor call_cross_entropy_rows(at::Tensor& logits, const at::Tensor& targets
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
     const at::Tensor& hidden_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias,
     const at::Tensor& targets, const at::Tensor& denominator, int64_t ignore_index, double label_smoothing,
-    double softcap, int64_t chunk_tokens, bool compute_grad) {
+    double softcap, int64_t chunk_tokens, bool compute_grad, bool weight_grad) {
   check_linear_cross_entropy_args(hidden_in, weight_in, bias, targets, denominator);
   const auto hidden = hidden_in.contiguous();
   const auto weight = weight_in.contiguous();
@@ -50,9 +51,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
   auto loss_rows = at::empty({tokens}, float_opts);
   at::Tensor grad_hidden, grad_weight_acc, grad_bias_acc;
   std::optional<at::Tensor> scale;
+  const bool want_weight = compute_grad && weight_grad;
   if (compute_grad) {
     grad_hidden = at::empty_like(hidden);
-    grad_weight_acc = at::zeros({vocab, hidden.size(1)}, float_opts);
+    if (want_weight) grad_weight_acc = at::zeros({vocab, hidden.size(1)}, float_opts);
     if (bias) grad_bias_acc = at::zeros({vocab}, float_opts);
     scale = at::reciprocal(denominator.to(at::kFloat).reshape({1}));
   }
@@ -67,7 +69,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
     if (!compute_grad) continue;
     auto grad_h = grad_hidden.narrow(0, start, n);
     at::mm_out(grad_h, logits, weight);
-    if (mixed_accumulate) {  // bf16/fp16 operands, float32 accumulator, one cuBLAS call
+    if (!want_weight) {
+    } else if (mixed_accumulate) {  // bf16/fp16 operands, float32 accumulator, one cuBLAS call
       at::addmm_out(grad_weight_acc, grad_weight_acc, logits.t(), h, at::kFloat);
     } else {
       grad_weight_acc.add_(at::mm(logits.t(), h).to(at::kFloat));
@@ -77,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
   const auto loss = loss_rows.sum() / denominator.to(at::kFloat).reshape({});
   const auto none = [&] { return at::empty({0}, hidden.options()); };  // a fixed output arity for tracing
   if (!compute_grad) return {loss, none(), none(), none()};
-  return {loss, grad_hidden, grad_weight_acc.to(weight.scalar_type()),
+  return {loss, grad_hidden, want_weight ? grad_weight_acc.to(weight.scalar_type()) : at::empty({0}, weight.options()),
           bias ? grad_bias_acc.to(bias->scalar_type()) : none()};
 }
 

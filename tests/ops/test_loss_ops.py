@@ -96,3 +96,25 @@ def test_bad_shapes_are_named():
         linear_cross_entropy(h, w[:, :5], t)
     with pytest.raises(RuntimeError, match=r"`targets` must be \(4,\)"):
         torch.ops.hasten.linear_cross_entropy(h, w, None, t[:3], torch.tensor(1.0), -100, 0.0, 0.0, 0, False)
+
+
+def test_a_frozen_head_gets_no_weight_gradient_and_the_same_rest():
+    """LoRA's LM head is frozen: the op skips the (V, H) gradient (its float32 accumulator and a GEMM
+    per chunk) and returns an empty one; the loss and the hidden states' gradient are unchanged."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=gen)
+    weight = torch.randn(53, 16, generator=gen)
+    targets = torch.randint(0, 53, (37,), generator=gen)
+    denominator = torch.tensor(37.0)
+    args = (hidden, weight, None, targets, denominator, -100, 0.0, 0.0, 8, True)
+    loss, grad_hidden, grad_weight, _ = torch.ops.hasten.linear_cross_entropy(*args)
+    frozen_loss, frozen_grad_hidden, frozen_grad_weight, _ = torch.ops.hasten.linear_cross_entropy(*args, False)
+    assert grad_weight.shape == weight.shape and frozen_grad_weight.numel() == 0
+    assert torch.equal(loss, frozen_loss) and torch.equal(grad_hidden, frozen_grad_hidden)
+    leaf = hidden.clone().requires_grad_()
+    got = linear_cross_entropy(leaf, weight, targets, chunk_tokens=8)  # weight.requires_grad False
+    got.backward()
+    want_leaf = hidden.clone().requires_grad_()
+    F.cross_entropy(want_leaf @ weight.t(), targets).backward()
+    torch.testing.assert_close(leaf.grad, want_leaf.grad)
+    torch.library.opcheck(torch.ops.hasten.linear_cross_entropy.default, (*args, False))

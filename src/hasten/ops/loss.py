@@ -21,24 +21,29 @@ def _cross_entropy_rows_fake(logits, targets, grad_scale, ignore_index, label_sm
 
 
 def _linear_cross_entropy_fake(hidden, weight, bias, targets, denominator, ignore_index, label_smoothing, softcap,
-                               chunk_tokens, compute_grad):
+                               chunk_tokens, compute_grad, weight_grad=True):
     _checks.check_linear_cross_entropy_args(hidden, weight, bias, targets, denominator)
     _checks.check_smoothing_and_softcap(label_smoothing, softcap)
     loss = hidden.new_empty((), dtype=torch.float32)
     if not compute_grad:
         return loss, *(hidden.new_empty((0,)) for _ in range(3))  # three tensors, as the kernel: none aliases
     grad_bias = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,))
-    return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), grad_bias
+    grad_weight = weight.new_empty(weight.shape) if weight_grad else weight.new_empty((0,))
+    return loss, hidden.new_empty(hidden.shape), grad_weight, grad_bias
 
 
 def _setup(ctx, inputs, output):
-    _hidden, _weight, bias, *_rest, compute_grad = inputs
+    bias, compute_grad = inputs[2], inputs[9]
+    weight_grad = inputs[10] if len(inputs) > 10 else True  # the schema's default, where a caller leaves it
     _loss, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
     if any(ctx.needs_input_grad[3:5]):
         raise NotImplementedError("hasten::linear_cross_entropy has no gradient for targets or denominator")
     if any(ctx.needs_input_grad[:3]) and not compute_grad:
         raise RuntimeError("hasten::linear_cross_entropy was called with compute_grad=False on inputs that need a "
+                           "gradient; call hasten.ops.loss.linear_cross_entropy, which sets it")
+    if ctx.needs_input_grad[1] and not weight_grad:
+        raise RuntimeError("hasten::linear_cross_entropy was called with weight_grad=False on a weight that needs a "
                            "gradient; call hasten.ops.loss.linear_cross_entropy, which sets it")
     ctx.has_bias = bias is not None
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -50,7 +55,7 @@ def _backward(ctx, grad_loss, *_unused):
     return (grad_hidden * scale if ctx.needs_input_grad[0] else None,
             grad_weight * scale if ctx.needs_input_grad[1] else None,
             grad_bias * scale if ctx.has_bias and ctx.needs_input_grad[2] else None,
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 def _register() -> None:
@@ -81,7 +86,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device)
     # the gradients come out of the forward pass (no logits are kept), so the forward must know
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    # a frozen LM head (LoRA) needs no (V, H) gradient: no float32 accumulator, one GEMM per chunk fewer
+    weight_grad = compute_grad and weight.requires_grad
     loss = call("linear_cross_entropy", hidden2d, weight, bias, flat_targets, denominator, int(ignore_index),
                                                  float(label_smoothing), float(softcap or 0.0), int(chunk_tokens),
-                                                 compute_grad)[0]
+                                                 compute_grad, weight_grad)[0]
     return loss
