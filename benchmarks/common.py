@@ -84,3 +84,28 @@ def write_rows(rows: list[dict], workload: str, out_dir: Path | None = None) -> 
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def check_first_loss(row: dict, reference: str, reference_loss: float | None, tolerance: float) -> None:
+    """Marks `row` correct when its first loss is within `tolerance` of `reference`'s (the same
+    weights and batch: a variant that computes something else shows there)."""
+    if row["step_s"] is None or reference_loss is None or row["variant"] == reference:
+        return
+    row[f"first_loss_diff_vs_{reference}"] = abs(row["losses"][0] - reference_loss)
+    row["correct"] = row[f"first_loss_diff_vs_{reference}"] <= tolerance
+
+
+def print_training_row(row: dict, reference: str, width: int = 18) -> None:
+    """One line per training-step variant: tokens/s, step, peak, syncs, first loss against `reference`."""
+    name = row["variant"]
+    if row["step_s"] is None:
+        print(f"{name:>{width}}: FAILED {row['error']}", flush=True)
+        return
+    print(f"{name:>{width}}: {row['tokens_per_s']:>8,.0f} tok/s  {row['step_s']:.3f} s  {row['peak_gib']:6.1f} GiB  "
+          f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}"
+          f"  (vs {reference} {row.get(f'first_loss_diff_vs_{reference}', 0.0):.1e})", flush=True)
+
+
+def print_ratio(mine: dict, theirs: dict) -> None:
+    print(f"{mine['variant']} vs {theirs['variant']}: {mine['tokens_per_s'] / theirs['tokens_per_s']:.2f}x tokens/s, "
+          f"peak {mine['peak_gib']:.1f} vs {theirs['peak_gib']:.1f} GiB")

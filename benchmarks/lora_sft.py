@@ -271,25 +271,16 @@ def main() -> int:
         reference = references[workload]
         if reference in done:
             reference_loss[workload] = done[reference]["losses"][0]
-        if row["step_s"] is not None and reference_loss[workload] is not None and name != reference:
-            diff = abs(row["losses"][0] - reference_loss[workload])
-            row[f"first_loss_diff_vs_{reference}"] = diff
-            row["correct"] = diff <= LOSS_TOLERANCE
+        common.check_first_loss(row, reference, reference_loss[workload], LOSS_TOLERANCE)
         common.write_rows([row], workload, args.out)
-        if row["step_s"] is None:
-            print(f"{name:>18}: FAILED {row['error']}", flush=True)
-            continue
-        print(f"{name:>18}: {row['tokens_per_s']:>8,.0f} tok/s  {row['step_s']:.3f} s  {row['peak_gib']:6.1f} GiB  "
-              f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}"
-              f"  (vs {reference} {row.get(f'first_loss_diff_vs_{reference}', 0.0):.1e})", flush=True)
+        common.print_training_row(row, reference)
     base = {r["variant"]: r for r in rows if r["step_s"] is not None}
     for mine in ("hasten", "hasten_lean", "hasten_offload", "hasten_tiled", "hasten_nf4", "hasten_nf4_lean",
                  "hasten_nf4_offload", "hasten_nf4_tiled"):
         for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_peft_layers", "hf_peft_padded", "hf_peft_bnb",
                     "unsloth_nf4"):
             if mine in base and ref in base:
-                print(f"{mine} vs {ref}: {base[mine]['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
-                      f"peak {base[mine]['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")
+                common.print_ratio(base[mine], base[ref])
     return 0
 
 

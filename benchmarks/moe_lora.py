@@ -145,22 +145,13 @@ def main() -> int:
             torch.cuda.empty_cache()
         if name == "hf_grouped_mm" and row["step_s"] is not None:
             reference_loss = row["losses"][0]
-        if row["step_s"] is not None and reference_loss is not None and name != "hf_grouped_mm":
-            row["first_loss_diff_vs_hf_grouped_mm"] = abs(row["losses"][0] - reference_loss)
-            row["correct"] = row["first_loss_diff_vs_hf_grouped_mm"] <= LOSS_TOLERANCE
+        common.check_first_loss(row, "hf_grouped_mm", reference_loss, LOSS_TOLERANCE)
         rows.append(row)
         common.write_rows([row], WORKLOAD, args.out)
-        if row["step_s"] is None:
-            print(f"{name:>14}: FAILED {row['error']}", flush=True)
-            continue
-        print(f"{name:>14}: {row['tokens_per_s']:>8,.0f} tok/s  {row['step_s']:.3f} s  {row['peak_gib']:6.1f} GiB  "
-              f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}"
-              f"  (vs hf_grouped_mm {row.get('first_loss_diff_vs_hf_grouped_mm', 0.0):.1e})", flush=True)
+        common.print_training_row(row, "hf_grouped_mm", width=14)
     done = {r["variant"]: r for r in rows if r["step_s"] is not None}
     if {"hasten", "hf_grouped_mm"} <= done.keys():
-        h, t = done["hasten"], done["hf_grouped_mm"]
-        print(f"hasten vs hf_grouped_mm: {h['tokens_per_s'] / t['tokens_per_s']:.2f}x tokens/s, "
-              f"peak {h['peak_gib']:.1f} vs {t['peak_gib']:.1f} GiB")
+        common.print_ratio(done["hasten"], done["hf_grouped_mm"])
     return 0
 
 

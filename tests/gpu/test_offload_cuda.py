@@ -163,6 +163,19 @@ def test_device_memory_returns_to_its_baseline_after_each_step():
         assert allocated == baseline
 
 
+def _step_peak(model, batch) -> int:
+    """Peak device bytes above the step's start, after a warm-up step (pools, kernels, pinned blocks)."""
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    model(**batch).loss.backward()
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    return torch.cuda.max_memory_allocated() - start
+
+
 def test_offload_lowers_the_peak():
     batch = _batches(1, seed=3, max_tokens=8192)[0]
     peaks = {}
@@ -171,14 +184,7 @@ def test_offload_lowers_the_peak():
         hasten.accelerate(model, Config())
         offload = LayerOffload(decoder_layers(model), [plan] * 3 + ["keep"])
         offload.attach()
-        model(**batch).loss.backward()  # warm-up: pools, kernels
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        model(**batch).loss.backward()
-        torch.cuda.synchronize()
-        peaks[plan] = torch.cuda.max_memory_allocated() - start
+        peaks[plan] = _step_peak(model, batch)
         offload.detach()
         del model, offload
         gc.collect()
@@ -304,19 +310,6 @@ def _accelerated(checkpoint: dict, layers: int = SHAPE["num_hidden_layers"], tra
             param.requires_grad_(trainable in name)
     handle = hasten.accelerate(model, Config.from_dict({"training": {"checkpoint": checkpoint}}))
     return model, handle
-
-
-def _step_peak(model, batch) -> int:
-    """Peak device bytes above the step's start, after a warm-up step (pools, kernels, pinned blocks)."""
-    model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    model(**batch).loss.backward()
-    torch.cuda.synchronize()
-    model.zero_grad(set_to_none=True)
-    return torch.cuda.max_memory_allocated() - start
 
 
 @pytest.mark.parametrize("tile_tokens", [0, 1000], ids=["untiled", "tiles-of-1000"])

@@ -230,16 +230,13 @@ def test_gemma3_multimodal_trains_text_packed_and_refuses_packed_images():
     assert model.config.vision_config._attn_implementation == vision_before
 
 
-def test_gemma2_padded_batches_keep_the_softcap_and_the_padding_mask():
-    """A padded batch of an accelerated Gemma 2 runs its own eager attention (sdpa would drop the
-    softcap) with the dense mask hasten's mask interface built, which is sdpa's boolean kind: it
-    must reach eager attention as the additive mask eager adds to its scores. Loss and gradients
-    equal the unpatched eager model's on the same padded batch."""
+def _padded_batch_equals_unpatched(model_type: str):
+    """A padded batch through the accelerated model (its own eager attention with hasten's dense
+    mask, as additive mask): loss and every gradient of the unpatched model. Returns both models."""
     import hasten
     from tests import model_zoo as zoo
 
-    entry = zoo.ENTRIES["gemma2"]
-    reference = zoo.build(entry)
+    reference = zoo.build(zoo.ENTRIES[model_type])
     patched = zoo.clone(reference)
     batch = zoo.padded_batch(zoo.samples())
     want = reference(**batch).loss
@@ -250,6 +247,32 @@ def test_gemma2_padded_batches_keep_the_softcap_and_the_padding_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     errors = zoo.relative_errors(zoo.gradients(patched), zoo.gradients(reference))
     assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda item: item[1])
+    return reference, patched, handle, errors
+
+
+def _generation_equals_unpatched(reference, patched) -> None:
+    """Greedy decoding against a cache (patched is accelerated): the same tokens and logits."""
+    from tests import model_zoo as zoo
+
+    reference.eval()
+    patched.eval()
+    prompt = torch.tensor([zoo.samples()[0]["input_ids"]])
+    with torch.no_grad():
+        want = reference.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+        got = patched.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma2_padded_batches_keep_the_softcap_and_the_padding_mask():
+    """A padded batch of an accelerated Gemma 2 runs its own eager attention (sdpa would drop the
+    softcap) with the dense mask hasten's mask interface built, which is sdpa's boolean kind: it
+    must reach eager attention as the additive mask eager adds to its scores. Loss and gradients
+    equal the unpatched eager model's on the same padded batch."""
+    _, _, handle, _ = _padded_batch_equals_unpatched("gemma2")
     handle.undo()
 
 
@@ -262,16 +285,8 @@ def test_gemma2_generation_keeps_the_softcap_and_causality():
 
     reference = zoo.build(zoo.ENTRIES["gemma2"]).eval()
     patched = zoo.clone(reference)
-    prompt = torch.tensor([zoo.samples()[0]["input_ids"]])
-    with torch.no_grad():
-        want = reference.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
-                                  return_dict_in_generate=True)
-        handle = hasten.accelerate(patched)
-        got = patched.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True)
-    assert torch.equal(got.sequences, want.sequences)
-    for g, w in zip(got.logits, want.logits):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    handle = hasten.accelerate(patched)
+    _generation_equals_unpatched(reference, patched)
     handle.undo()
 
 
@@ -279,33 +294,10 @@ def test_gpt_oss_padded_batches_and_generation_keep_the_sinks():
     """gpt-oss's sinks on the paths hasten's varlen op does not take: a padded batch and decoding
     against a cache run the model's own eager attention (which reads module.sinks) with the additive
     mask; loss, gradients (the sinks' too) and generated logits equal the unpatched model's."""
-    import hasten
-    from tests import model_zoo as zoo
-
-    reference = zoo.build(zoo.ENTRIES["gpt_oss"])
-    patched = zoo.clone(reference)
-    batch = zoo.padded_batch(zoo.samples())
-    want = reference(**batch).loss
-    want.backward()
-    handle = hasten.accelerate(patched)
+    reference, patched, handle, errors = _padded_batch_equals_unpatched("gpt_oss")
     assert any(item.startswith("varlen attention (packed") for item in handle.active), handle.report()
-    got = patched(**batch).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    errors = zoo.relative_errors(zoo.gradients(patched), zoo.gradients(reference))
     assert any("sinks" in name for name in errors)
-    assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda item: item[1])
-    reference.eval()
-    patched.eval()
-    prompt = torch.tensor([zoo.samples()[0]["input_ids"]])
-    with torch.no_grad():
-        want_gen = reference.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
-                                      return_dict_in_generate=True)
-        got_gen = patched.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True)
-    assert torch.equal(got_gen.sequences, want_gen.sequences)
-    for g, w in zip(got_gen.logits, want_gen.logits):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    _generation_equals_unpatched(reference, patched)
     handle.undo()
 
 

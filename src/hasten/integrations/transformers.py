@@ -16,6 +16,7 @@ The returned handle undoes all of it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import threading
@@ -174,6 +175,13 @@ def _attention_sinks(module: torch.nn.Module, s_aux) -> torch.Tensor | None:
     return s_aux
 
 
+@functools.lru_cache(maxsize=None)
+def _reads_sinks(eager_attention) -> bool:
+    """Whether a modeling file's eager attention applies the module's sinks (read from its source
+    once per function: this runs on every decoding step)."""
+    return "sinks" in inspect.getsource(eager_attention)
+
+
 def _dense_attention(module: torch.nn.Module, softcap: float | None, sinks: torch.Tensor | None = None):
     """The dense attention for a padded batch or a decoding step: transformers' sdpa, or with a
     softcap or sinks (which sdpa ignores) the modeling file's own eager attention, which applies
@@ -185,7 +193,7 @@ def _dense_attention(module: torch.nn.Module, softcap: float | None, sinks: torc
         raise NotImplementedError(f"{type(module).__name__} passes softcap={softcap} on a padded batch (or a decoding "
                                   "step) and its modeling file has no eager attention taking a softcap; transformers' "
                                   "sdpa would drop it. Pack the batch (hasten.PackingCollator)")
-    if sinks is not None and (own is None or "sinks" not in inspect.getsource(own)):
+    if sinks is not None and (own is None or not _reads_sinks(own)):
         raise NotImplementedError(f"{type(module).__name__} has attention sinks on a padded batch (or a decoding step) "
                                   "and its modeling file has no eager attention that applies them; transformers' sdpa "
                                   "would drop them. Pack the batch (hasten.PackingCollator)")

@@ -18,6 +18,7 @@ the factors (lhs (E, out, r), rhs (E, r, in)); backward keeps x and the (S, r) p
 from __future__ import annotations
 
 import torch
+from torch.nn.utils import parametrize
 
 from hasten.observability import record_fallback
 from hasten.ops import moe as moe_ops
@@ -207,8 +208,6 @@ def lora_factors(experts: torch.nn.Module, name: str):
     """(base weight, (lhs, rhs, scaling)) when PEFT's parametrization of `name` holds one adapter's
     low-rank factors (delta = scaling * lhs @ rhs, lhs (E, out, r), rhs (E, r, in)); None otherwise
     (no LoRA, or a merged delta: several adapters, a low-precision base)."""
-    from torch.nn.utils import parametrize
-
     if not parametrize.is_parametrized(experts, name):
         return None
     chain = experts.parametrizations[name]
