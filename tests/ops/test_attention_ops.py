@@ -8,10 +8,12 @@ import torch.nn.functional as F
 from hasten.ops.attention import varlen_attention
 
 
-def _reference(q, k, v, cu, scale, causal, window=0, softcap=0.0):
+def _reference(q, k, v, cu, scale, causal, window=0, softcap=0.0, sinks=None):
     """Per-sequence SDPA with K/V heads repeated; returns out (T, Hq, D) and lse (T, Hq). window W:
     query i sees keys i - W < j <= i (transformers' sliding_window); softcap c: scaled scores s
-    become c * tanh(s / c) before the mask (Gemma 2's eager attention)."""
+    become c * tanh(s / c) before the mask (Gemma 2's eager attention); sinks (Hq,): each head's
+    logit joins the softmax as a column without a value (gpt-oss's eager attention), and lse
+    includes it."""
     groups = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[:2], dtype=q.dtype)
@@ -27,6 +29,9 @@ def _reference(q, k, v, cu, scale, causal, window=0, softcap=0.0):
             scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
         if window:
             scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).tril(-window), float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.view(-1, 1, 1).expand(-1, end - start, 1)], -1)
+            vs = torch.cat([vs, vs.new_zeros(vs.shape[0], 1, vs.shape[2])], 1)  # the sink has no value
         out[start:end] = (torch.softmax(scores, -1) @ vs).transpose(0, 1)
         lse[start:end] = torch.logsumexp(scores, -1).transpose(0, 1)
     return out, lse

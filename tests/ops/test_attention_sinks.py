@@ -8,29 +8,11 @@ import torch
 
 from hasten.attention.varlen import _per_sequence
 from hasten.ops.attention import varlen_attention_sinks
+from tests.ops.test_attention_ops import _reference as attention_reference
 
 
 def _reference(q, k, v, cu, sinks, scale, causal, window=0, softcap=0.0):
-    groups = q.shape[1] // k.shape[1]
-    rows = []
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        if end == start:
-            continue
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
-        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
-        scores = qs @ ks.transpose(1, 2) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        ones = torch.ones_like(scores, dtype=torch.bool)
-        if causal:
-            scores = scores.masked_fill(ones.triu(1), float("-inf"))
-        if window:
-            scores = scores.masked_fill(ones.tril(-window), float("-inf"))
-        sink = sinks.view(-1, 1, 1).expand(-1, end - start, 1)
-        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]  # gpt-oss's eager attention
-        rows.append((probs @ vs).transpose(0, 1))
-    tail = q.shape[0] - int(cu[-1])
-    return torch.cat(rows + [q.new_zeros(tail, *q.shape[1:])])
+    return attention_reference(q, k, v, cu, scale, causal, window, softcap, sinks)[0]
 
 
 def _inputs(lengths, hq, hkv, head_dim, seed, tail=0):
