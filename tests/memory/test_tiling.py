@@ -59,9 +59,11 @@ def test_tiled_mlp_gives_the_untiled_loss_and_every_gradient(entry, activations)
     reference.undo()
 
 
-def test_tiled_mlp_under_lora_gives_the_adapters_gradients():
-    (want_loss, want), reference = _run("llama", 0, lora=True)
-    (loss, grads), handle = _run("llama", 5, lora=True)
+@pytest.mark.parametrize("activations", ["none", "full"])
+def test_tiled_mlp_under_lora_gives_the_adapters_gradients(activations):
+    """Under LoRA the first layer's MLP input needs no gradient (frozen embeddings and norms)."""
+    (want_loss, want), reference = _run("llama", 0, activations, lora=True)
+    (loss, grads), handle = _run("llama", 5, activations, lora=True)
     assert any(item.startswith("MLP sequence tiling") for item in handle.active)
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == want.keys() and any("mlp" in name and "lora_A" in name for name in want)
@@ -174,3 +176,44 @@ def test_the_recompute_runs_under_the_forwards_autocast():
     torch.testing.assert_close(got_out, want_out)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+class _Layer(nn.Module):
+    """A decoder layer's tail: norm, MLP, residual add (nothing saved after the MLP), or with a norm
+    on the MLP output (Gemma 2's post-feedforward norm: it saves the MLP output)."""
+
+    def __init__(self, post_norm: bool):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(6), _MLP()
+        self.post_norm = nn.LayerNorm(6) if post_norm else nn.Identity()
+
+    def forward(self, x):
+        return x + self.post_norm(self.mlp(self.norm(x)))
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_a_checkpointed_layer_does_not_run_the_tiles_in_its_recompute(post_norm, x_grad):
+    """Under non-reentrant checkpointing (early stop on, torch's default), a layer whose MLP is the
+    last thing to save anything stops its recompute before the tiles: the MLP runs once per tile in
+    forward and once per tile in backward (2 x 5 tiles of 23 tokens), not a third time; with a norm
+    after the MLP the recompute must run the tiles (3 x 5), and the gradients match either way.
+    x_grad False: the layer's input needs no gradient (a LoRA model's first layer)."""
+    torch.manual_seed(0)
+    layer = _Layer(post_norm)
+    calls, untiled = [], layer.mlp.forward
+
+    def run(x):
+        calls.append(x.shape[0])
+        return untiled(x)
+
+    layer.mlp.forward = lambda x: tiled_mlp_forward(layer.mlp, run, x, tile_tokens=5)
+    x = torch.randn(1, 23, 6, requires_grad=x_grad)
+    params = list(layer.parameters())
+    out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    got = torch.autograd.grad(out.square().sum(), ([x] if x_grad else []) + params)
+    assert calls == [5, 5, 5, 5, 3] * (3 if post_norm else 2)
+    del layer.mlp.forward
+    want = torch.autograd.grad(layer(x).square().sum(), ([x] if x_grad else []) + params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

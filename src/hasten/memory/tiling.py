@@ -13,7 +13,14 @@ than one tile's intermediate exists at a time, in forward or backward.
             parameter gradients summed over tiles in float32 and returned to autograd (so they
             accumulate, and any gradient hooks fire, as for an untiled MLP).
 
-The price is the MLP's forward once more per step (a recompute). Applied only to dense MLPs
+The price is the MLP's forward once more per step (a recompute), except under non-reentrant
+activation checkpointing with early stop (torch's default, and hasten's), where it costs nothing:
+a layer's recompute in backward ends at the last tensor its forward saved, and x is saved by a
+Function of its own (_TileInput) that runs before the tiles, so in a layer where nothing after
+the MLP saves a tensor (a Llama layer ends in the residual add) the recompute stops before the
+MLP, whose forward then runs twice per step (the forward's tiles, and each tile again with
+gradients in backward) as an untiled checkpointed MLP's does; with a norm after the MLP (Gemma 2)
+the recompute goes on through the tiles, as it must. Applied only to dense MLPs
 (the decoder layer's `mlp` whose class is an ...MLP: routed experts pick per tile differently
 for their load statistics), without dropout (a recompute would draw other masks), when the
 layer sees more than `tile_tokens` tokens with gradients on.
@@ -29,15 +36,33 @@ from torch import nn
 from hasten.memory.offload import decoder_layers
 
 
+class _TileInput(torch.autograd.Function):
+    """Saves the MLP input x (N, hidden) for _TiledMLP's backward and returns it as a view.
+
+    A Function of its own so that x is packed (the saved-tensor hooks run when a Function returns)
+    before the tiles run: under checkpointing with early stop the recompute can then end here (see
+    the module docstring). `anchor` is a trainable parameter of the MLP, passed when x itself needs
+    no gradient (a LoRA model's first layer), so that this node, and so the saving of x, exists."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.needs_input_grad[0] else None), None
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, tile_tokens: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.run, ctx.tile_tokens = run, tile_tokens
+    def forward(ctx, run, tile_tokens: int, wants_x: bool, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        # x is _TileInput's output: its node holds the saved x, read back in backward
+        ctx.run, ctx.tile_tokens, ctx.wants_x, ctx.input_node = run, tile_tokens, wants_x, x.grad_fn
         # the backward's recompute runs under the forward's autocast (as torch's checkpoint does):
         # mixed precision on float32 weights would otherwise recompute in float32
         device_type = x.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.save_for_backward(x)
         ctx.params = params  # leaves: kept by reference, not as saved activations
         with torch.no_grad():
             first = run(x[:tile_tokens])
@@ -50,10 +75,10 @@ class _TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (x,) = ctx.saved_tensors
+        (x,) = ctx.input_node.saved_tensors
         params, tile = ctx.params, ctx.tile_tokens
-        wants_x = ctx.needs_input_grad[2]
-        wanted = [p for p, needed in zip(params, ctx.needs_input_grad[3:], strict=True) if needed]
+        wants_x = ctx.wants_x and ctx.needs_input_grad[3]
+        wanted = [p for p, needed in zip(params, ctx.needs_input_grad[4:], strict=True) if needed]
         grad_x = torch.empty_like(x) if wants_x else None
         sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in wanted]
         device_type, autocast_on, autocast_dtype = ctx.autocast
@@ -70,8 +95,8 @@ class _TiledMLP(torch.autograd.Function):
                 if grad is not None:
                     total += grad
         by_param = iter(total.to(p.dtype) for total, p in zip(sums, wanted, strict=True))
-        param_grads = [next(by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
-        return (None, None, grad_x, *param_grads)
+        param_grads = [next(by_param) if needed else None for needed in ctx.needs_input_grad[4:]]
+        return (None, None, None, grad_x, *param_grads)
 
 
 _ROUTING_CHILDREN = ("experts", "router", "gate")  # an MoE block's (a dense MLP's gate is `gate_proj`)
@@ -100,7 +125,8 @@ def tiled_mlp_forward(mlp: nn.Module, run, x: torch.Tensor, tile_tokens: int) ->
     if not x.requires_grad and not params:
         return run(x)
     flat = x.reshape(tokens, x.shape[-1])
-    out = _TiledMLP.apply(run, tile_tokens, flat, *params)
+    kept = _TileInput.apply(flat, None if x.requires_grad else params[0])
+    out = _TiledMLP.apply(run, tile_tokens, x.requires_grad, kept, *params)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
