@@ -181,9 +181,11 @@ def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     reset_fallbacks()
     model, inputs, handles, notes = build(name, samples)
+    if torch.cuda.is_available():  # the peak of training, the model's memory included, not of loading it
+        # (the first 4-bit variant of a process writes the bf16 checkpoint it quantizes from)
+        torch.cuda.reset_peak_memory_stats()
     try:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
