@@ -85,3 +85,36 @@ def test_a_float32_compute_dtype_is_left_to_peft():
     model = _peft(compute_dtype=torch.float32)
     _, count, refused = install_fused_lora(model)
     assert count == 0 and any("bnb_4bit_compute_dtype" in reason for reason in refused)
+
+
+class QuantMLP(torch.nn.Module):
+    """A Llama-layout MLP loaded in 4 bits (gate, up and down projections in NF4, bf16 compute)."""
+
+    is_loaded_in_4bit = True
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.gate_proj = TwoLayers._linear4bit(64, 96, torch.bfloat16, gen)
+        self.up_proj = TwoLayers._linear4bit(64, 96, torch.bfloat16, gen)
+        self.down_proj = TwoLayers._linear4bit(96, 64, torch.bfloat16, gen)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_a_4bit_gated_mlp_is_checked_in_its_compute_dtype(with_lora):
+    """The fused SwiGLU's check feeds the projections their compute dtype (bf16), not the packed
+    weight's uint8: W4-Q on the H200 reported 'LlamaMLP could not be checked (silu_cuda not
+    implemented for Byte)' and left its MLPs unfused. A formula that differs is still refused."""
+    from hasten.dense.patch import gated_mlp_mismatch
+
+    mlp = QuantMLP()
+    if with_lora:
+        mlp = peft.get_peft_model(mlp, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj",
+                                                                                            "down_proj"]))
+        mlp = mlp.get_base_model()
+    assert gated_mlp_mismatch(mlp) is None
+    scaled = type("ScaledMLP", (QuantMLP,), {"forward": lambda self, x: 2 * QuantMLP.forward(self, x)})()
+    assert "computes something other" in gated_mlp_mismatch(scaled)

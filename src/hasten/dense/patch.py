@@ -109,8 +109,12 @@ def rms_norm_mismatch(module: nn.Module, spec: NormSpec = _LLAMA_NORM) -> str | 
 
 @contextlib.contextmanager
 def _eval_mode(module: nn.Module):
+    """Dropout and other train-only behaviour off for a check. bitsandbytes' layers keep their mode:
+    in eval mode on the CPU it repacks a 4-bit weight for its inference kernel (in place)."""
     modes = [(m, m.training) for m in module.modules()]
-    module.eval()
+    for m, _ in modes:
+        if not type(m).__module__.startswith("bitsandbytes"):
+            m.training = False
     try:
         yield
     finally:
@@ -137,6 +141,17 @@ def _gated_formula(module: nn.Module, x: torch.Tensor, spec: MlpSpec) -> torch.T
     return module.down_proj(act(gate) * up)
 
 
+def _input_dtype(projection: nn.Module) -> torch.dtype | None:
+    """The dtype a linear layer takes its input in: its weight's, or, for a quantized base whose
+    weight is packed integers (bitsandbytes' 4-bit Linear4bit, under PEFT's LoRA layer or not), the
+    floating compute dtype it names; None when it names none."""
+    base = projection.get_base_layer() if hasattr(projection, "get_base_layer") else projection
+    if base.weight.is_floating_point():
+        return base.weight.dtype
+    compute = getattr(base, "compute_dtype", None)
+    return compute if isinstance(compute, torch.dtype) and compute.is_floating_point else None
+
+
 def gated_mlp_mismatch(module: nn.Module, spec: MlpSpec = _SWIGLU) -> str | None:
     """None when type(module).forward is down_proj(act(gate) * up) exactly, act and projections as
     the spec says.
@@ -153,8 +168,12 @@ def gated_mlp_mismatch(module: nn.Module, spec: MlpSpec = _SWIGLU) -> str | None
         return f"{name}'s input projection is not a linear layer hasten can feed"
     if weight.device.type == "meta":
         return f"{name}'s weights are on the meta device, so its forward cannot be checked"
+    dtype = _input_dtype(first)
+    if dtype is None:
+        return (f"{name}'s input projection holds a {weight.dtype} weight and names no compute dtype, so its forward "
+                "cannot be checked")
     gen = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(3, in_features, generator=gen, device=weight.device).to(weight.dtype)
+    x = torch.randn(3, in_features, generator=gen, device=weight.device).to(dtype)
     try:
         with torch.no_grad(), _eval_mode(module):
             want = type(module).forward(module, x)
