@@ -217,14 +217,22 @@ def test_model_of_the_table_reports_each_piece_on_hasten(capsys: pytest.CaptureF
     assert "softcap 30" in found["model loss"]["detail"]
 
 
-def test_model_outside_the_table_or_refusing_packing_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+def test_model_outside_the_table_or_refusing_packing_is_said(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path) -> None:
     _, report = run_json(capsys, "--model", "qwen3_next")  # linear-attention layers by default
     found = _model_rows(report)
     assert found["model attention"]["status"] == "warn" and "refused" in found["model attention"]["detail"]
     assert found["model table"]["status"] == "warn" and "not in hasten's table" in found["model table"]["detail"]
-    _, report = run_json(capsys, "--model", "deepseek_v3")  # MLA: its own attention, packed through a mask
+    _, report = run_json(capsys, "--model", "deepseek_v3")  # MLA: value heads padded for hasten's kernels
+    found = _model_rows(report)
+    assert found["model attention"]["status"] == "ok" and "latent attention" in found["model attention"]["detail"]
+    assert found["model rotary"]["status"] == "info" and "model's own rotary" in found["model rotary"]["detail"]
+    from transformers import AutoConfig  # value heads wider than query/key heads: its own attention, with a mask
+
+    AutoConfig.for_model("deepseek_v3", v_head_dim=256).save_pretrained(tmp_path / "wide_values")
+    _, report = run_json(capsys, "--model", str(tmp_path / "wide_values"))
     attention = _model_rows(report)["model attention"]
-    assert attention["status"] == "info" and "latent attention" in attention["detail"]
+    assert attention["status"] == "info" and "wider than the query/key heads" in attention["detail"]
     _, report = run_json(capsys, "--model", "gpt_oss")  # its sinks are computed on hasten's path
     attention = _model_rows(report)["model attention"]
     assert attention["status"] == "ok" and "sinks" in attention["detail"]

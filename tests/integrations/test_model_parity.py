@@ -142,7 +142,7 @@ def test_table_types_run_every_piece_their_entry_declares(name):
     handle = hasten.accelerate(zoo.build(zoo.ENTRIES[name]))
     assert f"model_type_not_in_table:{name}" not in fallback_reasons()
     fused = next((item for item in handle.active if item.startswith("fused kernels (")), "")
-    expected = ["RoPE"]
+    expected = [] if spec.rotary.own else ["RoPE"]
     expected += {"rms": ["RMSNorm"], "layer": ["LayerNorm"]}.get(spec.norm.kind, [])
     if spec.family == "dense":  # MoE models may have no dense MLP at all (Mixtral, OLMoE)
         expected += {"swiglu": ["SwiGLU MLP"], "geglu_tanh": ["GeGLU MLP"]}.get(spec.mlp.kind, [])
@@ -150,7 +150,7 @@ def test_table_types_run_every_piece_their_entry_declares(name):
         assert piece in fused, (piece, handle.report())
     assert any(item.startswith("fused cross-entropy (LM head") for item in handle.active), handle.report()
     # what stays off is only what the entry says is torch's own kernel already
-    allowed = ("fused norm (the model's", "fused MLP (an ungated MLP") + (
+    allowed = ("fused norm (the model's", "fused MLP (an ungated MLP", "fused RoPE (the model's own") + (
         ("fused SwiGLU (no gated MLP modules",) if spec.family == "moe" else ()) + (
         ("fused MoE experts (",) if spec.experts else ())  # declared: the experts stay transformers'
     if spec.experts:

@@ -63,6 +63,10 @@ class RotarySpec:
     half_width_cos cos and sin carry one value per frequency (R/2) for both halves (gpt-oss's
                    `_apply_rotary_emb`: x1 * cos - x2 * sin, x2 * cos + x1 * sin); hasten repeats
                    them to R
+    own            the model's rotary code stays (not patched): its attention rotates through
+                   something other than one `apply_rotary_pos_emb` hasten covers (DeepSeek: the
+                   rotary part of each head only, through a complex-number function (V2) or a
+                   de-interleaving one chosen per config (V3's rope_interleave)); `note` says what
     note           what the model's own code does around it (no-rotary layers, two bases)
     """
 
@@ -71,6 +75,7 @@ class RotarySpec:
     partial: bool = False
     single_tensor: bool = False
     half_width_cos: bool = False
+    own: bool = False
     note: str = ""
 
 

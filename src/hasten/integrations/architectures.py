@@ -59,6 +59,13 @@ _GEMMA3_TEXT = ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute=
                         attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
                         model_code=("embedding scale sqrt(hidden)",))
 
+_MLA = ("multi-head latent attention: value heads (v_head_dim) smaller than the query/key heads "
+        "(qk_nope_head_dim + qk_rope_head_dim), zero-padded to their size for the varlen kernels and sliced back")
+_DEEPSEEK_ROTARY = RotarySpec(own=True, note="on the rope part of each query/key head (qk_rope_head_dim) inside the "
+                                             "model's attention (V2: complex rotation; V3: rope_interleave)")
+_DEEPSEEK_CODE = ("low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) projections with their "
+                  "RMSNorms", "shared experts", "dense first layers (first_k_dense_replace)")
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- dense: Llama-style pre-norm decoders ------------------------------------------------
     "llama": _LLAMA,
@@ -149,6 +156,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                         model_code=("router with a bias, top-k before its softmax",
                                     "the clamped SwiGLU (alpha, limit) on interleaved gate/up columns: its experts' "
                                     "own _apply_gate, on hasten's grouped rows, with the expert biases")),
+    # DeepSeek-V2/V3: multi-head latent attention (queries from a low-rank projection or a plain one,
+    # keys and values expanded from a compressed latent; q/k heads of nope + rope size, value heads
+    # smaller), the rotary on the rope part only; the router is the model's own (V2: softmax,
+    # greedy or group-limited top-k; V3: sigmoid with a correction bias, group-limited top-k)
+    "deepseek_v2": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+        "softmax router, greedy or group-limited top-k (topk_method), routed scaling",)),
+    "deepseek_v3": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+        "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),

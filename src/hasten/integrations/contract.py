@@ -61,6 +61,8 @@ def _nonzero(value) -> bool:
 def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     """Attention features of this model that hasten's varlen attention does not compute, by name
     (mla, chunked, bidirectional, alibi, layer_types, multimodal) with a line for the report.
+    (Multi-head latent attention, value heads smaller than query/key heads, is computed: the
+    attention call zero-pads the values to the query/key size and slices the output back.)
     (Attention logit softcapping and sinks are computed: the attention call's `softcap` and `s_aux`
     are what each path reads: cuDNN's score modifier or flash-attn for the cap, hasten's op for
     sinks, else one sequence at a time; a module with sinks whose call passes none is refused at
@@ -68,9 +70,8 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     config = text_config(model)
     missing: dict[str, str] = {}
     qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)
-    if qk_dim is not None and v_dim is not None and qk_dim != v_dim:
-        missing["mla"] = (f"a value head size ({v_dim}) other than the query/key head size ({qk_dim}) "
-                          "(multi-head latent attention)")
+    if qk_dim is not None and v_dim is not None and v_dim > qk_dim:
+        missing["mla"] = f"value heads ({v_dim}) wider than the query/key heads ({qk_dim})"
     if _nonzero(getattr(config, "attention_chunk_size", None)):
         missing["chunked"] = f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
     if getattr(config, "use_bidirectional_attention", False):

@@ -52,8 +52,11 @@ def describe(model: nn.Module) -> list[Piece]:
     pieces.append(Piece("mlp", "ok" if spec.mlp.kind != "ungated" else "info",
                         mlp if spec.family == "dense" else f"{mlp} where a dense MLP or shared expert exists"))
     layout = "interleaved pairs" if spec.rotary.interleaved else "halves (rotate_half)"
-    pieces.append(Piece("rotary", "ok", f"hasten RoPE, {layout}" + (", partial" if spec.rotary.partial else "")
-                        + (f"; {spec.rotary.note}" if spec.rotary.note else "")))
+    if spec.rotary.own:
+        pieces.append(Piece("rotary", "info", f"the model's own rotary code, {spec.rotary.note}"))
+    else:
+        pieces.append(Piece("rotary", "ok", f"hasten RoPE, {layout}" + (", partial" if spec.rotary.partial else "")
+                            + (f"; {spec.rotary.note}" if spec.rotary.note else "")))
     if spec.family == "moe":
         pieces.append(Piece("experts", "ok", "hasten fused MoE experts (one-kernel grouping, grouped GEMM) where "
                             "the experts' layout fits (checked at accelerate())"))

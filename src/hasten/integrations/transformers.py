@@ -94,10 +94,10 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     softcap = kwargs.pop("softcap", None) or None  # Gemma 2's attn_logit_softcapping: every path applies it
     sinks = _attention_sinks(module, kwargs.pop("s_aux", None))  # gpt-oss: every path applies them
     check_attention_kwargs(kwargs, module)
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(f"hasten's varlen attention takes one head size for queries, keys and values; "
-                                  f"{type(module).__name__} has {query.shape[-1]} and {value.shape[-1]}: leave this "
-                                  "model's attention to transformers (training.packed_sequence: false)")
+    if key.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(f"{type(module).__name__} has query and key head sizes {query.shape[-1]} and "
+                                  f"{key.shape[-1]}; attention scores need one: leave this model's attention to "
+                                  "transformers (training.packed_sequence: false)")
     batch, _, q_len, _ = query.shape
 
     if isinstance(attention_mask, BandMask):
@@ -143,11 +143,32 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
     # (B, H, L, D) -> (B * L, H, D): the packed token layout of the varlen kernels.
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
+    v, value_dim = _value_heads_at_query_size(v, q.shape[-1])
     out = varlen_attention(q, k, v, cu_seqlens.to(device=q.device, dtype=torch.int32), int(max_seqlen),
                            scale=scaling, causal=causal, sliding_window=sliding_window, softcap=softcap,
                            dropout=dropout, backend=settings.backend, gqa=settings.gqa, facts=settings.facts,
                            sinks=sinks)
-    return out.view(batch, q_len, out.shape[1], out.shape[2]), None
+    if value_dim != out.shape[-1]:
+        out = out[..., :value_dim]
+    return out.reshape(batch, q_len, out.shape[1], value_dim), None
+
+
+def _value_heads_at_query_size(v: torch.Tensor, qk_dim: int) -> tuple[torch.Tensor, int]:
+    """(tokens, kv_heads, Dv) values -> (tokens, kv_heads, Dqk) and Dv, for multi-head latent
+    attention (DeepSeek-V2/V3: Dqk 192 = 128 without rotary + 64 with it, Dv 128), since the
+    varlen kernels take one head size. The values are zero-padded to the query/key size: scores
+    and softmax read q and k alone, so the output's first Dv columns are softmax(qk^T)v exactly
+    and the rest are zero (sliced off by the caller); the padding's backward drops the zero
+    columns' gradient. The price is a copy of v and a wider output (1.5x for DeepSeek's sizes).
+    A value head wider than the query's would need q and k padded instead (none in the table)."""
+    value_dim = v.shape[-1]
+    if value_dim == qk_dim:
+        return v, value_dim
+    if value_dim > qk_dim:
+        raise NotImplementedError(f"value heads ({value_dim}) wider than query/key heads ({qk_dim}): hasten's varlen "
+                                  "attention does not pad queries and keys; leave this model's attention to "
+                                  "transformers (training.packed_sequence: false)")
+    return torch.nn.functional.pad(v, (0, qk_dim - value_dim)), value_dim
 
 
 def _softcap_kwarg(softcap: float | None) -> dict:
@@ -972,7 +993,9 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
             handle.inactive.append(f"fused {mlp_name} ({reason})")
         if not count and not refused:
             handle.inactive.append(f"fused {mlp_name} (no gated MLP modules of the table's layout in this model)")
-    if kernels.rope:
+    if kernels.rope and spec.rotary.own:  # declared in the table: not a fallback
+        handle.inactive.append(f"fused RoPE (the model's own rotary code runs: {spec.rotary.note})")
+    elif kernels.rope:
         undo, refused = install_fused_rope(model, spec.rotary, text)
         handle._undo_steps.append(undo)
         if refused is None:
