@@ -164,6 +164,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         "softmax router, greedy or group-limited top-k (topk_method), routed scaling",)),
     "deepseek_v3": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
+    "phimoe": ArchSpec("moe", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
+                       attention=(_WINDOWS, "qkv bias"),
+                       model_code=("the sparsemixer top-2 router (with its jitter where the config sets one)",
+                                   "the LM head bias")),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),
