@@ -93,6 +93,12 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("phimoe", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, input_jitter_noise=0.0,
                          router_jitter_noise=0.0, lm_head_bias=True, attention_bias=True), "hasten",
           feature_off=dict(sliding_window=None)),
+    # chunks of 5 positions on the first two layers (rotary), the third without rotary and with
+    # temperature tuning (inert below floor_scale: test_contract.py refuses the longer rows)
+    Entry("llama4_text", dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96,
+                              attention_chunk_size=WINDOW, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0],
+                              use_qk_norm=True, attn_temperature_tuning=True), "hasten",
+          feature_off=dict(attention_chunk_size=8192)),
     Entry("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,
                              attention_multiplier=0.3, logits_scaling=4.0), "hasten",
           feature_off=dict(logits_scaling=1.0)),

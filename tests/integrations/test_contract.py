@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 from transformers import masking_utils
+import hasten
 
 from hasten.dense.patch import rms_norm_mismatch, rope_mismatch, gated_mlp_mismatch
 from hasten.integrations.contract import check_attention_kwargs, stateful_layers
@@ -27,7 +28,7 @@ def test_a_reading_is_reused_only_for_the_same_code_and_closure_values():
     for window in (3, 5, 3):
         assert read_band(masking_utils.sliding_window_causal_mask_function(window), 30) == BandMask(True, window)
     assert read_band(masking_utils.sliding_window_causal_mask_function(5), 4) == BandMask(True, None)
-    ids = torch.tensor([[0] * 10 + [1] * 10])  # a closure over a tensor is read afresh every time
+    ids = torch.tensor([[0] * 8 + [1] * 12])  # a closure over a tensor is read afresh every time
     packed = masking_utils.and_masks(masking_utils.causal_mask_function, masking_utils.packed_sequence_mask_function(ids))
     for _ in range(2):
         with pytest.raises(MaskNotSupported):
@@ -38,12 +39,45 @@ def test_bidirectional_mask_reads_as_not_causal():
     assert read_band(masking_utils.bidirectional_mask_function, 40) == BandMask(False, None)
 
 
+def test_a_chunk_reading_is_taken_only_where_the_config_declares_that_chunk_size():
+    """Packed samples of equal length under transformers' packed-sequence overlay read as chunks;
+    hasten's attention takes a chunk reading only from a model whose config sets that chunk size."""
+    from tests import model_zoo as zoo
+
+    from hasten.integrations.transformers import hasten_attention_forward
+
+    overlay = masking_utils.and_masks(masking_utils.causal_mask_function, masking_utils.packed_sequence_mask_function(
+        torch.tensor([[0] * 20 + [1] * 20])))
+    band = read_band(overlay, 40)
+    assert band == BandMask(True, None, 20)
+    model = zoo.build(zoo.ENTRIES["qwen3"])
+    handle = hasten.accelerate(model)
+    attention = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 40, 16)
+    kv = torch.randn(1, 2, 40, 16)
+    with pytest.raises(NotImplementedError, match="chunks of 20 positions but its config declares"):
+        hasten_attention_forward(attention, q, kv, kv, band, position_ids=torch.arange(40)[None])
+    handle.undo()
+
+
+def test_chunked_mask_reads_as_its_chunk_size():
+    """Llama 4's chunked causal mask: causal within chunks of 8 positions (off block multiples: 40
+    and 43 tokens); shorter than one chunk it is plain causal; shifted chunks (a left padding of 3)
+    are refused, not read as chunks from 0."""
+    for length in (40, 43):
+        assert read_band(masking_utils.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)),
+                         length) == BandMask(True, None, 8)
+    assert read_band(masking_utils.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)), 8) \
+        == BandMask(True, None)
+    with pytest.raises(MaskNotSupported):
+        read_band(masking_utils.chunked_causal_mask_function(8, torch.full((1,), 3, dtype=torch.long)), 40)
+
+
 @pytest.mark.parametrize("make", [
-    lambda: masking_utils.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)),
     lambda: masking_utils.sliding_window_bidirectional_mask_function(4),
     lambda: masking_utils.and_masks(masking_utils.causal_mask_function,
                                     masking_utils.packed_sequence_mask_function(
-                                        torch.tensor([[0] * 20 + [1] * 20]))),
+                                        torch.tensor([[0] * 12 + [1] * 28]))),
     lambda: masking_utils.or_masks(masking_utils.causal_mask_function,
                                    lambda b, h, q, kv: (q < 4) & (kv < 4)),  # a bidirectional image prefix
 ])
@@ -312,3 +346,28 @@ def test_a_module_with_sinks_whose_call_passes_none_is_refused():
         _attention_sinks(module, None)
     with pytest.raises(NotImplementedError, match="not its module's `sinks`"):
         _attention_sinks(module, torch.zeros(4))
+
+
+def test_llama4_rows_longer_than_its_temperature_floor_are_refused_when_packed():
+    """Llama 4 scales the queries of its layers without rotary by log1p(floor((i + 1) / floor_scale)),
+    i the index along the row: rows of up to floor_scale - 1 tokens equal each sample alone (the
+    zoo's parity case), longer rows holding several samples are refused with the limit, and a long
+    row of one sample is not."""
+    from tests import model_zoo as zoo
+
+    from hasten.integrations.transformers import PackedBatchRefused
+
+    entry = zoo.ENTRIES["llama4_text"]
+    batch_samples = zoo.samples()  # 73 tokens in one packed row
+    model = zoo.build(entry, floor_scale=16, attn_scale=0.5)
+    handle = hasten.accelerate(model)
+    with pytest.raises(PackedBatchRefused, match="at most 15 tokens"):
+        model(**zoo.packed_batch(batch_samples))
+    long_alone = zoo.packed_batch([{"input_ids": list(range(3, 40))}])
+    model(**long_alone).loss.backward()  # one sample in its row: what it computes alone
+    handle.undo()
+    patched = zoo.build(entry, floor_scale=74, attn_scale=0.5)  # the row's 73 tokens stay under the floor
+    want_loss, want = zoo.per_sample_reference(zoo.build(entry, floor_scale=74, attn_scale=0.5), batch_samples)
+    _, loss, got = zoo.packed_run(patched, batch_samples)
+    assert abs(float(loss) - float(want_loss)) < 1e-5
+    assert max(zoo.relative_errors(got, want).values()) < 1e-4

@@ -168,6 +168,20 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                        attention=(_WINDOWS, "qkv bias"),
                        model_code=("the sparsemixer top-2 router (with its jitter where the config sets one)",
                                    "the LM head bias")),
+    # Llama 4's text model: chunked attention on its layers with rotary, none on the others (with
+    # attention temperature tuning there); its MoE computes every expert on every token
+    "llama4_text": ArchSpec("moe", norm=NormSpec(eps_attribute="eps"),
+                            rotary=RotarySpec(own=True, note="a complex rotation (freqs_cis) on the layers with rotary "
+                                              "(no_rope_layers marks those without)"),
+                            attention=("chunked attention (attention_chunk_size) on the layers with rotary: each packed "
+                                       "sample cut into chunks counted from its own first token",
+                                       "attention temperature tuning on the layers without rotary: packed rows of up "
+                                       "to floor_scale - 1 tokens (longer rows with several samples are refused)"),
+                            model_code=("q/k L2 norms without weight (use_qk_norm)", "the router's sigmoid top-k "
+                                        "scores", "a shared expert on every MoE layer"),
+                            experts=("Llama4TextExperts runs every expert on every token in batched matmuls, the "
+                                     "router's scores scaling the expert inputs (zero for unchosen experts), not "
+                                     "through transformers' experts interface")),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),

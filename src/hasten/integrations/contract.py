@@ -24,8 +24,8 @@ from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q
 # Layer types (config.layer_types) whose layers carry state along the sequence.
 STATEFUL_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent",
                                   "rwkv", "short_conv"})
-# Layer types hasten's attention computes (with the window the mask gives).
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Layer types hasten's attention computes (with the window or the chunks the mask gives).
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # Module classes of such layers, for models without layer_types.
 _STATEFUL_CLASS = re.compile(r"Mamba|DeltaNet|LinearAttention|ShortConv|Lightning|Rwkv|RWKV|Recurrent|SSM|Ssm[A-Z]|"
                              r"Retention|Hyena")
@@ -60,7 +60,10 @@ def _nonzero(value) -> bool:
 
 def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     """Attention features of this model that hasten's varlen attention does not compute, by name
-    (mla, chunked, bidirectional, alibi, layer_types, multimodal) with a line for the report.
+    (mla, bidirectional, alibi, layer_types, multimodal) with a line for the report.
+    (Chunked attention is computed: hasten's attention cuts each packed sample into chunks counted
+    from its own first token; the model's own attention would count them along the packed row, so
+    `chunked_attention` below refuses packing when another feature leaves attention to the model.)
     (Multi-head latent attention, value heads smaller than query/key heads, is computed: the
     attention call zero-pads the values to the query/key size and slices the output back.)
     (Attention logit softcapping and sinks are computed: the attention call's `softcap` and `s_aux`
@@ -72,8 +75,6 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)
     if qk_dim is not None and v_dim is not None and v_dim > qk_dim:
         missing["mla"] = f"value heads ({v_dim}) wider than the query/key heads ({qk_dim})"
-    if _nonzero(getattr(config, "attention_chunk_size", None)):
-        missing["chunked"] = f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
     if getattr(config, "use_bidirectional_attention", False):
         missing["bidirectional"] = "bidirectional attention (use_bidirectional_attention)"
     if _nonzero(getattr(config, "alibi", None)):
@@ -88,6 +89,27 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
             missing["multimodal"] = f"a multimodal model ({sub}: image or audio tokens can attend bidirectionally)"
             break
     return missing
+
+
+def chunked_attention(model: nn.Module) -> str | None:
+    """A line naming the model's chunked attention (Llama 4's attention_chunk_size), None without."""
+    size = getattr(text_config(model), "attention_chunk_size", None)
+    return f"chunked attention (attention_chunk_size={size})" if _nonzero(size) else None
+
+
+def packed_row_limit(model: nn.Module) -> tuple[int, str] | None:
+    """(longest packed row, why) for a model whose own code reads a token's index along the row
+    where it means its position in the sample: Llama 4's attention temperature tuning scales the
+    queries of its layers without rotary by log1p(floor((i + 1) / floor_scale)), i the index in
+    the row; below floor_scale - 1 that is 0 for every token, packed or not, so rows up to that
+    length compute what each sample alone does. None: no such limit."""
+    config = text_config(model)
+    no_rope = [layer for layer, uses_rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not uses_rope]
+    floor_scale = getattr(config, "floor_scale", None)
+    if not getattr(config, "attn_temperature_tuning", False) or not no_rope or not floor_scale:
+        return None
+    return int(floor_scale) - 1, (f"attention temperature tuning (attn_temperature_tuning, floor_scale={floor_scale}) "
+                                  f"on {len(no_rope)} layers without rotary counts positions along the packed row")
 
 
 def logit_transforms(model: nn.Module) -> dict[str, str]:

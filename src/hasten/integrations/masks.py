@@ -4,9 +4,9 @@ transformers builds each layer's mask from a `mask_function(batch_idx, head_idx,
 -> bool` (masking_utils). Under hasten no dense mask is materialised, so the mask interface
 hasten registers must turn that function into what the attention kernel takes: causal or not,
 and a sliding window. It does so by evaluating the function on sample rows of the (q, kv) grid
-and requiring that the rows are exactly a causal band of one width (or exactly full); any other
-pattern (chunked attention, bidirectional image tokens, a padding or packed-sequence overlay)
-is refused with an error rather than approximated.
+and requiring that the rows are exactly a causal band of one width, causal within chunks of one
+size (Llama 4's chunked attention), or exactly full; any other pattern (bidirectional image
+tokens, a padding or packed-sequence overlay) is refused with an error rather than approximated.
 
 Why read the mask instead of the `sliding_window` argument: transformers 5.24's Qwen2-MoE (and
 any model run through sdpa or eager) expresses its window only in the mask; the attention call
@@ -29,13 +29,17 @@ class BandMask:
     """What hasten's mask interface returns in place of a dense mask when there is no padding.
 
     causal: a query sees no later key. window: a query sees itself and the window - 1 keys before
-    it (transformers' `sliding_window`), None for no window. The attention function reads it;
+    it (transformers' `sliding_window`), None for no window. chunk: a query sees the earlier keys
+    of its own chunk of positions [j * chunk, (j + 1) * chunk) (transformers'
+    `attention_chunk_size`), None for no chunks; the attention function cuts each packed sample
+    into such chunks, counted from the sample's first token. The attention function reads it;
     anything else that looks at it sees an object, not a tensor, and fails loudly -- except an
     index that keeps every query and key (Gemma 4 slices its masks with `[:, :, slice(0, None), :]`
     when `logits_to_keep` is 0), which returns the band itself."""
 
     causal: bool
     window: int | None
+    chunk: int | None = None
 
     def __getitem__(self, index):
         whole = slice(None)
@@ -135,7 +139,24 @@ def _read(mask_function, length: int, device) -> BandMask:
     expected = kv <= q
     if window is not None:
         expected = expected & (kv > q - window)
-    if not torch.equal(allowed, expected):
-        raise MaskNotSupported("the model's mask is not causal within one sliding window (a chunked, blockwise or "
-                               "token-dependent pattern)")
-    return BandMask(True, window)
+    if torch.equal(allowed, expected):
+        return BandMask(True, window)
+    chunk = _chunk_size(mask_function, length, device)
+    if chunk is not None and torch.equal(allowed, (kv <= q) & (kv // chunk == q // chunk)):
+        return BandMask(True, None, chunk)
+    raise MaskNotSupported("the model's mask is not causal within one sliding window or within chunks of one size "
+                           "(a blockwise or token-dependent pattern)")
+
+
+def _chunk_size(mask_function, length: int, device) -> int | None:
+    """How many leading queries see key 0: the chunk size of a chunked causal mask (checked by the
+    caller against the sampled rows); None when every query sees it."""
+    column = torch.arange(length)[:, None]
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        sees_first = torch.as_tensor(mask_function(zero, zero, column, zero)).to(torch.bool).expand(length, 1)
+    except (RuntimeError, IndexError, TypeError):
+        return None
+    sees_first = sees_first[:, 0].cpu()
+    first_blind = int((~sees_first).nonzero()[0]) if bool((~sees_first).any()) else None
+    return first_blind if first_blind else None

@@ -33,8 +33,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
-from hasten.integrations.contract import (attention_features_not_implemented, check_attention_kwargs,
-                                         logit_transforms, stateful_layers, text_config)
+from hasten.integrations.contract import (attention_features_not_implemented, check_attention_kwargs, chunked_attention,
+                                         logit_transforms, packed_row_limit, stateful_layers, text_config)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.config import Config
 from hasten.observability import record_fallback
@@ -99,6 +99,7 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                   f"{key.shape[-1]}; attention scores need one: leave this model's attention to "
                                   "transformers (training.packed_sequence: false)")
     batch, _, q_len, _ = query.shape
+    chunk = None
 
     if isinstance(attention_mask, BandMask):
         if attention_mask.causal != causal:
@@ -106,6 +107,13 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                       f"{'causal' if attention_mask.causal else 'bidirectional'} but the attention "
                                       f"call is {'causal' if causal else 'bidirectional'}; hasten cannot tell which "
                                       "the model computes")
+        chunk = attention_mask.chunk
+        declared = getattr(getattr(module, "config", None), "attention_chunk_size", None)
+        if chunk is not None and chunk != declared:
+            raise NotImplementedError(f"{type(module).__name__}'s mask reads as causal chunks of {chunk} positions but "
+                                      f"its config declares attention_chunk_size={declared}; hasten cannot tell a "
+                                      "chunked mask from another pattern of equal blocks, and stops. Leave this model's "
+                                      "attention to transformers (training.packed_sequence: false)")
         mask_window = _effective_window(attention_mask.window, q_len)
         if sliding_window is not None and _effective_window(sliding_window, q_len) != mask_window:
             raise NotImplementedError(f"{type(module).__name__} passes sliding_window={sliding_window} but its mask "
@@ -141,6 +149,9 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             raise RuntimeError("HASTEN_VERIFY needs position_ids in the attention call to re-derive the metadata")
         verify_against_position_ids(cu_seqlens, max_seqlen, position_ids, f"layer {getattr(module, 'layer_idx', '?')}")
 
+    if chunk is not None:  # Llama 4: each sample cut into chunks of `chunk` positions, causal within each
+        cu_seqlens, max_seqlen = _chunked_sequences(cu_seqlens.to(device=query.device, dtype=torch.int32),
+                                                    int(max_seqlen), chunk, batch * q_len)
     # (B, H, L, D) -> (B * L, H, D): the packed token layout of the varlen kernels.
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
     v, value_dim = _value_heads_at_query_size(v, q.shape[-1])
@@ -151,6 +162,27 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if value_dim != out.shape[-1]:
         out = out[..., :value_dim]
     return out.reshape(batch, q_len, out.shape[1], value_dim), None
+
+
+def _chunked_sequences(cu_seqlens: torch.Tensor, max_seqlen: int, chunk: int, tokens: int) -> tuple[torch.Tensor, int]:
+    """cu_seqlens (num_seqs + 1,) of packed samples -> those of their chunks: a new sequence at
+    every token whose position in its sample is a multiple of `chunk` (the sample's first token
+    included), so that causal attention within each is chunked attention (a query sees the earlier
+    keys of its own chunk), as each sample alone computes it. One host read-back (the chunk count),
+    once per forward and chunk size: the result is kept on the forward's state for every layer."""
+    state = _current_forward()
+    key = (chunk, cu_seqlens.data_ptr(), cu_seqlens.numel(), tokens)
+    if state is not None and key in state.chunked:
+        return state.chunked[key]
+    index = torch.arange(tokens, device=cu_seqlens.device, dtype=torch.int32)
+    sample = torch.searchsorted(cu_seqlens[1:], index, right=True)  # the sample each token belongs to
+    position = index - cu_seqlens[sample]
+    starts = index[(position % chunk == 0) & (index < cu_seqlens[-1])]  # host read-back: the number of chunks
+    chunked = torch.cat((starts, cu_seqlens[-1:])).to(torch.int32)
+    result = (chunked, min(max_seqlen, chunk))
+    if state is not None:
+        state.chunked[key] = result
+    return result
 
 
 def _value_heads_at_query_size(v: torch.Tensor, qk_dim: int) -> tuple[torch.Tensor, int]:
@@ -264,6 +296,8 @@ class _ForwardState:
     # dense mode, packed batch: the sample index of every token, (rows, L); None otherwise
     sample_ids: torch.Tensor | None = None
     masks: list = field(default_factory=list)  # dense mode: the masks hasten built in this forward
+    # chunked attention: (chunk, cu_seqlens) -> the chunks' (cu_seqlens, max_seqlen), shared by the layers
+    chunked: dict = field(default_factory=dict)
 
 
 _forwards = threading.local()
@@ -504,6 +538,7 @@ class _PackingPreHook:
                  refusal: str | None = None, images: str = "") -> None:
         self.settings, self.mode, self.refusal = settings, mode, refusal
         self.images = images  # a multimodal table entry's `vision`: packed batches with images are refused
+        self.row_limit = packed_row_limit(model)  # (longest packed row, why) where the model's code needs one
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -551,10 +586,24 @@ class _PackingPreHook:
                 kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
         else:  # dense: every token's sample, row by row (a sample never spans rows)
             state.sample_ids = _sample_ids(bound.get("seq_idx"), position_ids)
+        if self.row_limit is not None and position_ids.shape[-1] > self.row_limit[0]:
+            self._refuse_long_rows(kwargs.get(CU_Q, cu_seqlens), position_ids)
         if bound.get("use_cache") is not False:
             args, kwargs = _without(args, kwargs, "use_cache", self.signature)
             kwargs["use_cache"] = False
         return args, kwargs
+
+    def _refuse_long_rows(self, cu_seqlens, position_ids) -> None:
+        """A row longer than the model's packed-row limit holding more than one sample is refused."""
+        rows = position_ids.shape[0] if position_ids.dim() > 1 else 1
+        samples = (cu_seqlens.numel() - 1 if cu_seqlens is not None
+                   else PackedMeta.from_position_ids(position_ids).num_seqs)
+        if samples > rows:
+            limit, why = self.row_limit
+            raise PackedBatchRefused(
+                f"hasten: a packed row of {position_ids.shape[-1]} tokens holding {samples} samples in {rows} row(s): "
+                f"{why}, so its samples would compute otherwise than alone. Pack rows of at most {limit} tokens "
+                "(hasten train: training.max_tokens; hasten.PackingCollator(max_tokens=...)), or one sample per row.")
 
     def _refuse_if_packed(self, bound: dict, cu_seqlens, position_ids) -> None:
         rows = next((x.shape[0] for x in (bound.get("input_ids"), bound.get("inputs_embeds"))
@@ -722,8 +771,9 @@ def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, mis
     model_type = getattr(model.config, "model_type", "?")
     implementation = model.config._attn_implementation
     features = "; ".join(missing.values())
-    if "chunked" in missing or implementation not in DENSE_NAMES:
-        why = ("chunked attention counts its chunks along the packed row" if "chunked" in missing
+    chunked = chunked_attention(model)
+    if chunked or implementation not in DENSE_NAMES:
+        why = (f"its {chunked} would count its chunks along the packed row" if chunked
                else f"its attention implementation '{implementation}' does not take hasten's packed mask")
         _refuse_packing(model, handle, f"its attention has {features}, which hasten's kernels do not compute, and "
                         f"{why}", "attention_feature_not_implemented")
@@ -759,6 +809,12 @@ def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, mis
 
 def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
     experts = _experts_modules(model)
+    declared = (spec := spec_for(model.config)) is not None and spec.experts
+    if not experts and declared:  # the table says this family's experts stay the model's own
+        record_fallback("moe_experts_model_own", f"model type '{model_type_of(model.config)}': {spec.experts}; they "
+                        "run as transformers wrote them")
+        handle.inactive.append(f"fused MoE experts ({spec.experts})")
+        return
     if not experts:
         if config.training.moe.fused_grouping:
             handle.inactive.append("training.moe.fused_grouping (this model has no MoE experts)")
