@@ -5,6 +5,11 @@
                     clamped SwiGLU on interleaved columns)
   deepseek_v2_lite  DeepSeek-V2-Lite (64 routed experts, top-6, 2 shared, hidden 2048, expert
                     intermediate 1408)
+  llama4_scout      Llama-4-Scout (16 experts, top-1, a shared expert, hidden 5120, expert
+                    intermediate 8192): its block is not transformers' experts interface, so
+                    hf_moe_eager is the block's own forward (every expert on every token, the
+                    router's scores on the inputs) and hasten_fused is hasten.moe.blocks' forward
+                    (the chosen expert only); the other variants do not apply
 
 Variants in one run (rows to benchmarks/results/W3.jsonl):
   hf_moe_eager        transformers' expert loop
@@ -76,6 +81,13 @@ def build_block():
             config = GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
                                   num_experts_per_tok=4)
             block = _HiddenOnly(GptOssMLP(config))
+        elif BLOCK == "llama4_scout":
+            from transformers import Llama4TextConfig
+            from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+            config = Llama4TextConfig(hidden_size=5120, intermediate_size=8192, num_local_experts=16,
+                                      num_experts_per_tok=1)
+            block = _HiddenOnly(Llama4TextMoe(config))
         elif BLOCK == "deepseek_v2_lite":
             from transformers import DeepseekV2Config
             from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
@@ -90,6 +102,23 @@ def build_block():
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
     return block.to(torch.bfloat16), config
+
+
+def use_implementation(block, config, implementation: str) -> None:
+    """The experts implementation for the next calls: transformers' experts interface name, or for
+    Llama 4 (no such interface) its block's own forward ("eager") or hasten's ("hasten_fused")."""
+    if BLOCK != "llama4_scout":
+        config._experts_implementation = implementation
+        return
+    from hasten.moe.blocks import llama4_block_forward
+
+    moe = block.block
+    if implementation == "hasten_fused":
+        moe.forward = llama4_block_forward.__get__(moe)
+    elif implementation == "eager":
+        moe.__dict__.pop("forward", None)
+    else:
+        raise ValueError(f"the Llama 4 block has no '{implementation}' experts implementation")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -160,7 +189,7 @@ def eager_step(call, module, x, grad):
 def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, run_id: str) -> dict:
     """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'."""
     reset_fallbacks()
-    config._experts_implementation = IMPL[name]
+    use_implementation(block, config, IMPL[name])
     notes, check = [], None
     cleanup = []
     if name == "hasten_graphed":
@@ -174,7 +203,7 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
             return static_out, x.grad, [p.grad for p in block.parameters()]
     elif name == "hasten_graphed_callables":
         own, own_config = build_block()  # make_graphed_callables replaces the module's forward: its own copy
-        own_config._experts_implementation = "hasten_fused"
+        use_implementation(own, own_config, "hasten_fused")
         x.grad = None
         step, result = eager_step(torch.cuda.make_graphed_callables(own, (x,)), own, x, grad)
     elif name == "hasten_compiled":
@@ -223,7 +252,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="same as --iters")
     parser.add_argument("--variants", default=",".join(IMPL), help=f"comma-separated, of {','.join(IMPL)}")
     parser.add_argument("--no-grouping", action="store_true", help="skip the grouping-op rows")
-    parser.add_argument("--block", default="qwen3_30b_a3b", choices=["qwen3_30b_a3b", "gpt_oss_20b", "deepseek_v2_lite"])
+    parser.add_argument("--block", default="qwen3_30b_a3b", choices=["qwen3_30b_a3b", "gpt_oss_20b", "deepseek_v2_lite",
+                                                                     "llama4_scout"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     global BLOCK
@@ -245,9 +275,9 @@ def run(args, variants: list[str]) -> int:
 
     # references on the same inputs: transformers' eager experts (output), eager hasten (output and grads)
     with torch.no_grad():
-        config._experts_implementation = "eager"
+        use_implementation(block, config, "eager")
         ref_out = block(x).float()
-    config._experts_implementation = "hasten_fused"
+    use_implementation(block, config, "hasten_fused")
     x.grad = None
     block.zero_grad(set_to_none=True)
     out = block(x)

@@ -5,7 +5,8 @@
 #   gpu     $GPU_TESTS (default: the zoo's GPU parity, gpt-oss's sinks on cuDNN, the MoE GPU tests)
 #                                                                                          cap 200 s
 #   w3      benchmarks/moe_block.py for each block in $W3_BLOCKS (gpt_oss_20b deepseek_v2_lite
-#           qwen3_30b_a3b): hasten_fused against transformers' grouped_mm, 16,384 tokens      cap 120 s each
+#           llama4_scout qwen3_30b_a3b): hasten_fused against transformers' grouped_mm (Llama 4:
+#           against its block's own forward), 16,384 tokens                                  cap 120 s each
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue18.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w3" bash scripts/gpu_issue18.sh
 set -uo pipefail
@@ -21,9 +22,11 @@ if (( built )); then
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w3 "* ]]; then
-    for block in ${W3_BLOCKS:-gpt_oss_20b deepseek_v2_lite qwen3_30b_a3b}; do
+    for block in ${W3_BLOCKS:-gpt_oss_20b deepseek_v2_lite llama4_scout qwen3_30b_a3b}; do
+      # Llama 4's block has no grouped_mm experts: its own forward (every expert) is the baseline
+      baseline=hf_moe_grouped_mm; [[ $block == llama4_scout ]] && baseline=hf_moe_eager
       part "w3_$block" 120 python3 benchmarks/moe_block.py --block "$block" --out "$LOGS" --no-grouping \
-        --variants "${W3_VARIANTS:-hf_moe_grouped_mm,hasten_fused}"
+        --variants "${W3_VARIANTS:-$baseline,hasten_fused}"
       grep -E "ms |FAILED|Error" "$LOGS/w3_$block.log" 2>/dev/null | tail -6 | tee -a "$SUMMARY"
     done
   fi

@@ -41,6 +41,9 @@ class ArchSpec:
     # an MoE entry whose experts stay transformers' (what they compute that hasten's fused path
     # does not yet); empty: the fused MoE path is expected to take them (its probe still decides)
     experts: str = ""
+    # an MoE block whose experts are not transformers' experts interface, fused at the level of the
+    # block (hasten.moe.blocks): "llama4"; empty: none
+    moe_block: str = ""
     notes: str = ""
 
 
@@ -179,9 +182,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                        "to floor_scale - 1 tokens (longer rows with several samples are refused)"),
                             model_code=("q/k L2 norms without weight (use_qk_norm)", "the router's sigmoid top-k "
                                         "scores", "a shared expert on every MoE layer"),
-                            experts=("Llama4TextExperts runs every expert on every token in batched matmuls, the "
-                                     "router's scores scaling the expert inputs (zero for unchosen experts), not "
-                                     "through transformers' experts interface")),
+                            moe_block="llama4",
+                            notes="its own MoE block runs every expert on every token, the router's scores scaling "
+                                  "the inputs (zero for unchosen experts); hasten's block runs the chosen ones only"),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),

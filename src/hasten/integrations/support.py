@@ -57,7 +57,10 @@ def describe(model: nn.Module) -> list[Piece]:
     else:
         pieces.append(Piece("rotary", "ok", f"hasten RoPE, {layout}" + (", partial" if spec.rotary.partial else "")
                             + (f"; {spec.rotary.note}" if spec.rotary.note else "")))
-    if spec.family == "moe" and spec.experts:
+    if spec.family == "moe" and spec.moe_block:
+        pieces.append(Piece("experts", "ok", f"hasten fused MoE block ({spec.moe_block}: the chosen experts only, on "
+                            "grouped GEMMs; checked at accelerate())"))
+    elif spec.family == "moe" and spec.experts:
         pieces.append(Piece("experts", "warn", f"the model's own experts (slower): {spec.experts}"))
     elif spec.family == "moe":
         pieces.append(Piece("experts", "ok", "hasten fused MoE experts (one-kernel grouping, grouped GEMM) where "

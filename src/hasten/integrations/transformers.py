@@ -809,11 +809,9 @@ def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, mis
 
 def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
     experts = _experts_modules(model)
-    declared = (spec := spec_for(model.config)) is not None and spec.experts
-    if not experts and declared:  # the table says this family's experts stay the model's own
-        record_fallback("moe_experts_model_own", f"model type '{model_type_of(model.config)}': {spec.experts}; they "
-                        "run as transformers wrote them")
-        handle.inactive.append(f"fused MoE experts ({spec.experts})")
+    spec = spec_for(model.config)
+    if not experts and spec is not None and spec.moe_block and config.training.moe.fused_grouping:
+        _patch_moe_blocks(model, spec.moe_block, handle)
         return
     if not experts:
         if config.training.moe.fused_grouping:
@@ -851,6 +849,29 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     handle._undo_steps.append(undo)
     handle.moe_stats = stats
     handle.active.append(f"fused MoE experts ({len(experts)} layers: {describe(experts[0])})")
+
+
+def _patch_moe_blocks(model: PreTrainedModel, kind: str, handle: AccelerationHandle) -> None:
+    """The table's MoE block adapter (`ArchSpec.moe_block`), for experts outside transformers'
+    experts interface: each block's forward on hasten's grouping path, checked first."""
+    from hasten.moe.blocks import install_llama4_blocks
+
+    installers = {"llama4": (install_llama4_blocks, "one-kernel grouping on the router's top-k, the inputs scaled by "
+                                                    "its scores, grouped GEMM, fused SwiGLU, unweighted combine")}
+    install, what = installers[kind]
+    reason = _cuda_kernels_missing(model, "moe_group", "moe_permute", "moe_combine", "swiglu")
+    undo, count, refused = (lambda: None), 0, ([reason] if reason else [])
+    if reason is None:
+        undo, count, refused, stats = install(model)
+    if refused or not count:
+        why = "; ".join(refused) or "no such MoE blocks in this model"
+        record_fallback("moe_unsupported_experts", f"the fused MoE block path cannot run these blocks ({why}); the "
+                        "model's own MoE blocks run")
+        handle.inactive.append(f"fused MoE experts ({why})")
+        return
+    handle._undo_steps.append(undo)
+    handle.moe_stats = stats
+    handle.active.append(f"fused MoE experts ({count} layers: {what})")
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

@@ -150,14 +150,16 @@ def group(expert_ids: torch.Tensor, num_experts: int) -> Grouping:
     return Grouping(counts, offsets, permutation, inverse, expert_ids.shape[-1])
 
 
-def permute(x: torch.Tensor, g: Grouping) -> torch.Tensor:
-    """Tokens (T, H) -> slots in expert order (S, H); dropped slots are zero rows."""
+def permute(x: torch.Tensor, g: Grouping, slot_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens (T, H) -> slots in expert order (S, H), each slot's row times slot_scale (S,) where
+    given (Llama 4 scales the experts' inputs by the router's scores); dropped slots are zero rows."""
     load()
-    return call("moe_permute", x, g.permutation, g.offsets, g.top_k, None)
+    return call("moe_permute", x, g.permutation, g.offsets, g.top_k, slot_scale)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, g: Grouping) -> torch.Tensor:
-    """Expert outputs in expert order (S, H) -> tokens (T, H), weighted by the router's (T, k)."""
+def combine(y: torch.Tensor, weights: torch.Tensor | None, g: Grouping) -> torch.Tensor:
+    """Expert outputs in expert order (S, H) -> tokens (T, H), weighted by the router's (T, k), or
+    summed where weights is None."""
     load()
     return call("moe_combine", y, g.inverse, g.offsets, g.top_k, weights)
 
