@@ -54,6 +54,9 @@ def test_qlora_trains_nf4_base_with_fused_4bit_lora_layers(tmp_path):
     assert result.losses[-1] < result.losses[0]
     summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
     assert any(item.startswith("fused LoRA projections (") for item in summary["hasten_active"]), summary
+    # the 4-bit MLPs are checked in their compute dtype and fused (they were not: "could not be checked")
+    assert any(item.startswith("fused kernels (") and "SwiGLU MLP" in item for item in summary["hasten_active"]), \
+        summary
 
 
 def test_qlora_checks():
