@@ -371,3 +371,15 @@ def test_llama4_rows_longer_than_its_temperature_floor_are_refused_when_packed()
     _, loss, got = zoo.packed_run(patched, batch_samples)
     assert abs(float(loss) - float(want_loss)) < 1e-5
     assert max(zoo.relative_errors(got, want).values()) < 1e-4
+
+
+def test_mla_head_sizes_are_read_as_the_modules_compute_them():
+    """GLM-4.7-Flash's config keeps a qk_head_dim (256) that its attention does not use (it takes
+    qk_nope_head_dim + qk_rope_head_dim): value heads wider than those are found, narrower ones not."""
+    from hasten.integrations.contract import attention_features_not_implemented
+    from tests import model_zoo as zoo
+
+    wide = zoo.build(zoo.ENTRIES["glm4_moe_lite"], v_head_dim=32)  # q/k 16 + 8
+    assert wide.config.qk_head_dim != 24
+    assert "wider than the query/key heads (24)" in attention_features_not_implemented(wide)["mla"]
+    assert "mla" not in attention_features_not_implemented(zoo.build(zoo.ENTRIES["glm4_moe_lite"]))

@@ -167,6 +167,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         "softmax router, greedy or group-limited top-k (topk_method), routed scaling",)),
     "deepseek_v3": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
+    # GLM-4.7-Flash: DeepSeek-V3's layout (MLA, the same router) under GLM's names
+    "glm4_moe_lite": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+        "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
     "phimoe": ArchSpec("moe", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
                        attention=(_WINDOWS, "qkv bias"),
                        model_code=("the sparsemixer top-2 router (with its jitter where the config sets one)",

@@ -73,6 +73,9 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     config = text_config(model)
     missing: dict[str, str] = {}
     qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if nope is not None and rope is not None:  # what MLA modules compute with (a config's qk_head_dim
+        qk_dim = nope + rope                    # can be stale: GLM-4.7-Flash's after a head_dim override)
     if qk_dim is not None and v_dim is not None and v_dim > qk_dim:
         missing["mla"] = f"value heads ({v_dim}) wider than the query/key heads ({qk_dim})"
     if getattr(config, "use_bidirectional_attention", False):
