@@ -374,12 +374,13 @@ def test_llama4_rows_longer_than_its_temperature_floor_are_refused_when_packed()
 
 
 def test_mla_head_sizes_are_read_as_the_modules_compute_them():
-    """GLM-4.7-Flash's config keeps a qk_head_dim (256) that its attention does not use (it takes
-    qk_nope_head_dim + qk_rope_head_dim): value heads wider than those are found, narrower ones not."""
+    """GLM-4.7-Flash's config can keep a qk_head_dim its attention does not use (its default 256
+    after only head_dim is overridden; the module takes qk_nope_head_dim + qk_rope_head_dim): value
+    heads wider than the module's are found, narrower ones not."""
     from hasten.integrations.contract import attention_features_not_implemented
     from tests import model_zoo as zoo
 
     wide = zoo.build(zoo.ENTRIES["glm4_moe_lite"], v_head_dim=32)  # q/k 16 + 8
-    assert wide.config.qk_head_dim != 24
+    wide.config.qk_head_dim = 256  # stale, as AutoConfig.for_model("glm4_moe_lite", head_dim=16) leaves it
     assert "wider than the query/key heads (24)" in attention_features_not_implemented(wide)["mla"]
     assert "mla" not in attention_features_not_implemented(zoo.build(zoo.ENTRIES["glm4_moe_lite"]))
