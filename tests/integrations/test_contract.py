@@ -384,3 +384,11 @@ def test_mla_head_sizes_are_read_as_the_modules_compute_them():
     wide.config.qk_head_dim = 256  # stale, as AutoConfig.for_model("glm4_moe_lite", head_dim=16) leaves it
     assert "wider than the query/key heads (24)" in attention_features_not_implemented(wide)["mla"]
     assert "mla" not in attention_features_not_implemented(zoo.build(zoo.ENTRIES["glm4_moe_lite"]))
+
+
+def test_model_code_that_reads_the_band_as_a_tensor_gets_the_fix():
+    """Doge's attention reads its mask's dtype: the error names the problem and the fix."""
+    band = BandMask(True, None)
+    with pytest.raises(AttributeError, match="reads its attention mask as a tensor.*packed_sequence: false"):
+        band.dtype  # noqa: B018
+    assert not hasattr(band, "shape")

@@ -41,6 +41,16 @@ class BandMask:
     window: int | None
     chunk: int | None = None
 
+    def __getattr__(self, name: str):
+        # only for attributes a band does not have: a model whose own code reads its mask as a tensor
+        # (Doge's dynamic mask: `.dtype`, `.shape`) gets this message instead of a bare AttributeError
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"hasten's band mask (packed attention without a dense mask) has no `{name}`: this "
+                             "model's own code reads its attention mask as a tensor, which hasten's varlen path does "
+                             "not build. Train it with training.packed_sequence: false and please report the model "
+                             "type")
+
     def __getitem__(self, index):
         whole = slice(None)
         parts = index if isinstance(index, tuple) else (index,)
