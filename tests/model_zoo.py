@@ -62,6 +62,12 @@ def _zero_sinks(model: torch.nn.Module) -> None:
             module.sinks.data.fill_(-1e4)  # exp(-1e4) = 0: no sink
 
 
+def _zero_biases(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            module.bias.data.zero_()  # the biases' values gone, their parameters (and gradients) kept
+
+
 ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("llama", dict(attention_bias=True), "hasten"),
     Entry("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), "hasten",
@@ -102,6 +108,22 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,
                              attention_multiplier=0.3, logits_scaling=4.0), "hasten",
           feature_off=dict(logits_scaling=1.0)),
+    Entry("granitemoeshared", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                                   shared_intermediate_size=32, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                   attention_multiplier=0.3, logits_scaling=4.0), "hasten",
+          feature_off=dict(logits_scaling=1.0)),
+    # the experts' size is intermediate_size; a dense first layer with full attention and forced
+    # rotary, a sliding layer (rotary), a full layer without rotary; shared experts averaged in
+    Entry("cohere2_moe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16, num_shared_experts=1,
+                              prefix_dense_intermediate_size=96, mlp_layer_types=["dense", "sparse", "sparse"],
+                              sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention",
+                                                                  "full_attention"],
+                              logit_scale=0.5), "hasten", feature_off=dict(logit_scale=1.0)),
+    # rotary on the sliding layers only (the full one is NoPE); sigmoid group-limited router
+    Entry("exaone_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1,
+                             first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                             sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
+          feature_off=dict(sliding_window=4096)),
     Entry("gemma3_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, query_pre_attn_scalar=24,
                               final_logit_softcapping=2.0), "hasten", feature_off=dict(final_logit_softcapping=None)),
     # the multimodal wrapper, on text-only packed batches: its text model is gemma3_text's
@@ -137,6 +159,19 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                               num_kv_shared_layers=1, global_head_dim=32), "hasten",
           feature_off=dict(final_logit_softcapping=None)),
     Entry("seed_oss", dict(attention_bias=True, residual_dropout=0.0), "hasten"),
+    # qkv_bias and bias together (the config refuses them apart): q/k/v/o and the MLP with biases
+    Entry("internlm3", dict(attention_bias=True, mlp_bias=True), "hasten", tensor_feature_off=_zero_biases,
+          notes="LlamaForCausalLM's classes under model_type internlm3"),
+    # the published llama3 rotary scaling, its original length below the tiny max_position_embeddings
+    Entry("cwm", dict(sliding_window=WINDOW, layer_types=SLIDING_3, mlp_bias=True,
+                      rope_parameters=dict(rope_type="llama3", rope_theta=1_000_000.0, factor=16.0,
+                                           high_freq_factor=4.0, low_freq_factor=1.0,
+                                           original_max_position_embeddings=256)), "hasten",
+          feature_off=dict(layer_types=FULL_3)),
+    Entry("vaultgemma", dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0, sliding_window=WINDOW,
+                             layer_types=SLIDING_3, query_pre_attn_scalar=24), "hasten",
+          feature_off=dict(attn_logit_softcapping=None), attn_implementation="eager",
+          notes="the reference runs eager (VaultGemma declares no sdpa support: sdpa would drop the softcap)"),
     Entry("ernie4_5", dict(use_bias=True), "hasten"),
     Entry("glm", dict(rope_parameters=PARTIAL_HALF), "hasten"),
     Entry("gemma2", dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0, sliding_window=WINDOW,
@@ -162,6 +197,19 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                               moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
                               topk_method="group_limited_greedy", routed_scaling_factor=2.5, num_key_value_heads=4,
                               head_dim=8), "hasten", feature_off=dict(routed_scaling_factor=1.0)),
+    # ungated MLPs (one up_proj, the activation the model's own), biases on where the config has them
+    Entry("arcee", dict(hidden_act="relu2", mlp_bias=True, attention_bias=True), "hasten",
+          feature_off=dict(hidden_act="relu")),
+    # llama3 rotary scaling from 8 positions (shorter than the long samples), q/k norms, xIELU
+    Entry("apertus", dict(rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0,
+                                               original_max_position_embeddings=8, low_freq_factor=1.0,
+                                               high_freq_factor=4.0)), "hasten",
+          feature_off=dict(rope_parameters=dict(rope_type="default", rope_theta=12000000.0))),
+    Entry("nemotron", dict(rope_parameters=PARTIAL_HALF, hidden_act="relu2", mlp_bias=True, attention_bias=True,
+                           norm_eps=1e-5), "hasten",
+          feature_off=dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0))),
+    # q, k and v clamped at 0.3, well inside their spread at this initializer_range
+    Entry("olmo", dict(clip_qkv=0.3, attention_bias=True), "hasten", feature_off=dict(clip_qkv=None)),
     Entry("qwen3_next", dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
                              linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
                              linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,

@@ -392,3 +392,26 @@ def test_model_code_that_reads_the_band_as_a_tensor_gets_the_fix():
     with pytest.raises(AttributeError, match="reads its attention mask as a tensor.*packed_sequence: false"):
         band.dtype  # noqa: B018
     assert not hasattr(band, "shape")
+
+
+def test_a_dynamic_rotary_limits_packed_rows_to_its_original_context():
+    """A "dynamic" rotary (InternLM3's published one) rescales the batch's frequencies once a
+    position passes the original context: a packed batch whose longest sample is past it is refused
+    (that sample would change the others' rotary); with every sample within it a longer row equals
+    each sample alone."""
+    from tests import model_zoo as zoo
+
+    from hasten.integrations.transformers import PackedBatchRefused
+
+    entry = zoo.ENTRIES["llama"]
+    dynamic = dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0))
+    batch_samples = zoo.samples()  # 73 tokens in one row, the longest sample 33
+    model = zoo.build(entry, max_position_embeddings=30, **dynamic)
+    handle = hasten.accelerate(model)
+    with pytest.raises(PackedBatchRefused, match="longest sample has 33 tokens.*dynamic rotary.*at most 30 tokens"):
+        model(**zoo.packed_batch(batch_samples))
+    handle.undo()
+    want_loss, want = zoo.per_sample_reference(zoo.build(entry, max_position_embeddings=40, **dynamic), batch_samples)
+    _, loss, got = zoo.packed_run(zoo.build(entry, max_position_embeddings=40, **dynamic), batch_samples)
+    assert abs(float(loss) - float(want_loss)) < 1e-5
+    assert max(zoo.relative_errors(got, want).values()) < 1e-4

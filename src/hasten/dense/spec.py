@@ -40,7 +40,8 @@ class MlpSpec:
     """The decoder's MLP.
 
     kind  "swiglu": down(silu(gate) * up); "geglu_tanh": down(gelu_tanh(gate) * up) (Gemma);
-          "ungated": torch's own GELU between two projections (StarCoder2), nothing to fuse
+          "ungated": one up projection, the model's own activation, a down projection (StarCoder2's
+                     GELU, Nemotron's and Arcee's ReLU^2, Apertus's xIELU): no gate, nothing to fuse
     fused_gate_up  one `gate_up_proj` whose output is [gate | up] along the last dimension
                    (Phi-3, GLM-4) instead of gate_proj and up_proj
     """

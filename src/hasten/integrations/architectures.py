@@ -82,6 +82,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "helium": ArchSpec("dense", rotary=RotarySpec(interleaved=True, cos_first_half=True)),
     "seed_oss": ArchSpec("dense", attention=("qkv bias",)),
     "ernie4_5": ArchSpec("dense", rotary=RotarySpec(interleaved=True, cos_first_half=True)),
+    # InternLM3 runs on Llama's classes (LlamaForCausalLM); its config ties qkv_bias and bias
+    # (attention_bias, mlp_bias) together: biases on q/k/v/o and on the MLP's three projections,
+    # which stay the model's Linear layers around hasten's silu_mul
+    "internlm3": ArchSpec("dense", attention=("projection biases",),
+                          notes="Llama's classes; attention_bias and mlp_bias set together"),
+    # CWM: Llama with sliding windows on the layers layer_types marks (every fourth layer full in
+    # the published config) and llama3 rotary scaling in the model's own rotary embedding
+    "cwm": ArchSpec("dense", attention=(_LAYER_WINDOWS,)),
     "granite": ArchSpec("dense", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                         attention=("the query scale attention_multiplier",),
                         model_code=("embedding_multiplier", "residual_multiplier")),
@@ -106,6 +114,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                   "flash-attn >= 2.6; else one sequence at a time)", _LAYER_WINDOWS,
                                   "the query scale query_pre_attn_scalar"),
                        model_code=("embedding scale sqrt(hidden)",)),
+    # VaultGemma: Gemma 2 without its post-attention and post-MLP norms (pre-norms only), the rest
+    # Gemma 2's: attention logit softcapping, windows on alternate layers, final softcap
+    "vaultgemma": ArchSpec("dense", norm=_GEMMA_NORM, mlp=_GEMMA_MLP, logits=_SOFTCAP,
+                           attention=("attention logit softcapping (cuDNN's score modifier in hasten's op; "
+                                      "flash-attn >= 2.6; else one sequence at a time)", _LAYER_WINDOWS,
+                                      "the query scale query_pre_attn_scalar"),
+                           model_code=("embedding scale sqrt(hidden)",)),
     "gemma3_text": _GEMMA3_TEXT,
     # Gemma 3's multimodal wrapper (Gemma3ForConditionalGeneration): the text model of gemma3_text
     # inside; its head applies no final softcap (Gemma3ForCausalLM does), so none is declared and a
@@ -134,6 +149,28 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # --- StarCoder2: nn.LayerNorm with bias, ungated GELU MLP with biases ---------------------
     "starcoder2": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
                            mlp=MlpSpec(kind="ungated"), attention=(_WINDOWS, "projection biases")),
+    # --- ungated MLPs on one up_proj (no gate: nothing for hasten's gated kernels), the
+    # activation the model's own (ReLU^2: Nemotron, Arcee; xIELU with learned alphas: Apertus) ---
+    "arcee": ArchSpec("dense", mlp=MlpSpec(kind="ungated"), attention=("projection biases",),
+                      model_code=("the ungated MLP down_proj(relu(up_proj(x))^2), mlp_bias where set",)),
+    "apertus": ArchSpec("dense", norm=NormSpec(qk_norm=True), mlp=MlpSpec(kind="ungated"),
+                        model_code=("the ungated MLP down_proj(xielu(up_proj(x))) with the activation's learned "
+                                    "alpha_p, alpha_n",),
+                        notes="pre-norms named attention_layernorm and feedforward_layernorm; q/k RMSNorms per head "
+                              "before the rotary; llama3 rotary scaling in the model's rotary module (cos/sin)"),
+    # Nemotron: LayerNorm1P is nn.LayerNorm computing F.layer_norm(x, weight + 1, bias) in one torch
+    # kernel (a bias, so not hasten's bias-free LayerNorm path); half of each head rotates
+    "nemotron": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm1P"),
+                         mlp=MlpSpec(kind="ungated"), rotary=RotarySpec(partial=True),
+                         attention=("projection biases",),
+                         model_code=("LayerNorm1P: F.layer_norm with weight + 1 and a bias",
+                                     "the ungated MLP down_proj(relu(up_proj(x))^2), mlp_bias where set")),
+    # OLMo (1): LayerNorm without weight or bias (F.layer_norm in float32, eps 1e-5 fixed): one torch
+    # kernel with nothing to fuse in; clip_qkv clamps q, k, v in the model's attention before the call
+    "olmo": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
+                     attention=("qkv clipping (clip_qkv) before the attention call", "projection biases"),
+                     model_code=("OlmoLayerNorm: F.layer_norm without weight or bias, in float32",
+                                 "q/k/v clamped to +-clip_qkv")),
     # --- MoE -----------------------------------------------------------------------------------
     "qwen3_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), attention=(_WINDOWS,)),
     "qwen2_moe": ArchSpec("moe", attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),
@@ -191,6 +228,36 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),
+    # Granite MoE with a shared expert beside the routed ones on every layer (shared_intermediate_size)
+    "granitemoeshared": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
+                                 attention=("the query scale attention_multiplier",),
+                                 model_code=("embedding_multiplier", "residual_multiplier",
+                                             "the shared expert (shared_mlp: one input_linear [gate | up], SiLU, "
+                                             "output_linear), added to the routed experts' output")),
+    # Cohere 2 with MoE layers: Cohere's bias-free LayerNorm (transformers builds RMSNorms instead
+    # where the config sets rms_norm_eps: those stay transformers' and the report says so), one norm
+    # for attention and MLP in parallel, interleaved rotary on the sliding-window layers only
+    "cohere2_moe": ArchSpec("moe", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
+                            rotary=RotarySpec(interleaved=True, note="on the sliding-window layers (and the dense "
+                                              "prefix layers where prefix_dense_sliding_window_pattern is 1) only: "
+                                              "the model's attention decides"),
+                            logits=LogitSpec(scale_key="logit_scale"), attention=(_LAYER_WINDOWS,),
+                            model_code=("attention and MLP in parallel on one norm",
+                                        "router: top-k of the logits, then softmax over the k (or sigmoid, "
+                                        "expert_selection_fn)",
+                                        "shared experts (a SwiGLU MLP), averaged or summed with the routed output",
+                                        "dense prefix layers (mlp_layer_types)"),
+                            notes="the shared experts and dense prefix MLPs are SwiGLU MLPs on hasten's kernel"),
+    # K-EXAONE: pre-norm decoder (unlike exaone4's post-norms), q/k RMSNorm per head, rotary only
+    # on the sliding-window layers (global layers NoPE)
+    "exaone_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                           rotary=RotarySpec(note="on the sliding-window layers only (global layers without rotary "
+                                             "where a sliding window is set): the model's attention decides"),
+                           attention=(_LAYER_WINDOWS,),
+                           model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
+                                       "shared experts", "dense first layers (first_k_dense_replace / "
+                                       "mlp_layer_types)"),
+                           notes="the shared experts and dense first-layer MLPs are SwiGLU MLPs on hasten's kernel"),
 }
 
 

@@ -100,19 +100,33 @@ def chunked_attention(model: nn.Module) -> str | None:
     return f"chunked attention (attention_chunk_size={size})" if _nonzero(size) else None
 
 
-def packed_row_limit(model: nn.Module) -> tuple[int, str] | None:
-    """(longest packed row, why) for a model whose own code reads a token's index along the row
-    where it means its position in the sample: Llama 4's attention temperature tuning scales the
-    queries of its layers without rotary by log1p(floor((i + 1) / floor_scale)), i the index in
-    the row; below floor_scale - 1 that is 0 for every token, packed or not, so rows up to that
-    length compute what each sample alone does. None: no such limit."""
+def packed_row_limits(model: nn.Module) -> list[tuple[int, str, str]]:
+    """(limit, what it bounds: "row" or "sample", why) for each part of a model's own code that
+    would make the samples of a packed row compute otherwise than each alone past a length: the
+    packed row's (its token count) or its longest sample's. Within every limit a packed row is
+    exact; past one, a row holding several samples is refused when it arrives.
+
+    - Llama 4's attention temperature tuning scales the queries of its layers without rotary by
+      log1p(floor((i + 1) / floor_scale)), i the index along the row: 0 for every token of a row
+      shorter than floor_scale, packed or not.
+    - A "dynamic" (NTK) rotary rescales its frequencies for the whole batch once its largest
+      position passes the original context: in a packed row, one long sample would change the
+      frequencies of the others. Rows no longer than that context never rescale."""
     config = text_config(model)
+    limits = []
     no_rope = [layer for layer, uses_rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not uses_rope]
     floor_scale = getattr(config, "floor_scale", None)
-    if not getattr(config, "attn_temperature_tuning", False) or not no_rope or not floor_scale:
-        return None
-    return int(floor_scale) - 1, (f"attention temperature tuning (attn_temperature_tuning, floor_scale={floor_scale}) "
-                                  f"on {len(no_rope)} layers without rotary counts positions along the packed row")
+    if getattr(config, "attn_temperature_tuning", False) and no_rope and floor_scale:
+        limits.append((int(floor_scale) - 1, "row", f"attention temperature tuning (attn_temperature_tuning, floor_scale="
+                                             f"{floor_scale}) on {len(no_rope)} layers without rotary counts positions "
+                                             "along the packed row"))
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+        context = rope.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings", None)
+        if context:
+            limits.append((int(context), "sample", f"its dynamic rotary rescales every sample's frequencies once "
+                                                   f"one sample passes {context} positions"))
+    return limits
 
 
 def logit_transforms(model: nn.Module) -> dict[str, str]:

@@ -27,9 +27,9 @@ class Piece:
 
 
 _NORMS = {"rms": "hasten RMSNorm", "layer": "torch's fused LayerNorm (float32, no bias)",
-          "torch": "the model's own nn.LayerNorm (already one torch kernel)"}
+          "torch": "the model's own LayerNorm (already one torch kernel)"}
 _MLPS = {"swiglu": "hasten SwiGLU", "geglu_tanh": "hasten GeGLU (tanh GELU)",
-         "ungated": "the model's own GELU between its projections (already one torch kernel)"}
+         "ungated": "the model's own activation between its projections (no gate to fuse)"}
 
 
 def describe(model: nn.Module) -> list[Piece]:

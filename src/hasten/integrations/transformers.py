@@ -34,7 +34,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
 from hasten.integrations.contract import (attention_features_not_implemented, check_attention_kwargs, chunked_attention,
-                                         logit_transforms, packed_row_limit, stateful_layers, text_config)
+                                         logit_transforms, packed_row_limits, stateful_layers, text_config)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.config import Config
 from hasten.observability import record_fallback
@@ -538,7 +538,7 @@ class _PackingPreHook:
                  refusal: str | None = None, images: str = "") -> None:
         self.settings, self.mode, self.refusal = settings, mode, refusal
         self.images = images  # a multimodal table entry's `vision`: packed batches with images are refused
-        self.row_limit = packed_row_limit(model)  # (longest packed row, why) where the model's code needs one
+        self.row_limits = packed_row_limits(model)  # lengths past which the model's own code mixes samples
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -586,24 +586,35 @@ class _PackingPreHook:
                 kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
         else:  # dense: every token's sample, row by row (a sample never spans rows)
             state.sample_ids = _sample_ids(bound.get("seq_idx"), position_ids)
-        if self.row_limit is not None and position_ids.shape[-1] > self.row_limit[0]:
-            self._refuse_long_rows(kwargs.get(CU_Q, cu_seqlens), position_ids)
+        for limit, bounds, why in self.row_limits:
+            self._refuse_past(limit, bounds, why, kwargs, cu_seqlens, position_ids)
         if bound.get("use_cache") is not False:
             args, kwargs = _without(args, kwargs, "use_cache", self.signature)
             kwargs["use_cache"] = False
         return args, kwargs
 
-    def _refuse_long_rows(self, cu_seqlens, position_ids) -> None:
-        """A row longer than the model's packed-row limit holding more than one sample is refused."""
+    @staticmethod
+    def _refuse_past(limit: int, bounds: str, why: str, kwargs: dict, cu_seqlens, position_ids) -> None:
+        """Refuse a packed row of several samples whose length ("row") or longest sample ("sample")
+        is past `limit`."""
+        if bounds == "row":
+            length = position_ids.shape[-1]  # a host-side shape: no sync for rows within the limit
+        else:
+            longest = kwargs.get(MAX_Q)
+            length = int(longest) if isinstance(longest, int) else PackedMeta.from_position_ids(position_ids).max_seqlen
+        if length <= limit:
+            return
+        cu_seqlens = kwargs.get(CU_Q, cu_seqlens)
         rows = position_ids.shape[0] if position_ids.dim() > 1 else 1
-        samples = (cu_seqlens.numel() - 1 if cu_seqlens is not None
-                   else PackedMeta.from_position_ids(position_ids).num_seqs)
+        samples = cu_seqlens.numel() - 1 if cu_seqlens is not None else PackedMeta.from_position_ids(position_ids).num_seqs
         if samples > rows:
-            limit, why = self.row_limit
-            raise PackedBatchRefused(
-                f"hasten: a packed row of {position_ids.shape[-1]} tokens holding {samples} samples in {rows} row(s): "
-                f"{why}, so its samples would compute otherwise than alone. Pack rows of at most {limit} tokens "
-                "(hasten train: training.max_tokens; hasten.PackingCollator(max_tokens=...)), or one sample per row.")
+            what = f"a packed row of {position_ids.shape[-1]} tokens" if bounds == "row" else \
+                f"a packed batch whose longest sample has {length} tokens"
+            fix = (f"Pack rows of at most {limit} tokens (hasten train: training.max_tokens; "
+                   f"hasten.PackingCollator(max_tokens=...))" if bounds == "row" else
+                   f"Keep every sample to at most {limit} tokens (hasten train cuts samples to training.max_tokens)")
+            raise PackedBatchRefused(f"hasten: {what} ({samples} samples in {rows} row(s)): {why}, so its samples would "
+                                     f"compute otherwise than alone. {fix}, or pack one sample per row.")
 
     def _refuse_if_packed(self, bound: dict, cu_seqlens, position_ids) -> None:
         rows = next((x.shape[0] for x in (bound.get("input_ids"), bound.get("inputs_embeds"))
@@ -1060,7 +1071,7 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
                                    f"`{spec.norm.eps_attribute}` in this model)")
     mlp_name = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU"}.get(spec.mlp.kind)
     if kernels.swiglu and mlp_name is None:
-        handle.inactive.append("fused MLP (an ungated MLP: torch's own GELU kernel runs between the projections)")
+        handle.inactive.append("fused MLP (an ungated MLP: the model's own activation runs between its projections)")
     elif kernels.swiglu:
         undo, count, refused = install_fused_mlp(model, spec.mlp, text)
         handle._undo_steps.append(undo)
