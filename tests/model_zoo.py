@@ -54,6 +54,28 @@ class Entry:
     tensor_feature_off: Callable[[torch.nn.Module], None] | None = None
     notes: str = ""
     attn_implementation: str | None = None  # None: what transformers picks
+    # weights set after the model is built and its 1-D parameters moved (e.g. a router the model
+    # initialises to zero, which would send every token to the same experts)
+    tensor_setup: Callable[[torch.nn.Module], None] | None = None
+
+
+def _random_routers(model: torch.nn.Module) -> None:
+    """AFMoE initialises its router to zero: every token would go to the experts its expert bias
+    favours. Random router weights spread the tokens over the experts, as a trained router does."""
+    gen = torch.Generator().manual_seed(2)
+    for module in model.modules():
+        if type(module).__name__.endswith("TokenChoiceRouter"):
+            module.gate.weight.normal_(0.0, 0.6, generator=gen)
+
+
+def _random_correction_biases(model: torch.nn.Module) -> None:
+    """The routers' score correction bias is a buffer the model initialises to zero (the 1-D
+    parameters moved in build() do not include it): set off zero so that it changes the choice."""
+    gen = torch.Generator().manual_seed(3)
+    for module in model.modules():
+        bias = module._buffers.get("e_score_correction_bias")
+        if bias is not None:
+            bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
 
 
 def _zero_sinks(model: torch.nn.Module) -> None:
@@ -88,10 +110,24 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     # MoE families whose routers are the models' own (hasten groups the ids they return)
     Entry("glm4_moe", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
                            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True,
-                           rope_parameters=PARTIAL_HALF), "hasten", feature_off=dict(routed_scaling_factor=1.0)),
+                           rope_parameters=PARTIAL_HALF), "hasten", feature_off=dict(routed_scaling_factor=1.0),
+          tensor_setup=_random_correction_biases),
     Entry("dots1", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
                         n_shared_experts=1, routed_scaling_factor=2.5), "hasten",
-          feature_off=dict(routed_scaling_factor=1.0)),
+          feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases),
+    Entry("solar_open", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                             n_group=2, topk_group=1, routed_scaling_factor=2.5), "hasten",
+          feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases),
+    # its experts are intermediate_size wide (it has no moe_intermediate_size); half of each head rotates
+    Entry("minimax_m2", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                             rope_parameters=PARTIAL_HALF), "hasten",
+          feature_off=dict(rope_parameters=dict(PARTIAL_HALF, partial_rotary_factor=1.0)),
+          tensor_setup=_random_correction_biases),
+    # windows of 5 on layers 0 and 2 (with rotary), layer 1 full attention without rotary
+    Entry("afmoe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1,
+                        num_shared_experts=1, route_scale=2.5, sliding_window=WINDOW, layer_types=SLIDING_3,
+                        mup_enabled=True, attention_bias=True), "hasten",
+          feature_off=dict(sliding_window=512), tensor_setup=_random_routers),
     Entry("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_layer_start_index=1,
                                moe_num_shared_experts=1), "hasten"),
     Entry("hunyuan_v1_moe", dict(num_experts=4, moe_topk=2, moe_intermediate_size=16), "hasten"),
@@ -123,7 +159,7 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("exaone_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1,
                              first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                              sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
-          feature_off=dict(sliding_window=4096)),
+          feature_off=dict(sliding_window=4096), tensor_setup=_random_correction_biases),
     Entry("gemma3_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, query_pre_attn_scalar=24,
                               final_logit_softcapping=2.0), "hasten", feature_off=dict(final_logit_softcapping=None)),
     # the multimodal wrapper, on text-only packed batches: its text model is gemma3_text's
@@ -186,12 +222,14 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                               v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                               moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
                               routed_scaling_factor=2.5, rope_interleave=True, num_key_value_heads=4, head_dim=8),
-          "hasten", feature_off=dict(routed_scaling_factor=1.0)),
+          "hasten", feature_off=dict(routed_scaling_factor=1.0),
+          tensor_setup=_random_correction_biases),
     Entry("glm4_moe_lite", dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
                                 n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
                                 first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                                 rope_interleave=True, num_key_value_heads=4, head_dim=8), "hasten",
-          feature_off=dict(routed_scaling_factor=1.0)),
+          feature_off=dict(routed_scaling_factor=1.0),
+          tensor_setup=_random_correction_biases),
     Entry("deepseek_v2", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
                               v_head_dim=8, n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2,
                               moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
@@ -244,6 +282,8 @@ def build(entry: Entry, **override) -> torch.nn.Module:
         for param in model.parameters():
             if param.dim() == 1:
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
+        if entry.tensor_setup is not None:
+            entry.tensor_setup(model)
     return model.train()
 
 

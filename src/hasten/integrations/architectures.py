@@ -225,6 +225,29 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                             moe_block="llama4",
                             notes="its own MoE block runs every expert on every token, the router's scores scaling "
                                   "the inputs (zero for unchosen experts); hasten's block runs the chosen ones only"),
+    # Solar Open: Llama's attention (no q/k norms) with GLM-4-MoE's MoE block on every layer
+    "solar_open": ArchSpec("moe", model_code=("sigmoid router with a correction bias, group-limited top-k, "
+                                              "routed scaling", "shared experts")),
+    # MiniMax-M2: q/k RMSNorms over the whole projection (all heads at once, before the head split),
+    # half of each head rotates (its checkpoints' rotary_dim), a sigmoid router with a correction bias
+    "minimax_m2": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
+                           model_code=("sigmoid router with a correction bias, top-k scores renormalised",
+                                       "the router's input jitter (router_jitter_noise) where the config sets one"),
+                           notes="q/k norms over the whole projection, before the head split"),
+    # AFMoE (Arcee Trinity): norms before and after attention and MLP, q/k norms per head, rotary on
+    # the sliding-window layers only (the full-attention layers have none), a sigmoid gate on the
+    # attention output; sigmoid router with an expert bias, normalised top-k, route_scale
+    "afmoe": ArchSpec("moe", norm=NormSpec(placement="pre_post", qk_norm=True),
+                      rotary=RotarySpec(note="only on the sliding-window layers: the model's own attention skips it "
+                                             "on the full-attention layers"),
+                      attention=(_LAYER_WINDOWS,),
+                      model_code=("the attention output gated by sigmoid(gate_proj(x))",
+                                  "embedding scale sqrt(hidden) (mup_enabled)",
+                                  "sigmoid router with an expert bias, normalised top-k, route_scale",
+                                  "shared experts", "dense first layers (num_dense_layers)"),
+                      notes="post-attention and post-MLP norms beside the pre-norms; its RMSNorm multiplies the "
+                            "weight before the cast to the input dtype (Gemma's order): the same in float32, one "
+                            "bf16 rounding apart from hasten's kernel (Llama's order) in bf16"),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),
