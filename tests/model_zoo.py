@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 import hasten
 from hasten.config import Config
@@ -36,6 +36,8 @@ FULL_3 = ["full_attention"] * 3
 # a tiny SigLIP tower for the multimodal wrappers (their text-only batches never run it)
 GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                      patch_size=16)
+QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                       num_position_embeddings=16, deepstack_visual_indexes=[0])
 # half of each head rotates (Phi-3 and GLM-4 configs set partial_rotary_factor), the rest passes
 PARTIAL_HALF = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
 
@@ -54,6 +56,8 @@ class Entry:
     tensor_feature_off: Callable[[torch.nn.Module], None] | None = None
     notes: str = ""
     attn_implementation: str | None = None  # None: what transformers picks
+    # the auto class that builds it: a causal LM, or a multimodal wrapper that is none (Qwen3-VL)
+    image_text_to_text: bool = False
     # weights set after the model is built and its 1-D parameters moved (e.g. a router the model
     # initialises to zero, which would send every token to the same experts)
     tensor_setup: Callable[[torch.nn.Module], None] | None = None
@@ -141,6 +145,14 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                               attention_chunk_size=WINDOW, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0],
                               use_qk_norm=True, attn_temperature_tuning=True), "hasten",
           feature_off=dict(attention_chunk_size=8192)),
+    # Qwen3-VL-MoE's wrapper on text-only packed batches: mrope sections of 2/3/3 frequencies, a tiny
+    # vision tower (never run by text batches), experts on every layer
+    Entry("qwen3_vl_moe", dict(text_config=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                decoder_sparse_step=1,
+                                                rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                     mrope_section=[2, 3, 3], mrope_interleaved=True)),
+                               vision_config=QWEN3_VL_VISION), "hasten", image_text_to_text=True,
+          notes="Qwen3VLMoeForConditionalGeneration; a packed batch with images is refused"),
     Entry("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,
                              attention_multiplier=0.3, logits_scaling=4.0), "hasten",
           feature_off=dict(logits_scaling=1.0)),
@@ -276,7 +288,8 @@ def build(entry: Entry, **override) -> torch.nn.Module:
     config = AutoConfig.for_model(entry.model_type, **values)
     torch.manual_seed(0)
     extra = {"attn_implementation": entry.attn_implementation} if entry.attn_implementation else {}
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+    auto = AutoModelForImageTextToText if entry.image_text_to_text else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32, **extra)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():

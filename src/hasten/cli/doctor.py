@@ -94,7 +94,7 @@ MODEL_FIX = "pass a local Hugging Face model folder holding config.json, or a mo
 def model_findings(model: str) -> list[Finding]:
     """Per piece of the model, what accelerate() would run (hasten.integrations.support)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from hasten.integrations.support import describe
 
@@ -109,7 +109,10 @@ def model_findings(model: str) -> list[Finding]:
                         f"knows ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", MODEL_FIX)]
     try:
         with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(config)
+            try:
+                built = AutoModelForCausalLM.from_config(config)
+            except ValueError:  # a multimodal wrapper that is no causal LM (Qwen3-VL): its image-text class
+                built = AutoModelForImageTextToText.from_config(config)
     except Exception as exc:  # noqa: BLE001 - any model class error is a finding, not a crash
         return [Finding("model", "warn", f"{model}: transformers could not build it as a causal LM "
                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", MODEL_FIX)]

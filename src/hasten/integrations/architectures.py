@@ -248,6 +248,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                       notes="post-attention and post-MLP norms beside the pre-norms; its RMSNorm multiplies the "
                             "weight before the cast to the input dtype (Gemma's order): the same in float32, one "
                             "bf16 rounding apart from hasten's kernel (Llama's order) in bf16"),
+    # Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration): its text model on text-only packed batches
+    "qwen3_vl_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                             rotary=RotarySpec(note="multimodal rotary (mrope): the model builds cos/sin from its "
+                                                    "t/h/w position sections; for text they are the token positions"),
+                             model_code=("the vision tower, its merger and the deepstack features it adds to the first "
+                                         "text layers (image batches only)",),
+                             vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                     "(pixel_values) is refused: image tokens attend to each other both ways and carry "
+                                     "their own positions. Images train padded (training.packed_sequence: false)")),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),

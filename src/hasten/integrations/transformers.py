@@ -514,8 +514,8 @@ def _refuse_images_in_a_packed_batch(bound: dict, what: str) -> None:
     """A packed batch of a multimodal model must be text only: image tokens attend to each other
     both ways, which hasten's causal varlen attention does not compute."""
     token_types = bound.get("token_type_ids")
-    images = bound.get("pixel_values") is not None or (isinstance(token_types, torch.Tensor)
-                                                        and bool((token_types != 0).any()))  # once per forward
+    pixels = any(value is not None for name, value in bound.items() if name.startswith("pixel_values"))  # and videos
+    images = pixels or (isinstance(token_types, torch.Tensor) and bool((token_types != 0).any()))  # once per forward
     if images:
         raise PackedBatchRefused(f"hasten: a packed batch with images (pixel_values or image tokens in "
                                  f"token_type_ids); {what}")
