@@ -36,6 +36,7 @@ FULL_3 = ["full_attention"] * 3
 # a tiny SigLIP tower for the multimodal wrappers (their text-only batches never run it)
 GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                      patch_size=16)
+MROPE = dict(rope_type="default", rope_theta=10000.0)
 QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                        num_position_embeddings=16, deepstack_visual_indexes=[0])
 # half of each head rotates (Phi-3 and GLM-4 configs set partial_rotary_factor), the rest passes
@@ -145,12 +146,22 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                               attention_chunk_size=WINDOW, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0],
                               use_qk_norm=True, attn_temperature_tuning=True), "hasten",
           feature_off=dict(attention_chunk_size=8192)),
+    # Qwen's VL wrappers on text-only packed batches, mrope sections of 2/3/3 frequencies, tiny towers
+    Entry("qwen2_vl", dict(text_config=dict(rope_parameters=dict(MROPE, mrope_section=[2, 3, 3])),
+                           vision_config=dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
+                                              patch_size=14)), "hasten", image_text_to_text=True),
+    Entry("qwen2_5_vl", dict(text_config=dict(rope_parameters=dict(MROPE, mrope_section=[2, 3, 3])),
+                             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                out_hidden_size=64, patch_size=14, window_size=28,
+                                                fullatt_block_indexes=[0])), "hasten", image_text_to_text=True),
+    Entry("qwen3_vl", dict(text_config=dict(rope_parameters=dict(MROPE, mrope_section=[2, 3, 3], mrope_interleaved=True)),
+                           vision_config=QWEN3_VL_VISION), "hasten", image_text_to_text=True),
     # Qwen3-VL-MoE's wrapper on text-only packed batches: mrope sections of 2/3/3 frequencies, a tiny
     # vision tower (never run by text batches), experts on every layer
     Entry("qwen3_vl_moe", dict(text_config=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                                 decoder_sparse_step=1,
-                                                rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                                     mrope_section=[2, 3, 3], mrope_interleaved=True)),
+                                                rope_parameters=dict(MROPE, mrope_section=[2, 3, 3],
+                                                                     mrope_interleaved=True)),
                                vision_config=QWEN3_VL_VISION), "hasten", image_text_to_text=True,
           notes="Qwen3VLMoeForConditionalGeneration; a packed batch with images is refused"),
     Entry("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,

@@ -417,19 +417,21 @@ def test_a_dynamic_rotary_limits_packed_rows_to_its_original_context():
     assert max(zoo.relative_errors(got, want).values()) < 1e-4
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen2_5_vl"])
 @pytest.mark.parametrize("pixels", ["pixel_values", "pixel_values_videos"])
-def test_qwen3_vl_moe_trains_text_packed_and_refuses_packed_images_and_videos(pixels):
-    """Qwen3VLMoeForConditionalGeneration: hasten's attention and fused experts in its text model,
-    text-only packed batches run (the parity case), a packed batch with images or videos is refused
-    with the fix before the vision tower runs."""
+def test_qwen_vl_trains_text_packed_and_refuses_packed_images_and_videos(model_type, pixels):
+    """Qwen's VL wrappers: hasten's attention (and fused experts) in the text model, text-only
+    packed batches run (the parity cases), a packed batch with images or videos is refused with
+    the fix before the vision tower runs."""
     import hasten
     from hasten.integrations.transformers import PackedBatchRefused
     from tests import model_zoo as zoo
 
-    model = zoo.build(zoo.ENTRIES["qwen3_vl_moe"])
+    model = zoo.build(zoo.ENTRIES[model_type])
     handle = hasten.accelerate(model)
     assert any(item.startswith("varlen attention (packed") for item in handle.active), handle.report()
-    assert any(item.startswith("fused MoE experts (") for item in handle.active), handle.report()
+    if model_type.endswith("_moe"):
+        assert any(item.startswith("fused MoE experts (") for item in handle.active), handle.report()
     batch = zoo.packed_batch(zoo.samples())
     model(**batch).loss.backward()
     with pytest.raises(PackedBatchRefused, match="training.packed_sequence: false"):

@@ -69,6 +69,13 @@ _DEEPSEEK_ROTARY = RotarySpec(own=True, note="on the rope part of each query/key
 _DEEPSEEK_CODE = ("low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) projections with their "
                   "RMSNorms", "shared experts", "dense first layers (first_k_dense_replace)")
 
+# Qwen's vision-language wrappers: their text model on text-only packed batches
+_MROPE = RotarySpec(note="multimodal rotary (mrope): the model builds cos/sin from its t/h/w position sections; for "
+                         "text they are the token positions")
+_QWEN_VL_VISION = ("text-only packed batches on hasten's attention; a packed batch with images or videos "
+                   "(pixel_values, pixel_values_videos) is refused: image tokens attend to each other both ways and "
+                   "carry their own positions. Images train padded (training.packed_sequence: false)")
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- dense: Llama-style pre-norm decoders ------------------------------------------------
     "llama": _LLAMA,
@@ -93,6 +100,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "granite": ArchSpec("dense", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                         attention=("the query scale attention_multiplier",),
                         model_code=("embedding_multiplier", "residual_multiplier")),
+    # --- Qwen's vision-language models (Qwen2ForConditionalGeneration and after), text packed ---
+    "qwen2_vl": ArchSpec("dense", rotary=_MROPE, attention=("qkv bias",), model_code=("the vision tower and its merger",),
+                         vision=_QWEN_VL_VISION),
+    "qwen2_5_vl": ArchSpec("dense", rotary=_MROPE, attention=("qkv bias",),
+                           model_code=("the windowed vision tower and its merger",), vision=_QWEN_VL_VISION),
+    "qwen3_vl": ArchSpec("dense", norm=NormSpec(qk_norm=True), rotary=_MROPE,
+                         model_code=("the vision tower, its merger and the deepstack features it adds to the first "
+                                     "text layers (image batches only)",), vision=_QWEN_VL_VISION),
     # --- post-norm decoders (norms after attention and MLP) ---------------------------------
     "olmo2": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True),
                       notes="q/k norms over the whole projection, before the head split"),
@@ -249,14 +264,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                             "weight before the cast to the input dtype (Gemma's order): the same in float32, one "
                             "bf16 rounding apart from hasten's kernel (Llama's order) in bf16"),
     # Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration): its text model on text-only packed batches
-    "qwen3_vl_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True),
-                             rotary=RotarySpec(note="multimodal rotary (mrope): the model builds cos/sin from its "
-                                                    "t/h/w position sections; for text they are the token positions"),
+    "qwen3_vl_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=_MROPE,
                              model_code=("the vision tower, its merger and the deepstack features it adds to the first "
                                          "text layers (image batches only)",),
-                             vision=("text-only packed batches on hasten's attention; a packed batch with images "
-                                     "(pixel_values) is refused: image tokens attend to each other both ways and carry "
-                                     "their own positions. Images train padded (training.packed_sequence: false)")),
+                             vision=_QWEN_VL_VISION),
     "granitemoe": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
                            attention=("the query scale attention_multiplier",),
                            model_code=("embedding_multiplier", "residual_multiplier")),
