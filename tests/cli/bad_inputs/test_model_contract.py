@@ -66,3 +66,17 @@ def test_gpt_oss_trains_packed_on_hasten_attention_with_its_sinks(capsys, tmp_pa
     assert any(item.startswith("fused MoE experts") and "GptOssExperts._apply_gate" in item and "biases" in item
                for item in summary["hasten_active"])
     outcome.assert_nothing_lost()
+
+
+def test_a_vision_language_model_trains_on_text_packed(capsys, tmp_path):
+    """Qwen2.5-VL is no causal LM for transformers' auto classes: hasten train loads its image-text
+    class and trains it on text, packed, on hasten's attention in its text model."""
+    entry = zoo.ENTRIES["qwen2_5_vl"]
+    folder = tmp_path / "qwen2_5_vl"  # the byte tokenizer's 300 ids live in the text config
+    zoo.build(entry, text_config={**entry.config["text_config"], "vocab_size": 300}).save_pretrained(folder)
+    ByteTokenizer().save_pretrained(folder)
+    outcome = run_train(capsys, tmp_path, config=_config(folder))
+    assert outcome.rc == 0, outcome.err
+    summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
+    assert any(item.startswith("varlen attention (packed") for item in summary["hasten_active"]), summary
+    outcome.assert_nothing_lost()
