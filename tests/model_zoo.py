@@ -39,8 +39,12 @@ GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, 
 MROPE = dict(rope_type="default", rope_theta=10000.0)
 QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                        num_position_embeddings=16, deepstack_visual_indexes=[0])
+GLM4V_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
 # half of each head rotates (Phi-3 and GLM-4 configs set partial_rotary_factor), the rest passes
 PARTIAL_HALF = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+GLM4V_MOE_TEXT = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                      n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, attention_bias=True,
+                      rope_parameters=dict(PARTIAL_HALF, mrope_section=[1, 1, 2]))
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,15 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                                                                      mrope_interleaved=True)),
                                vision_config=QWEN3_VL_VISION), "hasten", image_text_to_text=True,
           notes="Qwen3VLMoeForConditionalGeneration; a packed batch with images is refused"),
+    # GLM-4.1V / GLM-4.5V wrappers: half of each head rotates (mrope sections of 1/1/2 frequencies
+    # over the 4 rotated ones), tiny vision towers (never run by text batches)
+    Entry("glm4v", dict(text_config=dict(rope_parameters=dict(PARTIAL_HALF, mrope_section=[1, 1, 2])),
+                        vision_config=GLM4V_VISION), "hasten", image_text_to_text=True,
+          feature_off=dict(text_config=dict(rope_parameters=dict(PARTIAL_HALF, partial_rotary_factor=1.0,
+                                                                 mrope_section=[2, 3, 3])))),
+    Entry("glm4v_moe", dict(text_config=GLM4V_MOE_TEXT, vision_config=GLM4V_VISION), "hasten",
+          image_text_to_text=True, feature_off=dict(text_config=dict(GLM4V_MOE_TEXT, routed_scaling_factor=1.0)),
+          tensor_setup=_random_correction_biases),
     Entry("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,
                              attention_multiplier=0.3, logits_scaling=4.0), "hasten",
           feature_off=dict(logits_scaling=1.0)),

@@ -108,6 +108,23 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_vl": ArchSpec("dense", norm=NormSpec(qk_norm=True), rotary=_MROPE,
                          model_code=("the vision tower, its merger and the deepstack features it adds to the first "
                                      "text layers (image batches only)",), vision=_QWEN_VL_VISION),
+    # --- other vision-language wrappers, text packed --------------------------------------
+    # GLM-4.1V (Glm4vForConditionalGeneration): GLM-4's text decoder (norms after attention and
+    # MLP beside the pre-norms, one gate_up_proj, q/k/v biases) with mrope on interleaved pairs:
+    # its rotary embedding re-interleaves cos/sin itself (repeat_interleave(2)), so the module's
+    # apply_rotary_pos_emb takes them whole (no first-half re-interleave), on the rotated part only
+    "glm4v": ArchSpec("dense", norm=NormSpec(placement="pre_post"), mlp=MlpSpec(fused_gate_up=True),
+                      rotary=RotarySpec(interleaved=True, partial=True, note=_MROPE.note),
+                      attention=("qkv bias",), model_code=("the vision tower and its merger",),
+                      vision=_QWEN_VL_VISION, notes="post-attention and post-MLP norms beside the pre-norms"),
+    # GLM-4.5V (Glm4vMoeForConditionalGeneration): GLM-4-MoE's text decoder (pre-norms only, halves
+    # rotary on part of each head, without q/k norms) with mrope; the router is the model's own
+    "glm4v_moe": ArchSpec("moe", rotary=RotarySpec(partial=True, note=_MROPE.note),
+                          attention=("qkv bias (attention_bias)",),
+                          model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
+                                      "shared experts", "dense first layers (first_k_dense_replace)",
+                                      "the vision tower and its merger"),
+                          vision=_QWEN_VL_VISION),
     # --- post-norm decoders (norms after attention and MLP) ---------------------------------
     "olmo2": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True),
                       notes="q/k norms over the whole projection, before the head split"),
