@@ -160,6 +160,13 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                                                 fullatt_block_indexes=[0])), "hasten", image_text_to_text=True),
     Entry("qwen3_vl", dict(text_config=dict(rope_parameters=dict(MROPE, mrope_section=[2, 3, 3], mrope_interleaved=True)),
                            vision_config=QWEN3_VL_VISION), "hasten", image_text_to_text=True),
+    # Mistral 3's wrapper: Mistral's text model with a window of 5, a tiny Pixtral tower (gelu MLP)
+    Entry("mistral3", dict(text_config=dict(model_type="mistral", sliding_window=WINDOW),
+                           vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                                              image_size=32, patch_size=16)), "hasten", image_text_to_text=True,
+          feature_off=dict(text_config=dict(model_type="mistral", sliding_window=None)),
+          notes="Mistral3ForConditionalGeneration; a packed batch with images is refused"),
     # Qwen3-VL-MoE's wrapper on text-only packed batches: mrope sections of 2/3/3 frequencies, a tiny
     # vision tower (never run by text batches), experts on every layer
     Entry("qwen3_vl_moe", dict(text_config=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,

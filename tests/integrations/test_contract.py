@@ -417,7 +417,7 @@ def test_a_dynamic_rotary_limits_packed_rows_to_its_original_context():
     assert max(zoo.relative_errors(got, want).values()) < 1e-4
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen2_5_vl", "glm4v", "glm4v_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen2_5_vl", "glm4v", "glm4v_moe", "mistral3"])
 @pytest.mark.parametrize("pixels", ["pixel_values", "pixel_values_videos"])
 def test_qwen_vl_trains_text_packed_and_refuses_packed_images_and_videos(model_type, pixels):
     """Qwen's VL wrappers: hasten's attention (and fused experts) in the text model, text-only

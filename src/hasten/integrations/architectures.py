@@ -125,6 +125,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                       "shared experts", "dense first layers (first_k_dense_replace)",
                                       "the vision tower and its merger"),
                           vision=_QWEN_VL_VISION),
+    # Mistral 3 (Mistral-Small-3.x, Mistral3ForConditionalGeneration): Mistral's text model, a Pixtral tower
+    "mistral3": ArchSpec("dense", attention=(_WINDOWS,), model_code=("the Pixtral vision tower, its patch merger and "
+                                                                     "projector",),
+                         vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                 "(pixel_values) is refused: image tokens attend to each other both ways. Images "
+                                 "train padded (training.packed_sequence: false)")),
     # --- post-norm decoders (norms after attention and MLP) ---------------------------------
     "olmo2": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True),
                       notes="q/k norms over the whole projection, before the head split"),

@@ -1054,12 +1054,15 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
     from hasten.dense import install_fused_mlp, install_fused_norms, install_fused_rope
 
     text = text_config(model)
+    # a multimodal wrapper: the text model's pieces (its vision tower keeps its own, as its attention
+    # does), and the rotary of the text model's modeling module (Mistral 3's is modeling_mistral's)
+    target = _language_model(model) if spec.vision else model
     done = []
     norm_name = {"rms": "RMSNorm", "layer": "LayerNorm"}.get(spec.norm.kind)
     if kernels.rms_norm and norm_name is None:
         handle.inactive.append(f"fused norm (the model's {spec.norm.class_suffix} is torch's own kernel already)")
     elif kernels.rms_norm:
-        undo, count, refused = install_fused_norms(model, spec.norm)
+        undo, count, refused = install_fused_norms(target, spec.norm)
         handle._undo_steps.append(undo)
         if count:
             offset = " (weight + 1)" if spec.norm.weight_offset == 1.0 else ""
@@ -1073,7 +1076,7 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
     if kernels.swiglu and mlp_name is None:
         handle.inactive.append("fused MLP (an ungated MLP: the model's own activation runs between its projections)")
     elif kernels.swiglu:
-        undo, count, refused = install_fused_mlp(model, spec.mlp, text)
+        undo, count, refused = install_fused_mlp(target, spec.mlp, text)
         handle._undo_steps.append(undo)
         if count:
             done.append(f"{mlp_name} MLP{' (fused gate/up)' if spec.mlp.fused_gate_up else ''} x{count}")
@@ -1084,7 +1087,7 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
     if kernels.rope and spec.rotary.own:  # declared in the table: not a fallback
         handle.inactive.append(f"fused RoPE (the model's own rotary code runs: {spec.rotary.note})")
     elif kernels.rope:
-        undo, refused = install_fused_rope(model, spec.rotary, text)
+        undo, refused = install_fused_rope(target, spec.rotary, text)
         handle._undo_steps.append(undo)
         if refused is None:
             layout = ", ".join(x for x in ("interleaved" if spec.rotary.interleaved else "",
