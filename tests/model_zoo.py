@@ -36,6 +36,9 @@ FULL_3 = ["full_attention"] * 3
 # a tiny SigLIP tower for the multimodal wrappers (their text-only batches never run it)
 GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                      patch_size=16)
+# Gemma 4's tiny vision tower (its text-only batches never run it)
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=16, patch_size=16, position_embedding_size=64)
 MROPE = dict(rope_type="default", rope_theta=10000.0)
 QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                        num_position_embeddings=16, deepstack_visual_indexes=[0])
@@ -237,6 +240,15 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("gemma4_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=2.0,
                               num_kv_shared_layers=1, global_head_dim=32), "hasten",
           feature_off=dict(final_logit_softcapping=None)),
+    # Gemma 4's wrapper (Gemma4ForConditionalGeneration) on text-only packed batches: gemma4_text's case
+    # inside; its head applies the text config's final softcap, as Gemma4ForCausalLM's does
+    Entry("gemma4", dict(text_config=dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=2.0,
+                                          num_kv_shared_layers=1, global_head_dim=32),
+                         vision_config=GEMMA4_VISION), "hasten",
+          feature_off=dict(text_config=dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=None,
+                                            num_kv_shared_layers=1, global_head_dim=32),
+                           vision_config=GEMMA4_VISION),
+          notes="Gemma4ForConditionalGeneration; a packed batch with images is refused"),
     Entry("seed_oss", dict(attention_bias=True, residual_dropout=0.0), "hasten"),
     # qkv_bias and bias together (the config refuses them apart): q/k/v/o and the MLP with biases
     Entry("internlm3", dict(attention_bias=True, mlp_bias=True), "hasten", tensor_feature_off=_zero_biases,

@@ -417,10 +417,10 @@ def test_a_dynamic_rotary_limits_packed_rows_to_its_original_context():
     assert max(zoo.relative_errors(got, want).values()) < 1e-4
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen2_5_vl", "glm4v", "glm4v_moe", "mistral3"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen2_5_vl", "glm4v", "glm4v_moe", "mistral3", "gemma4"])
 @pytest.mark.parametrize("pixels", ["pixel_values", "pixel_values_videos"])
-def test_qwen_vl_trains_text_packed_and_refuses_packed_images_and_videos(model_type, pixels):
-    """Qwen's VL wrappers: hasten's attention (and fused experts) in the text model, text-only
+def test_vl_wrappers_train_text_packed_and_refuse_packed_images_and_videos(model_type, pixels):
+    """Vision-language wrappers (Qwen, GLM-4V, Mistral 3, Gemma 4): hasten's attention (and fused experts) in the text model, text-only
     packed batches run (the parity cases), a packed batch with images or videos is refused with
     the fix before the vision tower runs."""
     import hasten
@@ -436,4 +436,24 @@ def test_qwen_vl_trains_text_packed_and_refuses_packed_images_and_videos(model_t
     model(**batch).loss.backward()
     with pytest.raises(PackedBatchRefused, match="training.packed_sequence: false"):
         model(**batch, **{pixels: torch.zeros(4, 3 * 2 * 16 * 16)})
+    handle.undo()
+
+
+@pytest.mark.parametrize("media", ["mm_token_type_ids", "input_features", "mm_encoder_outputs"])
+def test_gemma4_refuses_packed_media_it_marks_or_encodes_without_pixels(media):
+    """Gemma 4 marks media tokens in mm_token_type_ids and takes encoder outputs and audio features
+    without pixel_values: a packed batch with any of them is refused, not run causally."""
+    import hasten
+    from hasten.integrations.transformers import PackedBatchRefused
+    from tests import model_zoo as zoo
+
+    model = zoo.build(zoo.ENTRIES["gemma4"])
+    handle = hasten.accelerate(model)
+    batch = zoo.packed_batch(zoo.samples())
+    marked = torch.zeros_like(batch["input_ids"])
+    marked[0, 3:5] = 1
+    value = {"mm_token_type_ids": marked, "input_features": torch.zeros(1, 4, 8),
+             "mm_encoder_outputs": torch.zeros(1, 2, 8)}[media]
+    with pytest.raises(PackedBatchRefused, match="training.packed_sequence: false"):
+        model(**batch, **{media: value})
     handle.undo()

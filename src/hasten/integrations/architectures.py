@@ -62,6 +62,14 @@ _GEMMA3_TEXT = ArchSpec("dense", norm=NormSpec(weight_offset=1.0, eps_attribute=
                         attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar"),
                         model_code=("embedding scale sqrt(hidden)",))
 
+_GEMMA4_TEXT = ArchSpec("dense", norm=NormSpec(eps_attribute="eps", placement="pre_post", qk_norm=True),
+                        mlp=_GEMMA_MLP, logits=_SOFTCAP,
+                        rotary=RotarySpec(single_tensor=True, note="rotary on (B, L, heads, D) before the head "
+                                          "transpose; a partial 'proportional' rotary on global layers"),
+                        attention=(_LAYER_WINDOWS,),
+                        model_code=("embedding scale sqrt(hidden)", "per-layer input embeddings",
+                                    "K/V shared across the last layers", "a value norm without weight"))
+
 _MLA = ("multi-head latent attention: value heads (v_head_dim) smaller than the query/key heads "
         "(qk_nope_head_dim + qk_rope_head_dim), zero-padded to their size for the varlen kernels and sliced back")
 _DEEPSEEK_ROTARY = RotarySpec(own=True, note="on the rope part of each query/key head (qk_rope_head_dim) inside the "
@@ -75,6 +83,21 @@ _MROPE = RotarySpec(note="multimodal rotary (mrope): the model builds cos/sin fr
 _QWEN_VL_VISION = ("text-only packed batches on hasten's attention; a packed batch with images or videos "
                    "(pixel_values, pixel_values_videos) is refused: image tokens attend to each other both ways and "
                    "carry their own positions. Images train padded (training.packed_sequence: false)")
+
+# Llama 4's text model: chunked attention on its layers with rotary, none on the others (with
+# attention temperature tuning there); its MoE computes every expert on every token
+_LLAMA4_TEXT = ArchSpec("moe", norm=NormSpec(eps_attribute="eps"),
+                        rotary=RotarySpec(own=True, note="a complex rotation (freqs_cis) on the layers with rotary "
+                                          "(no_rope_layers marks those without)"),
+                        attention=("chunked attention (attention_chunk_size) on the layers with rotary: each packed "
+                                   "sample cut into chunks counted from its own first token",
+                                   "attention temperature tuning on the layers without rotary: packed rows of up "
+                                   "to floor_scale - 1 tokens (longer rows with several samples are refused)"),
+                        model_code=("q/k L2 norms without weight (use_qk_norm)", "the router's sigmoid top-k "
+                                    "scores", "a shared expert on every MoE layer"),
+                        moe_block="llama4",
+                        notes="its own MoE block runs every expert on every token, the router's scores scaling "
+                              "the inputs (zero for unchosen experts); hasten's block runs the chosen ones only")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- dense: Llama-style pre-norm decoders ------------------------------------------------
@@ -169,13 +192,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         vision=("text-only packed batches on hasten's attention; a packed batch with images (pixel_values, or image "
                 "tokens in token_type_ids) is refused: image tokens attend to each other both ways. Images train "
                 "padded (training.packed_sequence: false)")),
-    "gemma4_text": ArchSpec("dense", norm=NormSpec(eps_attribute="eps", placement="pre_post", qk_norm=True),
-                            mlp=_GEMMA_MLP, logits=_SOFTCAP,
-                            rotary=RotarySpec(single_tensor=True, note="rotary on (B, L, heads, D) before the head "
-                                              "transpose; a partial 'proportional' rotary on global layers"),
-                            attention=(_LAYER_WINDOWS,),
-                            model_code=("embedding scale sqrt(hidden)", "per-layer input embeddings",
-                                        "K/V shared across the last layers", "a value norm without weight")),
+    "gemma4_text": _GEMMA4_TEXT,
+    # Gemma 4's multimodal wrapper (Gemma4ForConditionalGeneration): the text model of gemma4_text
+    # inside; its head applies the text config's final softcap (as Gemma4ForCausalLM does, unlike
+    # Gemma 3's wrapper), so the softcap stays declared
+    "gemma4": dataclasses.replace(
+        _GEMMA4_TEXT,
+        model_code=_GEMMA4_TEXT.model_code + ("the vision tower (and audio tower where configured) with their "
+                                              "embedders",),
+        vision=("text-only packed batches on hasten's attention; a packed batch with images or videos "
+                "(pixel_values, pixel_values_videos) is refused: image tokens attend to each other both ways. "
+                "Images train padded (training.packed_sequence: false)")),
     # --- Cohere: LayerNorm without bias, interleaved rotary, parallel blocks, logit scale -----
     "cohere": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
                        rotary=RotarySpec(interleaved=True), logits=LogitSpec(scale_key="logit_scale"),
@@ -249,20 +276,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                        attention=(_WINDOWS, "qkv bias"),
                        model_code=("the sparsemixer top-2 router (with its jitter where the config sets one)",
                                    "the LM head bias")),
-    # Llama 4's text model: chunked attention on its layers with rotary, none on the others (with
-    # attention temperature tuning there); its MoE computes every expert on every token
-    "llama4_text": ArchSpec("moe", norm=NormSpec(eps_attribute="eps"),
-                            rotary=RotarySpec(own=True, note="a complex rotation (freqs_cis) on the layers with rotary "
-                                              "(no_rope_layers marks those without)"),
-                            attention=("chunked attention (attention_chunk_size) on the layers with rotary: each packed "
-                                       "sample cut into chunks counted from its own first token",
-                                       "attention temperature tuning on the layers without rotary: packed rows of up "
-                                       "to floor_scale - 1 tokens (longer rows with several samples are refused)"),
-                            model_code=("q/k L2 norms without weight (use_qk_norm)", "the router's sigmoid top-k "
-                                        "scores", "a shared expert on every MoE layer"),
-                            moe_block="llama4",
-                            notes="its own MoE block runs every expert on every token, the router's scores scaling "
-                                  "the inputs (zero for unchosen experts); hasten's block runs the chosen ones only"),
+    "llama4_text": _LLAMA4_TEXT,
     # Solar Open: Llama's attention (no q/k norms) with GLM-4-MoE's MoE block on every layer
     "solar_open": ArchSpec("moe", model_code=("sigmoid router with a correction bias, group-limited top-k, "
                                               "routed scaling", "shared experts")),

@@ -513,9 +513,13 @@ class PackedBatchRefused(PackingError):
 def _refuse_images_in_a_packed_batch(bound: dict, what: str) -> None:
     """A packed batch of a multimodal model must be text only: image tokens attend to each other
     both ways, which hasten's causal varlen attention does not compute."""
-    token_types = bound.get("token_type_ids")
-    pixels = any(value is not None for name, value in bound.items() if name.startswith("pixel_values"))  # and videos
-    images = pixels or (isinstance(token_types, torch.Tensor) and bool((token_types != 0).any()))  # once per forward
+    # pixel_values*: images and videos; Gemma 4 also takes encoder outputs and audio features, and
+    # marks its media tokens in mm_token_type_ids
+    media = any(value is not None for name, value in bound.items()
+                if name.startswith("pixel_values") or name in ("mm_encoder_outputs", "input_features"))
+    marked = any(isinstance(bound.get(name), torch.Tensor) and bool((bound[name] != 0).any())  # once per forward
+                 for name in ("token_type_ids", "mm_token_type_ids"))
+    images = media or marked
     if images:
         raise PackedBatchRefused(f"hasten: a packed batch with images (pixel_values or image tokens in "
                                  f"token_type_ids); {what}")
