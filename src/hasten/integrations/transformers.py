@@ -521,8 +521,9 @@ def _refuse_images_in_a_packed_batch(bound: dict, what: str) -> None:
                  for name in ("token_type_ids", "mm_token_type_ids"))
     images = media or marked
     if images:
-        raise PackedBatchRefused(f"hasten: a packed batch with images (pixel_values or image tokens in "
-                                 f"token_type_ids); {what}")
+        raise PackedBatchRefused(f"hasten: a packed batch with images or other media (pixel_values*, media tokens "
+                                 f"marked in token_type_ids or mm_token_type_ids, encoder outputs, audio features); "
+                                 f"{what}")
 
 
 class _PackingPreHook:
@@ -825,8 +826,11 @@ def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, mis
 def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
     experts = _experts_modules(model)
     spec = spec_for(model.config)
-    if not experts and spec is not None and spec.moe_block and config.training.moe.fused_grouping:
-        _patch_moe_blocks(model, spec.moe_block, handle)
+    if not experts and spec is not None and spec.moe_block:
+        if config.training.moe.fused_grouping:
+            _patch_moe_blocks(model, spec.moe_block, handle)
+        else:
+            handle.inactive.append("training.moe.fused_grouping is false: the MoE blocks run as transformers wrote them")
         return
     if not experts:
         if config.training.moe.fused_grouping:
