@@ -72,6 +72,50 @@ def training_step(model, inputs: list[dict], optimizer, losses: list):
     return step
 
 
+def measure_training(build, steps: int, tokens: int, after=None) -> dict:
+    """`build()` -> (model, micro-batches, handles to undo, notes); train it with fused AdamW: 2
+    warm-up steps, `steps` timed, one more with host syncs counted. Returns a row's measured fields.
+    The peak is the training's, the model's memory included, reset after the build (a process's
+    first 4-bit variant writes the bf16 checkpoint it quantizes from). `after(step, handles)` runs
+    before the handles are undone and returns extra fields (a profile, offload counters). The
+    handles are undone and the model freed, whatever happens."""
+    import gc
+
+    from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    reset_fallbacks()
+    model, inputs, handles, notes = build()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+        losses = []
+        step = training_step(model, inputs, optimizer, losses)
+        time_steps(step, warmup=2, iters=0)
+        times = time_steps(step, warmup=0, iters=steps)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        with count_host_syncs() as syncs:
+            step()
+        extra = after(step, handles) if after is not None else {}
+        step_s = median(times)
+        return {"tokens_per_s": tokens / step_s, "step_s": step_s, "peak_gib": peak,
+                "host_syncs_per_step": syncs.count, **extra, "losses": [round(float(v), 5) for v in losses],
+                "trainable_params": sum(p.numel() for p in params),
+                "notes": f"steps {[round(t, 3) for t in times]}; fallbacks {fallback_counts()}"
+                         + "".join(f"; {n}" for n in notes)}
+    finally:
+        for handle in reversed(handles):
+            handle.undo()
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -75,7 +75,6 @@ from packed_sft import TOKENS, make_samples, padded_microbatches  # noqa: E402
 
 import hasten  # noqa: E402
 from hasten.config import Config  # noqa: E402
-from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
 from hasten.packing import move_batch  # noqa: E402
 
 RANK, ALPHA = 16, 32
@@ -178,48 +177,19 @@ def build(name: str, samples):
 
 
 def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    reset_fallbacks()
-    model, inputs, handles, notes = build(name, samples)
-    if torch.cuda.is_available():  # the peak of training, the model's memory included, not of loading it
-        # (the first 4-bit variant of a process writes the bf16 checkpoint it quantizes from)
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
-        losses = []
-
-        step = common.training_step(model, inputs, optimizer, losses)
-
-        common.time_steps(step, warmup=2, iters=0)
-        times = common.time_steps(step, warmup=0, iters=steps)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-        with count_host_syncs() as syncs:
-            step()
+    def after(step, handles) -> dict:
         if profile:
             from packed_sft import print_profile
 
             print_profile(name, step)
-        step_s = common.median(times)
-        trainable = sum(p.numel() for p in params)
         offload = [h.offload.summary() for h in handles if getattr(h, "offload", None) is not None]
-        if offload:  # counters over the run's steps: what went to the host, and the waits for it
-            print(f"{name:>18}: offload {offload[0]}", flush=True)
-        return {"workload": workload_of(name), "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
-                "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count,
-                **({"offload": offload[0]} if offload else {}),
-                "losses": [round(float(v), 5) for v in losses], "trainable_params": trainable,
-                "notes": f"steps {[round(t, 3) for t in times]}; fallbacks {fallback_counts()}"
-                         + "".join(f"; {n}" for n in notes)}
-    finally:
-        for h in reversed(handles):
-            h.undo()
-        del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if not offload:
+            return {}
+        print(f"{name:>18}: offload {offload[0]}", flush=True)  # what went to the host, and the waits for it
+        return {"offload": offload[0]}
+
+    measured = common.measure_training(lambda: build(name, samples), steps, TOKENS, after)
+    return {"workload": workload_of(name), "variant": name, **common.environment(), **measured}
 
 
 def _earlier_reference_loss(out: Path | None, workload: str, variant: str) -> float | None:

@@ -37,7 +37,6 @@ from packed_sft import TOKENS, make_samples  # noqa: E402
 
 import hasten  # noqa: E402
 from hasten.config import Config  # noqa: E402
-from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
 from hasten.packing import move_batch  # noqa: E402
 
 WORKLOAD = "W5"
@@ -90,33 +89,8 @@ def build(name: str, layers: int, samples):
 
 
 def run_variant(name: str, layers: int, samples, steps: int) -> dict:
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    reset_fallbacks()
-    model, inputs, handles, notes = build(name, layers, samples)
-    try:
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
-        losses = []
-        step = common.training_step(model, inputs, optimizer, losses)
-        common.time_steps(step, warmup=2, iters=0)
-        times = common.time_steps(step, warmup=0, iters=steps)
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        with count_host_syncs() as syncs:
-            step()
-        step_s = common.median(times)
-        return {"workload": WORKLOAD, "variant": name, **common.environment(), "tokens_per_s": TOKENS / step_s,
-                "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count, "layers": layers,
-                "losses": [round(float(v), 5) for v in losses], "trainable_params": sum(p.numel() for p in params),
-                "notes": f"steps {[round(t, 3) for t in times]}; fallbacks {fallback_counts()}"
-                         + "".join(f"; {n}" for n in notes)}
-    finally:
-        for h in reversed(handles):
-            h.undo()
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
+    measured = common.measure_training(lambda: build(name, layers, samples), steps, TOKENS)
+    return {"workload": WORKLOAD, "variant": name, **common.environment(), **measured, "layers": layers}
 
 
 def main() -> int:
