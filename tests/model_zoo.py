@@ -20,10 +20,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig
 
 import hasten
 from hasten.config import Config
+from hasten.integrations.support import auto_model_class
 
 VOCAB = 211
 WINDOW = 5  # shorter than the long samples below, so a lost window shows
@@ -64,8 +65,6 @@ class Entry:
     tensor_feature_off: Callable[[torch.nn.Module], None] | None = None
     notes: str = ""
     attn_implementation: str | None = None  # None: what transformers picks
-    # the auto class that builds it: a causal LM, or a multimodal wrapper that is none (Qwen3-VL)
-    image_text_to_text: bool = False
     # weights set after the model is built and its 1-D parameters moved (e.g. a router the model
     # initialises to zero, which would send every token to the same experts)
     tensor_setup: Callable[[torch.nn.Module], None] | None = None
@@ -156,18 +155,18 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     # Qwen's VL wrappers on text-only packed batches, mrope sections of 2/3/3 frequencies, tiny towers
     Entry("qwen2_vl", dict(text_config=dict(rope_parameters=dict(MROPE, mrope_section=[2, 3, 3])),
                            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
-                                              patch_size=14)), "hasten", image_text_to_text=True),
+                                              patch_size=14)), "hasten"),
     Entry("qwen2_5_vl", dict(text_config=dict(rope_parameters=dict(MROPE, mrope_section=[2, 3, 3])),
                              vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                 out_hidden_size=64, patch_size=14, window_size=28,
-                                                fullatt_block_indexes=[0])), "hasten", image_text_to_text=True),
+                                                fullatt_block_indexes=[0])), "hasten"),
     Entry("qwen3_vl", dict(text_config=dict(rope_parameters=dict(MROPE, mrope_section=[2, 3, 3], mrope_interleaved=True)),
-                           vision_config=QWEN3_VL_VISION), "hasten", image_text_to_text=True),
+                           vision_config=QWEN3_VL_VISION), "hasten"),
     # Mistral 3's wrapper: Mistral's text model with a window of 5, a tiny Pixtral tower (gelu MLP)
     Entry("mistral3", dict(text_config=dict(model_type="mistral", sliding_window=WINDOW),
                            vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=1, num_attention_heads=2, head_dim=16,
-                                              image_size=32, patch_size=16)), "hasten", image_text_to_text=True,
+                                              image_size=32, patch_size=16)), "hasten",
           feature_off=dict(text_config=dict(model_type="mistral", sliding_window=None)),
           notes="Mistral3ForConditionalGeneration; a packed batch with images is refused"),
     # Qwen3-VL-MoE's wrapper on text-only packed batches: mrope sections of 2/3/3 frequencies, a tiny
@@ -176,16 +175,16 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                                                 decoder_sparse_step=1,
                                                 rope_parameters=dict(MROPE, mrope_section=[2, 3, 3],
                                                                      mrope_interleaved=True)),
-                               vision_config=QWEN3_VL_VISION), "hasten", image_text_to_text=True,
+                               vision_config=QWEN3_VL_VISION), "hasten",
           notes="Qwen3VLMoeForConditionalGeneration; a packed batch with images is refused"),
     # GLM-4.1V / GLM-4.5V wrappers: half of each head rotates (mrope sections of 1/1/2 frequencies
     # over the 4 rotated ones), tiny vision towers (never run by text batches)
     Entry("glm4v", dict(text_config=dict(rope_parameters=dict(PARTIAL_HALF, mrope_section=[1, 1, 2])),
-                        vision_config=GLM4V_VISION), "hasten", image_text_to_text=True,
+                        vision_config=GLM4V_VISION), "hasten",
           feature_off=dict(text_config=dict(rope_parameters=dict(PARTIAL_HALF, partial_rotary_factor=1.0,
                                                                  mrope_section=[2, 3, 3])))),
     Entry("glm4v_moe", dict(text_config=GLM4V_MOE_TEXT, vision_config=GLM4V_VISION), "hasten",
-          image_text_to_text=True, feature_off=dict(text_config=dict(GLM4V_MOE_TEXT, routed_scaling_factor=1.0)),
+          feature_off=dict(text_config=dict(GLM4V_MOE_TEXT, routed_scaling_factor=1.0)),
           tensor_setup=_random_correction_biases),
     Entry("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,
                              attention_multiplier=0.3, logits_scaling=4.0), "hasten",
@@ -331,8 +330,7 @@ def build(entry: Entry, **override) -> torch.nn.Module:
     config = AutoConfig.for_model(entry.model_type, **values)
     torch.manual_seed(0)
     extra = {"attn_implementation": entry.attn_implementation} if entry.attn_implementation else {}
-    auto = AutoModelForImageTextToText if entry.image_text_to_text else AutoModelForCausalLM
-    model = auto.from_config(config, dtype=torch.float32, **extra)
+    model = auto_model_class(config).from_config(config, dtype=torch.float32, **extra)  # VL wrappers too
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():

@@ -457,3 +457,31 @@ def test_gemma4_refuses_packed_media_it_marks_or_encodes_without_pixels(media):
     with pytest.raises(PackedBatchRefused, match="training.packed_sequence: false"):
         model(**batch, **{media: value})
     handle.undo()
+
+
+@pytest.mark.parametrize("metadata_cache", [True, False])
+def test_llama4_chunks_are_built_once_per_batch(monkeypatch, metadata_cache):
+    """Where the batch has its metadata (the collator's, or the cache's from position_ids) the
+    chunk boundaries are built once per batch by the packing hook, and its two chunked layers read
+    them; a batch of position_ids alone without the metadata cache derives them in each chunked
+    layer. The loss and every gradient equal each sample alone either way."""
+    import hasten.integrations.transformers as integration
+    from hasten.config import Config
+    from tests import model_zoo as zoo
+
+    calls = []
+    real = integration.chunk_boundaries
+    monkeypatch.setattr(integration, "chunk_boundaries", lambda *a: calls.append(a[-1]) or real(*a))
+    entry, batch_samples = zoo.ENTRIES["llama4_text"], zoo.samples()
+    want_loss, want = zoo.per_sample_reference(zoo.build(entry), batch_samples)
+    config = Config.from_dict({"training": {"metadata_cache": metadata_cache}})
+    _, loss, got = zoo.packed_run(zoo.build(entry), batch_samples, config)  # the collator's metadata
+    assert calls == [5]
+    calls.clear()
+    model = zoo.build(entry)
+    hasten.accelerate(model, config)
+    batch = zoo.packed_batch(batch_samples)
+    model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss.backward()
+    assert calls == ([5] if metadata_cache else [5, 5])
+    assert abs(float(loss) - float(want_loss)) < 1e-5
+    assert max(zoo.relative_errors(got, want).values()) < 1e-4

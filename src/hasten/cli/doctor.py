@@ -94,9 +94,9 @@ MODEL_FIX = "pass a local Hugging Face model folder holding config.json, or a mo
 def model_findings(model: str) -> list[Finding]:
     """Per piece of the model, what accelerate() would run (hasten.integrations.support)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
-    from hasten.integrations.support import describe
+    from hasten.integrations.support import auto_model_class, describe
 
     path = Path(model)
     try:
@@ -109,10 +109,7 @@ def model_findings(model: str) -> list[Finding]:
                         f"knows ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", MODEL_FIX)]
     try:
         with torch.device("meta"):
-            try:
-                built = AutoModelForCausalLM.from_config(config)
-            except ValueError:  # a multimodal wrapper that is no causal LM (Qwen3-VL): its image-text class
-                built = AutoModelForImageTextToText.from_config(config)
+            built = auto_model_class(config).from_config(config)
     except Exception as exc:  # noqa: BLE001 - any model class error is a finding, not a crash
         return [Finding("model", "warn", f"{model}: transformers could not build it as a causal LM "
                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", MODEL_FIX)]

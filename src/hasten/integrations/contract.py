@@ -19,7 +19,7 @@ import re
 import torch
 from torch import nn
 
-from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q
+from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, MAX_K, MAX_Q
 
 # Layer types (config.layer_types) whose layers carry state along the sequence.
 STATEFUL_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent",
@@ -62,8 +62,9 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     """Attention features of this model that hasten's varlen attention does not compute, by name
     (mla, bidirectional, alibi, layer_types, multimodal) with a line for the report.
     (Chunked attention is computed: hasten's attention cuts each packed sample into chunks counted
-    from its own first token; the model's own attention would count them along the packed row, so
-    `chunked_attention` below refuses packing when another feature leaves attention to the model.)
+    from its own first token, with the boundaries built once per batch; the model's own attention
+    would count them along the packed row, so packing is refused when another feature leaves
+    attention to the model: `attention_chunk_size` below.)
     (Multi-head latent attention, value heads smaller than query/key heads, is computed: the
     attention call zero-pads the values to the query/key size and slices the output back.)
     (Attention logit softcapping and sinks are computed: the attention call's `softcap` and `s_aux`
@@ -94,10 +95,10 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     return missing
 
 
-def chunked_attention(model: nn.Module) -> str | None:
-    """A line naming the model's chunked attention (Llama 4's attention_chunk_size), None without."""
+def attention_chunk_size(model: nn.Module) -> int | None:
+    """Llama 4's attention_chunk_size: chunked attention on its layers with rotary; None without."""
     size = getattr(text_config(model), "attention_chunk_size", None)
-    return f"chunked attention (attention_chunk_size={size})" if _nonzero(size) else None
+    return int(size) if _nonzero(size) else None
 
 
 def packed_row_limits(model: nn.Module) -> list[tuple[int, str, str]]:
@@ -147,7 +148,7 @@ def logit_transforms(model: nn.Module) -> dict[str, str]:
 
 # Arguments hasten's attention reads, or that carry nothing attention computes with (each named
 # with why it may be ignored).
-ATTENTION_KWARGS_READ = frozenset({"position_ids", "is_causal", CU_Q, CU_K, MAX_Q, MAX_K})
+ATTENTION_KWARGS_READ = frozenset({"position_ids", "is_causal", CU_Q, CU_K, MAX_Q, MAX_K, CHUNK_CU, CHUNK_MAX})
 ATTENTION_KWARGS_INERT = frozenset({
     "cache_position", "use_cache", "past_key_values", "cache",  # cache bookkeeping, updated before the call
     "num_items_in_batch", "output_hidden_states", "output_router_logits",  # read by the model, not attention

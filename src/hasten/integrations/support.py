@@ -32,6 +32,17 @@ _MLPS = {"swiglu": "hasten SwiGLU", "geglu_tanh": "hasten GeGLU (tanh GELU)",
          "ungated": "the model's own activation between its projections (no gate to fuse)"}
 
 
+def auto_model_class(config):
+    """The transformers auto class that builds `config` for training on text: its causal LM, or,
+    for a vision-language wrapper that is none (Qwen2.5-VL, Mistral 3), its image-text class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kind = type(config)
+    if kind not in AutoModelForCausalLM._model_mapping and kind in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def describe(model: nn.Module) -> list[Piece]:
     model_type = model_type_of(model.config)
     spec = spec_for(model.config)

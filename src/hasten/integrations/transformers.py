@@ -33,13 +33,13 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
-from hasten.integrations.contract import (attention_features_not_implemented, check_attention_kwargs, chunked_attention,
+from hasten.integrations.contract import (attention_features_not_implemented, attention_chunk_size, check_attention_kwargs,
                                          logit_transforms, packed_row_limits, stateful_layers, text_config)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.config import Config
 from hasten.observability import record_fallback
 from hasten.packing.collator import PackingError
-from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q, PackedMeta, verify_against_position_ids, verify_enabled
+from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, MAX_K, MAX_Q, PackedMeta, chunk_boundaries, verify_against_position_ids, verify_enabled
 
 # The features that run hasten's ops (dense kernels, loss, MoE, memory) are imported by the
 # accelerate() steps that apply them: importing this module loads no op library.
@@ -150,8 +150,11 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         verify_against_position_ids(cu_seqlens, max_seqlen, position_ids, f"layer {getattr(module, 'layer_idx', '?')}")
 
     if chunk is not None:  # Llama 4: each sample cut into chunks of `chunk` positions, causal within each
-        cu_seqlens, max_seqlen = _chunked_sequences(cu_seqlens.to(device=query.device, dtype=torch.int32),
-                                                    int(max_seqlen), chunk, batch * q_len)
+        if kwargs.get(CHUNK_CU) is not None:  # built once per batch with the metadata (the packing hook)
+            cu_seqlens, max_seqlen = kwargs[CHUNK_CU], kwargs[CHUNK_MAX]
+        else:  # metadata derived in this layer (training.metadata_cache false)
+            cu_seqlens, max_seqlen = chunk_boundaries(cu_seqlens.to(device=query.device, dtype=torch.int32),
+                                                      int(max_seqlen), batch * q_len, chunk)
     # (B, H, L, D) -> (B * L, H, D): the packed token layout of the varlen kernels.
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
     v, value_dim = _value_heads_at_query_size(v, q.shape[-1])
@@ -162,27 +165,6 @@ def hasten_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if value_dim != out.shape[-1]:
         out = out[..., :value_dim]
     return out.reshape(batch, q_len, out.shape[1], value_dim), None
-
-
-def _chunked_sequences(cu_seqlens: torch.Tensor, max_seqlen: int, chunk: int, tokens: int) -> tuple[torch.Tensor, int]:
-    """cu_seqlens (num_seqs + 1,) of packed samples -> those of their chunks: a new sequence at
-    every token whose position in its sample is a multiple of `chunk` (the sample's first token
-    included), so that causal attention within each is chunked attention (a query sees the earlier
-    keys of its own chunk), as each sample alone computes it. One host read-back (the chunk count),
-    once per forward and chunk size: the result is kept on the forward's state for every layer."""
-    state = _current_forward()
-    key = (chunk, cu_seqlens.data_ptr(), cu_seqlens.numel(), tokens)
-    if state is not None and key in state.chunked:
-        return state.chunked[key]
-    index = torch.arange(tokens, device=cu_seqlens.device, dtype=torch.int32)
-    sample = torch.searchsorted(cu_seqlens[1:], index, right=True)  # the sample each token belongs to
-    position = index - cu_seqlens[sample]
-    starts = index[(position % chunk == 0) & (index < cu_seqlens[-1])]  # host read-back: the number of chunks
-    chunked = torch.cat((starts, cu_seqlens[-1:])).to(torch.int32)
-    result = (chunked, min(max_seqlen, chunk))
-    if state is not None:
-        state.chunked[key] = result
-    return result
 
 
 def _value_heads_at_query_size(v: torch.Tensor, qk_dim: int) -> tuple[torch.Tensor, int]:
@@ -296,8 +278,6 @@ class _ForwardState:
     # dense mode, packed batch: the sample index of every token, (rows, L); None otherwise
     sample_ids: torch.Tensor | None = None
     masks: list = field(default_factory=list)  # dense mode: the masks hasten built in this forward
-    # chunked attention: (chunk, cu_seqlens) -> the chunks' (cu_seqlens, max_seqlen), shared by the layers
-    chunked: dict = field(default_factory=dict)
 
 
 _forwards = threading.local()
@@ -544,6 +524,7 @@ class _PackingPreHook:
         self.settings, self.mode, self.refusal = settings, mode, refusal
         self.images = images  # a multimodal table entry's `vision`: packed batches with images are refused
         self.row_limits = packed_row_limits(model)  # lengths past which the model's own code mixes samples
+        self.chunk = attention_chunk_size(model)  # Llama 4: its chunks built with the batch's metadata
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -589,6 +570,9 @@ class _PackingPreHook:
             state.hasten_packed = True
             if cu_seqlens is None and self.settings.metadata_cache:
                 kwargs.update(PackedMeta.from_position_ids(position_ids).attention_kwargs())
+            if self.chunk and kwargs.get(CU_Q) is not None:  # once per batch, for every layer and its recompute
+                kwargs[CHUNK_CU], kwargs[CHUNK_MAX] = chunk_boundaries(kwargs[CU_Q], int(kwargs[MAX_Q]),
+                                                                       position_ids.numel(), self.chunk)
         else:  # dense: every token's sample, row by row (a sample never spans rows)
             state.sample_ids = _sample_ids(bound.get("seq_idx"), position_ids)
         for limit, bounds, why in self.row_limits:
@@ -787,9 +771,10 @@ def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, mis
     model_type = getattr(model.config, "model_type", "?")
     implementation = model.config._attn_implementation
     features = "; ".join(missing.values())
-    chunked = chunked_attention(model)
-    if chunked or implementation not in DENSE_NAMES:
-        why = (f"its {chunked} would count its chunks along the packed row" if chunked
+    chunk = attention_chunk_size(model)
+    if chunk or implementation not in DENSE_NAMES:
+        why = (f"its chunked attention (attention_chunk_size={chunk}) would count its chunks along the packed row"
+               if chunk
                else f"its attention implementation '{implementation}' does not take hasten's packed mask")
         _refuse_packing(model, handle, f"its attention has {features}, which hasten's kernels do not compute, and "
                         f"{why}", "attention_feature_not_implemented")

@@ -19,6 +19,21 @@ import torch
 # The keyword names transformers' attention functions already use for varlen
 # metadata (FlashAttentionKwargs), so flash_attention_2 reads them too.
 CU_Q, CU_K, MAX_Q, MAX_K = "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
+# hasten's own: the chunks of chunked attention (Llama 4), for the layers that have it
+CHUNK_CU, CHUNK_MAX = "hasten_chunk_cu_seqlens", "hasten_chunk_max_length"
+
+
+def chunk_boundaries(cu_seqlens: torch.Tensor, max_seqlen: int, tokens: int, chunk: int) -> tuple[torch.Tensor, int]:
+    """cu_seqlens (num_seqs + 1,) of the packed samples -> those of their chunks, and their longest:
+    a new sequence at every token whose position in its sample is a multiple of `chunk` (the
+    sample's first token included), so that causal attention within each is chunked attention (a
+    query sees the earlier keys of its own chunk), as each sample alone computes it. `tokens`: the
+    batch's token count (padding after the last sample gets no chunk). One host read-back."""
+    index = torch.arange(tokens, device=cu_seqlens.device, dtype=torch.int32)
+    sample = torch.searchsorted(cu_seqlens[1:], index, right=True)  # the sample each token belongs to
+    position = index - cu_seqlens[sample]
+    starts = index[(position % chunk == 0) & (index < cu_seqlens[-1])]  # the read-back: the chunk count
+    return torch.cat((starts, cu_seqlens[-1:])).to(torch.int32), min(max_seqlen, chunk)
 
 
 @dataclass(frozen=True)

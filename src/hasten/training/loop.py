@@ -113,17 +113,15 @@ def load_model_and_tokenizer(config: Config, dtype: torch.dtype, device: torch.d
     if not path:
         model = __import__("transformers").Qwen3ForCausalLM(embedded_model_config(config.model.default_size))
         return model.to(dtype), ByteTokenizer()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
+
+    from hasten.integrations.support import auto_model_class
 
     if not Path(path).is_dir():
         raise ConfigError(f"model.path {path} is not a folder; give a local transformers model folder "
                           "(config.json and weights), or leave it empty for the embedded default model")
     tokenizer = load_model_tokenizer(path)
-    # a causal LM, or a vision-language wrapper that is none (Qwen2.5-VL), trained on text here
-    model_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    causal = type(model_config) in AutoModelForCausalLM._model_mapping
-    auto = AutoModelForCausalLM if causal or type(model_config) not in AutoModelForImageTextToText._model_mapping \
-        else AutoModelForImageTextToText
+    auto = auto_model_class(AutoConfig.from_pretrained(path, local_files_only=True))  # VL wrappers: text here
     model = auto.from_pretrained(path, dtype=dtype, local_files_only=True,
                                  **_quantization(config.lora.quantize, dtype, device))
     check_tokenizer_fits(tokenizer, model, path)
