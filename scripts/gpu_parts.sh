@@ -35,6 +35,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     > "$LOGS/wheels.log" 2>&1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# site-package bundles too large as wheels (flash-linear-attention with TileLang and its needs,
+# stripped of what they do not use here): .whl/*.tar.xz unpacked to /tmp/site as well
+if compgen -G ".whl/*.tar.xz" > /dev/null; then
+  mkdir -p /tmp/site
+  for bundle in .whl/*.tar.xz; do timeout 120 tar xJf "$bundle" -C /tmp/site; done
+  [[ ":${PYTHONPATH:-}:" == *":/tmp/site:"* ]] || export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 timeout 60 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tee -a "$SUMMARY"
 

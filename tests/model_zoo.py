@@ -46,6 +46,13 @@ QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=
 GLM4V_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
 # half of each head rotates (Phi-3 and GLM-4 configs set partial_rotary_factor), the rest passes
 PARTIAL_HALF = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+# a quarter of each head rotates (Qwen3-Next and Qwen3.5 configs)
+PARTIAL_QUARTER = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
+# two Gated DeltaNet layers around a full-attention one, grouped value heads (4 v for 2 q/k)
+GATED_DELTANET = dict(layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4,
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                      num_position_embeddings=16)
 GLM4V_MOE_TEXT = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
                       n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, attention_bias=True,
                       rope_parameters=dict(PARTIAL_HALF, mrope_section=[1, 1, 2]))
@@ -302,11 +309,34 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
           feature_off=dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0))),
     # q, k and v clamped at 0.3, well inside their spread at this initializer_range
     Entry("olmo", dict(clip_qkv=0.3, attention_bias=True), "hasten", feature_off=dict(clip_qkv=None)),
-    Entry("qwen3_next", dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
-                             linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                             linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=16, shared_expert_intermediate_size=32), "refused"),
-    Entry("lfm2", dict(layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5), "refused"),
+    # hybrids (issue 19): Gated DeltaNet or short-convolution layers between attention layers, each
+    # packed sample from a zero state (hasten.stateful); the convolution's width is the feature that
+    # carries a sample's tokens into the next sample's first ones
+    Entry("qwen3_next", dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=32, rope_parameters=PARTIAL_QUARTER), "hasten",
+          feature_off=dict(linear_conv_kernel_dim=1)),
+    Entry("qwen3_5_text", dict(GATED_DELTANET, rope_parameters=dict(PARTIAL_QUARTER, mrope_section=[1, 1, 0])),
+          "hasten", feature_off=dict(linear_conv_kernel_dim=1)),
+    Entry("qwen3_5_moe_text", dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                   shared_expert_intermediate_size=32,
+                                   rope_parameters=dict(PARTIAL_QUARTER, mrope_section=[1, 1, 0])),
+          "hasten", feature_off=dict(linear_conv_kernel_dim=1)),
+    # Qwen3.5's wrappers (published checkpoints) on text-only packed batches
+    Entry("qwen3_5", dict(text_config=dict(GATED_DELTANET, rope_parameters=dict(PARTIAL_QUARTER,
+                                                                              mrope_section=[1, 1, 0])),
+                          vision_config=QWEN3_5_VISION), "hasten",
+          feature_off=dict(text_config=dict(GATED_DELTANET, linear_conv_kernel_dim=1))),
+    Entry("qwen3_5_moe", dict(text_config=dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                               rope_parameters=dict(PARTIAL_QUARTER, mrope_section=[1, 1, 0])),
+                              vision_config=QWEN3_5_VISION), "hasten",
+          feature_off=dict(text_config=dict(GATED_DELTANET, linear_conv_kernel_dim=1, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=32))),
+    Entry("olmo_hybrid", dict(GATED_DELTANET, num_key_value_heads=4), "hasten",
+          feature_off=dict(linear_conv_kernel_dim=1)),
+    Entry("lfm2", dict(layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5, conv_L_cache=3), "hasten",
+          feature_off=dict(conv_L_cache=1)),
     Entry("granitemoehybrid", dict(layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
                                    num_experts_per_tok=2, shared_intermediate_size=32, mamba_n_heads=4,
                                    mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=8), "refused"),

@@ -126,7 +126,7 @@ _GATES = {"swiglu": ("silu", F.silu), "geglu_tanh": ("gelu_tanh", lambda x: F.ge
 
 
 def _is_gated_mlp(module: nn.Module, spec: MlpSpec) -> bool:
-    projections = ("gate_up_proj", "down_proj") if spec.fused_gate_up else ("gate_proj", "up_proj", "down_proj")
+    projections = ("gate_up_proj", "down_proj") if spec.fused_gate_up else spec.projections
     return (spec.kind in _GATES and type(module).__name__.endswith("MLP")
             and all(isinstance(getattr(module, name, None), nn.Module) for name in projections))
 
@@ -136,9 +136,9 @@ def _gated_formula(module: nn.Module, x: torch.Tensor, spec: MlpSpec) -> torch.T
     act = _GATES[spec.kind][1]
     if spec.fused_gate_up:
         gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
-    else:
-        gate, up = module.gate_proj(x), module.up_proj(x)
-    return module.down_proj(act(gate) * up)
+        return module.down_proj(act(gate) * up)
+    gate_proj, up_proj, down_proj = (getattr(module, name) for name in spec.projections)
+    return down_proj(act(gate_proj(x)) * up_proj(x))
 
 
 def _input_dtype(projection: nn.Module) -> torch.dtype | None:
@@ -162,7 +162,7 @@ def gated_mlp_mismatch(module: nn.Module, spec: MlpSpec = _SWIGLU) -> str | None
     for child in module.modules():
         if isinstance(child, nn.Dropout) and child.p > 0:
             return f"{name} applies dropout (p={child.p}) inside the MLP"
-    first = module.gate_up_proj if spec.fused_gate_up else module.gate_proj
+    first = module.gate_up_proj if spec.fused_gate_up else getattr(module, spec.projections[0])
     weight, in_features = getattr(first, "weight", None), getattr(first, "in_features", None)
     if not isinstance(weight, torch.Tensor) or in_features is None:
         return f"{name}'s input projection is not a linear layer hasten can feed"
@@ -307,7 +307,7 @@ def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
     if spec.kind not in _GATES:
         return (lambda: None), 0, []
     activation = _activation(config if config is not None else model.config)
-    if activation not in _ACTIVATIONS[spec.kind]:
+    if activation not in _ACTIVATIONS[spec.kind] and not spec.fixed_activation:
         return (lambda: None), 0, [f"the config's activation '{activation}' is not the table's "
                                    f"{_GATES[spec.kind][0]} gate"]
     patched, refused = _checked_by_class([m for m in model.modules() if _is_gated_mlp(m, spec)],
@@ -319,9 +319,10 @@ def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
             return self.down_proj(act.view(*gate_up.shape[:-1], act.shape[-1]))
     else:
         gated = silu_mul if spec.kind == "swiglu" else gelu_tanh_mul
+        gate_name, up_name, down_name = spec.projections
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.down_proj(gated(self.gate_proj(x), self.up_proj(x)))
+            return getattr(self, down_name)(gated(getattr(self, gate_name)(x), getattr(self, up_name)(x)))
 
     for module in patched:
         module.forward = types.MethodType(forward, module)

@@ -44,10 +44,15 @@ class MlpSpec:
                      GELU, Nemotron's and Arcee's ReLU^2, Apertus's xIELU): no gate, nothing to fuse
     fused_gate_up  one `gate_up_proj` whose output is [gate | up] along the last dimension
                    (Phi-3, GLM-4) instead of gate_proj and up_proj
+    projections    the module names of (gate, up, down): LFM2 calls them (w1, w3, w2)
+    fixed_activation  the MLP's own code applies the gate's activation (LFM2's F.silu) and the
+                   config names none; the probe still runs the module against the kernel
     """
 
     kind: str = "swiglu"
     fused_gate_up: bool = False
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    fixed_activation: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hasten.dense.spec import LogitSpec, MlpSpec, NormSpec, RotarySpec
+from hasten.stateful.patch import StatefulSpec
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class ArchSpec:
     # an MoE block whose experts are not transformers' experts interface, fused at the level of the
     # block (hasten.moe.blocks): "llama4"; empty: none
     moe_block: str = ""
+    # a hybrid model's layers that carry state along the sequence (linear attention, short
+    # convolutions), computed per packed sample by hasten.stateful; None: the model has none, and
+    # a model with such layers but no entry here has packed batches refused
+    stateful: StatefulSpec | None = None
     notes: str = ""
 
 
@@ -98,6 +103,18 @@ _LLAMA4_TEXT = ArchSpec("moe", norm=NormSpec(eps_attribute="eps"),
                         moe_block="llama4",
                         notes="its own MoE block runs every expert on every token, the router's scores scaling "
                               "the inputs (zero for unchosen experts); hasten's block runs the chosen ones only")
+
+# Hybrid models (issue 19): Gated DeltaNet layers (a short convolution over q/k/v, then the chunked
+# gated delta rule) or LFM2's short convolutions, between full-attention layers; each packed sample
+# starts them from a zero state (hasten.stateful: flash-linear-attention's varlen kernels on CUDA)
+_GATED_DELTANET = StatefulSpec(layers=(("GatedDeltaNet", ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")),))
+_SHORT_CONV = StatefulSpec(layers=(("ShortConv", ("causal_conv1d_fn",)),))
+_GDN_CODE = ("the Gated DeltaNet layers' projections, gates and gated RMSNorm (the model's own code around the "
+             "varlen convolution and delta rule)",)
+_QWEN3_NEXT = ArchSpec("moe", norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True), rotary=RotarySpec(partial=True),
+                       attention=("the attention output gate (sigmoid), in the model's own attention module",),
+                       model_code=_GDN_CODE + ("the shared expert and its sigmoid gate",),
+                       stateful=_GATED_DELTANET)
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- dense: Llama-style pre-norm decoders ------------------------------------------------
@@ -338,6 +355,37 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                        "shared experts", "dense first layers (first_k_dense_replace / "
                                        "mlp_layer_types)"),
                            notes="the shared experts and dense first-layer MLPs are SwiGLU MLPs on hasten's kernel"),
+    # --- hybrids: linear attention or short convolutions between attention layers (issue 19) ------
+    # Qwen3-Next: Gated DeltaNet on three of four layers, gated full attention with partial rotary
+    # and (1 + weight) q/k norms on the fourth, MoE with a gated shared expert on every layer
+    "qwen3_next": _QWEN3_NEXT,
+    # Qwen3.5's text models: Qwen3-Next's layout, dense or MoE, with the multimodal rotary (mrope:
+    # for text its sections read the token positions)
+    "qwen3_5_text": dataclasses.replace(_QWEN3_NEXT, family="dense", rotary=dataclasses.replace(_MROPE, partial=True),
+                                        model_code=_GDN_CODE),
+    "qwen3_5_moe_text": dataclasses.replace(_QWEN3_NEXT, rotary=dataclasses.replace(_MROPE, partial=True)),
+    # Qwen3.5's published checkpoints (Qwen3_5ForConditionalGeneration): the text model above on
+    # text-only packed batches, the vision tower as transformers wrote it
+    "qwen3_5": dataclasses.replace(_QWEN3_NEXT, family="dense", rotary=dataclasses.replace(_MROPE, partial=True),
+                                   model_code=_GDN_CODE + ("the vision tower and its merger (image batches only)",),
+                                   vision=_QWEN_VL_VISION),
+    "qwen3_5_moe": dataclasses.replace(_QWEN3_NEXT, rotary=dataclasses.replace(_MROPE, partial=True),
+                                       model_code=_QWEN3_NEXT.model_code + ("the vision tower and its merger (image "
+                                                                            "batches only)",),
+                                       vision=_QWEN_VL_VISION),
+    # OLMo hybrid: Gated DeltaNet layers (pre-norm) between OLMo 2-style attention layers (post-norms,
+    # q/k norms over the whole projection)
+    "olmo_hybrid": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True),
+                            model_code=_GDN_CODE + ("pre-norms on the linear-attention layers, post-norms on the "
+                                                    "attention layers",),
+                            stateful=_GATED_DELTANET),
+    # LFM2: gated short convolutions (in_proj -> B * x -> depthwise causal conv -> C * ...) on most
+    # layers, attention with q/k norms on the others; its MLP (w1, w3, w2) computes SwiGLU
+    "lfm2": ArchSpec("dense", norm=NormSpec(qk_norm=True),
+                     mlp=MlpSpec(projections=("w1", "w3", "w2"), fixed_activation=True),
+                     model_code=("the short convolutions' projections and gates (the model's own code around the "
+                                 "varlen convolution)",),
+                     stateful=_SHORT_CONV),
 }
 
 

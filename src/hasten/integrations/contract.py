@@ -19,7 +19,7 @@ import re
 import torch
 from torch import nn
 
-from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, MAX_K, MAX_Q
+from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, LINEAR_META, MAX_K, MAX_Q
 
 # Layer types (config.layer_types) whose layers carry state along the sequence.
 STATEFUL_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent",
@@ -52,6 +52,16 @@ def stateful_layers(model: nn.Module) -> list[str]:
                 label = f"{name} layers" if not depthwise else "depthwise causal convolutions (nn.Conv1d)"
                 found[label] = found.get(label, 0) + 1
     return [f"{count} {label}" for label, count in found.items()]
+
+
+def uses_attention_interface(model: nn.Module, spec) -> bool:
+    """Whether the model's attention modules call transformers' attention interface (where hasten's
+    varlen attention plugs in). transformers marks that on the model class
+    (`_supports_attention_backend`); its hybrid models (Qwen3-Next, Qwen3.5, OLMo hybrid) leave the
+    mark off although their full-attention modules call the interface, which their table entries
+    (with a `stateful` spec, each proven by its parity case) vouch for."""
+    return bool(getattr(model, "_supports_attention_backend", False)
+                or (spec is not None and getattr(spec, "stateful", None) is not None))
 
 
 def _nonzero(value) -> bool:
@@ -156,6 +166,7 @@ ATTENTION_KWARGS_INERT = frozenset({
     "position_embeddings",  # rotary already applied to q and k
     "layer_idx", "target_dtype",  # flash bookkeeping
     "num_samples",  # hasten.PackingCollator's sample count, passed along with the batch
+    LINEAR_META,  # the batch's boundaries for the stateful layers (linear attention, short convolutions)
 })
 # Falsy values of these mean "off"; a true value asks for something hasten does not compute.
 ATTENTION_KWARGS_OFF_WHEN_FALSY = frozenset({"output_attentions", "softcap", "s_aux", "sinks", "deterministic",

@@ -16,7 +16,7 @@ from torch import nn
 
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
 from hasten.integrations.contract import (attention_features_not_implemented, logit_transforms, stateful_layers,
-                                         text_config)
+                                         text_config, uses_attention_interface)
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,17 @@ def describe(model: nn.Module) -> list[Piece]:
 
 def _attention(model: nn.Module, declared: tuple[str, ...]) -> Piece:
     stateful = stateful_layers(model)
-    if stateful:
+    spec = spec_for(model.config)
+    if stateful and (spec is None or spec.stateful is None):
         return Piece("attention", "warn", f"packed batches refused ({', '.join(stateful)} carry state along the "
                      "sequence); padded batches train as transformers wrote the model")
-    if not getattr(model, "_supports_attention_backend", False):
+    if stateful:
+        from hasten.stateful.varlen import FLA_INSTALL
+
+        return Piece("attention", "ok", f"hasten varlen attention and varlen stateful layers ({', '.join(stateful)}: "
+                     "each packed sample from a zero state; on CUDA with flash-linear-attention, else packed batches "
+                     f"are refused there: {FLA_INSTALL})")
+    if not uses_attention_interface(model, spec_for(model.config)):
         return Piece("attention", "warn", "packed batches refused: the model does not use transformers' attention "
                      "interface")
     missing = attention_features_not_implemented(model)

@@ -33,13 +33,16 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
-from hasten.integrations.contract import (attention_features_not_implemented, attention_chunk_size, check_attention_kwargs,
-                                         logit_transforms, packed_row_limits, stateful_layers, text_config)
+from hasten.integrations.contract import (STATEFUL_LAYER_TYPES, attention_features_not_implemented, attention_chunk_size,
+                                         check_attention_kwargs, logit_transforms, packed_row_limits, stateful_layers,
+                                         text_config, uses_attention_interface)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.config import Config
 from hasten.observability import record_fallback
 from hasten.packing.collator import PackingError
-from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, MAX_K, MAX_Q, PackedMeta, chunk_boundaries, verify_against_position_ids, verify_enabled
+from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, LINEAR_META, MAX_K, MAX_Q, PackedMeta, chunk_boundaries, verify_against_position_ids, verify_enabled
+from hasten.stateful import patch as stateful_patch
+from hasten.stateful.varlen import LinearMeta, fla_problem
 
 # The features that run hasten's ops (dense kernels, loss, MoE, memory) are imported by the
 # accelerate() steps that apply them: importing this module loads no op library.
@@ -278,6 +281,8 @@ class _ForwardState:
     # dense mode, packed batch: the sample index of every token, (rows, L); None otherwise
     sample_ids: torch.Tensor | None = None
     masks: list = field(default_factory=list)  # dense mode: the masks hasten built in this forward
+    # a hybrid model's packed batch: its LinearMeta and how many stateful calls the forward must make
+    linear: tuple[LinearMeta, int] | None = None
 
 
 _forwards = threading.local()
@@ -367,8 +372,17 @@ def _skipping_packed_search(find_packed_sequence_indices: Callable) -> Callable:
 
 def _leave_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     stack = _forward_stack()
-    if stack:
-        stack.pop()
+    state = stack.pop() if stack else None
+    if state is not None and state.linear is not None and output is not None:
+        meta, expected = state.linear
+        if meta.calls < expected:  # a stateful layer ran without the batch's boundaries: its samples mixed
+            raise PackedBatchRefused(
+                f"hasten: in this packed batch only {meta.calls} of the {expected} convolution and linear-attention "
+                f"calls of {type(module).__name__}'s stateful layers received the batch's sample boundaries (this "
+                "transformers version's layers do not pass them along), so the others carried state from one packed "
+                "sample into the next. The step's loss is wrong and no gradient was computed: train with padded "
+                "batches (hasten train: training.packed_sequence: false) or a transformers version whose layers "
+                "pass their keyword arguments to these functions.")
 
 
 _ABSENT = object()  # a registry key that did not exist before hasten registered it
@@ -520,8 +534,9 @@ class _PackingPreHook:
     A packed batch never builds a KV cache (transformers would, and hold every layer's K/V)."""
 
     def __init__(self, model: PreTrainedModel, settings: _AttentionSettings | None, mode: str,
-                 refusal: str | None = None, images: str = "") -> None:
+                 refusal: str | None = None, images: str = "", stateful_calls: int = 0) -> None:
         self.settings, self.mode, self.refusal = settings, mode, refusal
+        self.stateful_calls = stateful_calls  # a hybrid model: its stateful layers' calls per forward
         self.images = images  # a multimodal table entry's `vision`: packed batches with images are refused
         self.row_limits = packed_row_limits(model)  # lengths past which the model's own code mixes samples
         self.chunk = attention_chunk_size(model)  # Llama 4: its chunks built with the batch's metadata
@@ -573,6 +588,11 @@ class _PackingPreHook:
             if self.chunk and kwargs.get(CU_Q) is not None:  # once per batch, for every layer and its recompute
                 kwargs[CHUNK_CU], kwargs[CHUNK_MAX] = chunk_boundaries(kwargs[CU_Q], int(kwargs[MAX_Q]),
                                                                        position_ids.numel(), self.chunk)
+            if self.stateful_calls:  # once per batch, for every stateful layer and its recompute
+                cu = kwargs.get(CU_Q)
+                cu = cu if cu is not None else PackedMeta.from_position_ids(position_ids).cu_seqlens
+                kwargs[LINEAR_META] = LinearMeta.build(cu, position_ids.numel())
+                state.linear = (kwargs[LINEAR_META], self.stateful_calls)
         else:  # dense: every token's sample, row by row (a sample never spans rows)
             state.sample_ids = _sample_ids(bound.get("seq_idx"), position_ids)
         for limit, bounds, why in self.row_limits:
@@ -717,19 +737,54 @@ def _refuse_packing(model: PreTrainedModel, handle: AccelerationHandle, refusal:
     handle.inactive.append(f"varlen attention and packed batches ({refusal}; padded batches are correct)")
 
 
+def _stateful_refusal(model: PreTrainedModel, stateful: list[str]) -> str | None:
+    """Why hasten cannot keep packed samples apart in this model's stateful layers (None: it can,
+    through hasten.stateful's varlen functions)."""
+    spec = spec_for(model.config)
+    carry = f"its {', '.join(stateful)} carry state along the sequence, from one packed sample into the next"
+    if spec is None or spec.stateful is None:
+        return f"{carry}, and hasten's table has no varlen form of them for this model type"
+    if attention_features_not_implemented(model):
+        return f"{carry}, and its attention has features hasten's varlen attention does not compute"
+    types = getattr(text_config(model), "layer_types", None)
+    count = sum(t in STATEFUL_LAYER_TYPES for t in types) if types else None
+    problem = stateful_patch.unsupported(model, spec.stateful, count)
+    if problem is not None:
+        return f"{carry}: {problem}"
+    for device in {p.device for p in model.parameters() if p.is_cuda}:
+        problem = fla_problem(device.index)
+        if problem is not None:
+            return f"{carry}, and their varlen kernels cannot run on {device}: {problem}"
+    return None
+
+
+def _patch_stateful(model: PreTrainedModel, handle: AccelerationHandle) -> int:
+    """Install the varlen stateful functions; returns the calls one forward makes to them."""
+    spec = spec_for(model.config).stateful
+    handle._undo_steps.append(stateful_patch.install(model, spec))
+    layers = stateful_patch.stateful_modules(model, spec)
+    kinds = sorted({type(module).__name__ for module, _ in layers})
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    handle.active.append(f"varlen stateful layers ({len(layers)} {', '.join(kinds)}: each packed sample from a zero "
+                         "state; " + ("flash-linear-attention's varlen kernels)" if on_cuda else
+                                      "the model's own functions once per sample off CUDA)"))
+    return stateful_patch.calls_per_forward(model, spec)
+
+
 def _patch_attention(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
     training = config.training
     model_type = getattr(model.config, "model_type", "?")
     stateful = stateful_layers(model)
     if stateful:  # whatever the config says: a packed batch from the user's own script is refused too
-        _refuse_packing(model, handle, f"its {', '.join(stateful)} carry state along the sequence, from one packed "
-                        "sample into the next, and hasten has no varlen kernels for them yet",
-                        "packing_refused_stateful_layers")
-        return
+        refusal = _stateful_refusal(model, stateful)
+        if refusal is not None or not training.packed_sequence:
+            _refuse_packing(model, handle, refusal or f"its {', '.join(stateful)} carry state along the sequence "
+                            "and training.packed_sequence is false", "packing_refused_stateful_layers")
+            return
     if not training.packed_sequence:
         handle.inactive.append("training.packed_sequence is false: attention left as transformers configured it")
         return
-    if not getattr(model, "_supports_attention_backend", False):
+    if not uses_attention_interface(model, spec_for(model.config)):
         _refuse_packing(model, handle, f"model type '{model_type}' does not use transformers' attention interface, "
                         "so neither hasten nor transformers keeps packed samples apart", "unsupported_architecture")
         return
@@ -753,7 +808,9 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
     previous = model.config._attn_implementation
     previous_text = text_config(model)._attn_implementation
     model.set_attn_implementation({text_key: ATTN_NAME} if text_key else ATTN_NAME)
-    _install_packing_hook(model, handle, _PackingPreHook(model, settings, "hasten", images=vision))
+    stateful_calls = _patch_stateful(model, handle) if stateful else 0
+    _install_packing_hook(model, handle, _PackingPreHook(model, settings, "hasten", images=vision,
+                                                         stateful_calls=stateful_calls))
 
     def undo() -> None:
         for module in tagged:

@@ -21,6 +21,9 @@ import torch
 CU_Q, CU_K, MAX_Q, MAX_K = "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 # hasten's own: the chunks of chunked attention (Llama 4), for the layers that have it
 CHUNK_CU, CHUNK_MAX = "hasten_chunk_cu_seqlens", "hasten_chunk_max_length"
+# hasten's own: the sample boundaries of the stateful layers' varlen kernels (hasten.stateful.LinearMeta,
+# built once per batch for hybrid models: linear attention, short convolutions)
+LINEAR_META = "hasten_linear_meta"
 
 
 def chunk_boundaries(cu_seqlens: torch.Tensor, max_seqlen: int, tokens: int, chunk: int) -> tuple[torch.Tensor, int]:

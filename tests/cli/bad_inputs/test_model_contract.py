@@ -23,7 +23,7 @@ def _config(folder, packed=True):
     return text.replace("training:\n", f"training:\n  packed_sequence: {'true' if packed else 'false'}\n")
 
 
-@pytest.mark.parametrize("model_type,layers", [("lfm2", "'conv' layers"), ("qwen3_next", "'linear_attention' layers")])
+@pytest.mark.parametrize("model_type,layers", [("granitemoehybrid", "'linear_attention' layers")])
 def test_stateful_model_with_packing_is_refused_before_training(capsys, tmp_path, model_type, layers):
     folder = _folder(tmp_path, model_type)
     outcome = run_train(capsys, tmp_path, config=_config(folder))
@@ -33,9 +33,21 @@ def test_stateful_model_with_packing_is_refused_before_training(capsys, tmp_path
 
 
 def test_stateful_model_trains_padded(capsys, tmp_path):
-    folder = _folder(tmp_path, "lfm2")
+    folder = _folder(tmp_path, "granitemoehybrid")
     outcome = run_train(capsys, tmp_path, config=_config(folder, packed=False))
     assert outcome.rc == 0, outcome.err
+    outcome.assert_nothing_lost()
+
+
+@pytest.mark.parametrize("model_type,layers", [("qwen3_next", "Qwen3NextGatedDeltaNet"), ("lfm2", "Lfm2ShortConv")])
+def test_hybrid_model_in_the_table_trains_packed(capsys, tmp_path, model_type, layers):
+    """Issue 19: the table's hybrids train on packed batches, each sample's state from zero."""
+    folder = _folder(tmp_path, model_type)
+    outcome = run_train(capsys, tmp_path, config=_config(folder))
+    assert outcome.rc == 0, outcome.err
+    summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
+    assert any(item.startswith("varlen stateful layers") and layers in item for item in summary["hasten_active"])
+    assert "packing_refused_stateful_layers" not in summary["fallbacks"]
     outcome.assert_nothing_lost()
 
 

@@ -1,0 +1,127 @@
+"""hasten.stateful on the CPU: the packed forms of the convolution and the gated delta rule, the
+batch's LinearMeta, the guard that every stateful layer got the batch's boundaries, and undo.
+
+The parity of whole hybrid models (packed row against each sample alone, float32) is in
+tests/integrations/test_model_parity.py (qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid,
+lfm2); the GPU run of the same with flash-linear-attention's kernels in tests/gpu."""
+
+import gc
+import sys
+
+import pytest
+import torch
+
+import hasten
+from hasten.integrations.transformers import PackedBatchRefused
+from hasten.packing.meta import LINEAR_META
+from hasten.stateful import LinearMeta, fla_problem
+from hasten.stateful.patch import REPLACED, release_dropped
+from hasten.stateful.varlen import varlen_causal_conv1d, varlen_chunk_gated_delta_rule
+from tests import model_zoo as zoo
+
+LENGTHS = (1, 2, 63, 70, 5)  # one- and two-token samples, and samples past the delta rule's 64-token chunk
+
+
+def _modeling(name: str):
+    import importlib
+
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _meta(lengths=LENGTHS) -> LinearMeta:
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return LinearMeta.build(cu, int(cu[-1]))
+
+
+def test_meta_adds_a_padded_tail_as_one_more_sequence():
+    meta = LinearMeta.build(torch.tensor([0, 3, 7], dtype=torch.int32), tokens=10)
+    assert meta.cu_seqlens.dtype == torch.int64 and meta.cu_seqlens_cpu.device.type == "cpu"
+    assert meta.bounds() == [(0, 3), (3, 7), (7, 10)]
+    assert LinearMeta.build(torch.tensor([0, 3, 7], dtype=torch.int32), tokens=7).bounds() == [(0, 3), (3, 7)]
+
+
+def test_packed_convolution_is_each_sample_alone_and_differs_from_the_unpacked_row():
+    original = _modeling("qwen3_next").causal_conv1d_fn
+    packed = varlen_causal_conv1d(original)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 12, sum(LENGTHS), generator=gen, dtype=torch.float64)
+    weight = torch.randn(12, 4, generator=gen, dtype=torch.float64)
+    meta = _meta()
+    got = packed(x, weight, None, activation="silu", **{LINEAR_META: meta, "cu_seq_lens_q": meta.cu_seqlens})
+    edges = meta.bounds()
+    want = torch.cat([original(x[..., s:e], weight, None, activation="silu") for s, e in edges], dim=-1)
+    assert meta.calls == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    mixed = original(x, weight, None, activation="silu")  # the row as one sequence: windows cross samples
+    assert (mixed - want).abs().max() > 1e-2
+    # no LinearMeta (a padded batch, generation): the model's own function, unchanged
+    torch.testing.assert_close(packed(x, weight, None, activation="silu"), mixed, rtol=0, atol=0)
+
+
+def test_packed_delta_rule_starts_each_sample_from_a_zero_state():
+    original = _modeling("qwen3_next").torch_chunk_gated_delta_rule
+    packed = varlen_chunk_gated_delta_rule(original)
+    gen = torch.Generator().manual_seed(1)
+    tokens = sum(LENGTHS)
+    q, k = (torch.randn(1, tokens, 2, 8, generator=gen) for _ in range(2))
+    v = torch.randn(1, tokens, 4, 8, generator=gen)  # grouped value heads: 4 for 2 q/k heads
+    g = -torch.nn.functional.softplus(torch.randn(1, tokens, 4, generator=gen))
+    beta = torch.rand(1, tokens, 4, generator=gen)
+    meta = _meta()
+    out, state = packed(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=True, cu_seqlens=meta.cu_seqlens, **{LINEAR_META: meta})
+    assert state is None and meta.calls == 1
+    want = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                               use_qk_l2norm_in_kernel=True)[0] for s, e in meta.bounds()], dim=1)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    mixed = original(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]  # state carried across samples
+    assert (mixed - want).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="zero state"):  # a recurrent state never meets a packed batch
+        packed(q, k, v, g=g, beta=beta, initial_state=torch.zeros(1, 4, 8, 8), output_final_state=False,
+               **{LINEAR_META: _meta()})
+
+
+def test_without_fla_the_problem_names_the_install():
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        problem = fla_problem(None)
+        assert problem is not None and "pip install flash-linear-attention" in problem
+    else:
+        pytest.skip("flash-linear-attention is installed here")
+
+
+def test_a_layer_that_drops_the_boundaries_stops_the_step():
+    """A transformers version whose stateful layer does not pass its keyword arguments on would
+    carry state across samples silently: the packing hook counts the calls and raises."""
+    entry = zoo.ENTRIES["qwen3_next"]
+    model = zoo.build(entry)
+    hasten.accelerate(model)
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    own_forward = layer.forward
+
+    def forward_dropping_kwargs(hidden_states, cache=None, attention_mask=None, **kwargs):
+        return own_forward(hidden_states, attention_mask=attention_mask)
+
+    layer.forward = forward_dropping_kwargs
+    with pytest.raises(PackedBatchRefused, match="1 of the 2 stateful layers|only 2 of the 4"):
+        model(**zoo.packed_batch(zoo.samples()))
+
+
+def test_padded_batches_and_undo_leave_the_model_its_own():
+    gc.collect()  # models of earlier tests dropped without undo(): their replacements released first
+    release_dropped()
+    entry = zoo.ENTRIES["qwen3_next"]
+    model = zoo.build(entry)
+    modeling = sys.modules[type(model).__module__]
+    own = (modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule)
+    batch = zoo.padded_batch(zoo.samples(lengths=(7, 1, 19)))
+    want = model(**batch).loss
+    other = zoo.clone(model)
+    handle, second = hasten.accelerate(model), hasten.accelerate(other)
+    assert modeling.causal_conv1d_fn is not own[0] and REPLACED.active(modeling, "causal_conv1d_fn")
+    torch.testing.assert_close(model(**batch).loss, want)  # a padded batch: transformers' own path
+    handle.undo()
+    assert modeling.causal_conv1d_fn is not own[0]  # the other model still uses the replacement
+    second.undo()
+    assert (modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule) == own
