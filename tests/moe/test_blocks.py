@@ -41,8 +41,9 @@ def test_the_chosen_experts_give_the_blocks_output_and_gradients(top_k, tokens):
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
     assert got[2].keys() == want[2].keys() and {"experts.gate_up_proj", "router.weight"} <= set(want[2])
-    for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
+    for name in want[2]:  # absolute error against each gradient's own scale: the router's reaches 3e2,
+        scale = float(want[2][name].abs().max())  # and float32 rounding of its sums leaves ~1e-7 of that
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=max(1e-5, 1e-6 * scale), msg=name)
 
 
 def test_install_checks_the_block_and_undo_restores_it():

@@ -81,6 +81,7 @@ def collect_findings(data: list[str], output_dirs: list[str], log_dirs: list[str
         *compat.check_versions(cuda_available=gpu_count > 0),
         *gpu_rows,
         *op_library_findings(gpu_present=gpu_count > 0),
+        linear_attention_finding(gpu_count),
         *offload_findings(gpu_count),
         *(readable_path_finding(path) for path in data),
         *(writable_dir_finding("output_dir", path) for path in output_dirs),
@@ -289,6 +290,24 @@ def op_library_findings(gpu_present: bool) -> list[Finding]:
         else:
             findings.append(Finding(name, "info", "no CUDA kernel (none needed without a GPU)"))
     return findings
+
+
+def linear_attention_finding(gpu_count: int) -> Finding:
+    """Whether packed batches of hybrid models (Qwen3-Next, Qwen3.5, OLMo hybrid, LFM2) can run on
+    this machine's GPU: flash-linear-attention's varlen kernels (hasten.stateful)."""
+    from hasten.stateful import fla_problem
+
+    name = "linear attention (fla)"
+    if gpu_count == 0:
+        return Finding(name, "info", "packed hybrid models run their layers once per sample without a GPU")
+    problem = fla_problem(0)
+    if problem is not None:
+        return Finding(name, "warn", "packed batches of hybrid models (linear attention, short convolutions) are "
+                       "refused on this GPU", problem)
+    import fla
+
+    return Finding(name, "ok", f"flash-linear-attention {getattr(fla, '__version__', '?')}: varlen kernels for packed "
+                   "hybrid models")
 
 
 def _os_error_text(exc: OSError) -> str:
