@@ -73,6 +73,24 @@ def test_chunked_mask_reads_as_its_chunk_size():
         read_band(masking_utils.chunked_causal_mask_function(8, torch.full((1,), 3, dtype=torch.long)), 40)
 
 
+def test_chunked_mask_over_a_device_tensor_is_read_on_that_device():
+    """On CUDA, Llama 4's chunked overlay indexes its `left_padding`, a tensor on the model's device,
+    so evaluating it with CPU index tensors raises: both the band's rows and the chunk size must then
+    be read on the device read_band is given. torch's lazy (TorchScript) backend is a second device
+    on a CPU-only machine that refuses CPU index tensors the same way CUDA does."""
+    lazy = pytest.importorskip("torch._lazy.ts_backend")
+    lazy.init()
+    device = torch.device("lazy")
+    mask = masking_utils.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long, device=device))
+    zero = torch.zeros((), dtype=torch.long)
+    with pytest.raises(RuntimeError):  # what the CPU-first reading meets
+        mask(zero, zero, torch.arange(40)[:, None], torch.arange(40)[None, :])
+    assert read_band(mask, 40, device) == BandMask(True, None, 8)
+    with pytest.raises(MaskNotSupported):  # shifted chunks are still refused on the device
+        read_band(masking_utils.chunked_causal_mask_function(8, torch.full((1,), 3, dtype=torch.long, device=device)),
+                  40, device)
+
+
 @pytest.mark.parametrize("make", [
     lambda: masking_utils.sliding_window_bidirectional_mask_function(4),
     lambda: masking_utils.and_masks(masking_utils.causal_mask_function,

@@ -69,6 +69,16 @@ def _sample_rows(length: int) -> list[int]:
     return sorted(r for r in rows if 0 <= r < length)
 
 
+def _on_cpu_or_device(evaluate, device):
+    """`evaluate(torch.device("cpu"))`, or `evaluate(device)` where that raises as a function that
+    indexes a tensor on the model's device does (Llama 4's chunked overlay holds its `left_padding`
+    there): every reading of one mask function goes through here, so none is left on the CPU alone."""
+    try:
+        return evaluate(torch.device("cpu"))
+    except (RuntimeError, IndexError, TypeError):
+        return evaluate(device)
+
+
 def _evaluate(mask_function, rows: list[int], length: int, device) -> torch.Tensor:
     q = torch.tensor(rows, device=device)[:, None]
     kv = torch.arange(length, device=device)[None, :]
@@ -129,13 +139,10 @@ def read_band(mask_function, length: int, device: torch.device | None = None) ->
 def _read(mask_function, length: int, device) -> BandMask:
     rows = _sample_rows(length)
     try:
-        allowed = _evaluate(mask_function, rows, length, torch.device("cpu"))
-    except (RuntimeError, IndexError, TypeError):
-        try:
-            allowed = _evaluate(mask_function, rows, length, device)
-        except Exception as exc:  # a vmap-only or otherwise unreadable custom mask function
-            raise MaskNotSupported(f"hasten cannot read this model's mask function ({type(exc).__name__}: {exc})") \
-                from exc
+        allowed = _on_cpu_or_device(lambda where: _evaluate(mask_function, rows, length, where), device)
+    except Exception as exc:  # a vmap-only or otherwise unreadable custom mask function
+        raise MaskNotSupported(f"hasten cannot read this model's mask function ({type(exc).__name__}: {exc})") \
+            from exc
     q = torch.tensor(rows)[:, None]
     kv = torch.arange(length)[None, :]
     if bool(allowed.all()):  # full; a 1-token grid is also causal, which is what a decoder means by it
@@ -161,12 +168,14 @@ def _read(mask_function, length: int, device) -> BandMask:
 def _chunk_size(mask_function, length: int, device) -> int | None:
     """How many leading queries see key 0: the chunk size of a chunked causal mask (checked by the
     caller against the sampled rows); None when every query sees it."""
-    column = torch.arange(length)[:, None]
-    zero = torch.zeros((), dtype=torch.long)
+    def first_column(where) -> torch.Tensor:
+        column = torch.arange(length, device=where)[:, None]
+        zero = torch.zeros((), dtype=torch.long, device=where)
+        return torch.as_tensor(mask_function(zero, zero, column, zero)).to(torch.bool).expand(length, 1)[:, 0].cpu()
+
     try:
-        sees_first = torch.as_tensor(mask_function(zero, zero, column, zero)).to(torch.bool).expand(length, 1)
+        sees_first = _on_cpu_or_device(first_column, device)
     except (RuntimeError, IndexError, TypeError):
         return None
-    sees_first = sees_first[:, 0].cpu()
     first_blind = int((~sees_first).nonzero()[0]) if bool((~sees_first).any()) else None
     return first_blind if first_blind else None
