@@ -61,14 +61,16 @@ BLOCK = "qwen3_30b_a3b"  # set by --block
 
 
 class _HiddenOnly(torch.nn.Module):
-    """gpt-oss's MoE block returns (hidden, router scores): the block's hidden states alone."""
+    """gpt-oss's MoE block returns (hidden, router scores), Llama 4's (hidden flattened to (tokens,
+    hidden), router logits), its own forward and hasten's alike: the block's hidden states alone, in
+    the input's shape, as Llama 4's decoder layer takes them (`hidden_states.view(residual.shape)`)."""
 
     def __init__(self, block: torch.nn.Module) -> None:
         super().__init__()
         self.block = block
 
     def forward(self, x):
-        return self.block(x)[0]
+        return self.block(x)[0].view(x.shape)
 
 
 def build_block():
