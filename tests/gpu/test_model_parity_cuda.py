@@ -20,11 +20,47 @@ LENGTHS = (7, 1, 19, 12, 1, 33, 157, 301)  # one-token samples, and samples far 
 # A dropped feature gives errors of order 1 (the CPU test checks each feature moves the reference
 # by more than 1e-2); bf16 noise of these tiny models is 1e-3..3e-2.
 NOISE_FACTOR, FLOOR = 3.0, 5e-3
+# Per parameter, hasten's error may be NOISE_FACTOR times the unpatched bf16 model's error on that
+# parameter (its noise) plus 10 * FLOOR of the parameter's own gradient norm. The noise is a norm over
+# the parameter's elements, one draw of bf16 rounding each; two kinds of parameter have no stable one:
+# - fewer than FEW elements: hasten's error and the noise then differ by more than NOISE_FACTOR by
+#   chance with probability P(F(n, n) > 9): 20% for one element, 2.8% for 4, 0.3% for 8, 3e-5 for 16.
+#   Where such a parameter's gradient is also tiny next to the whole gradient (a sum over every token
+#   that nearly cancels) the noise is large and the check a lottery. Apertus' xIELU alpha_n of layer
+#   0 is 1e-4 of the whole gradient's norm: 2^-8 (bf16-sized) perturbations of the float32 weights
+#   alone move it by 3..28% (the large matrices by 1%), and CPU bf16 runs of 20 models perturbed by
+#   1e-3 put its relative error at 0.003..0.63 unpatched and 0.02..0.79 under hasten (the H200 run:
+#   0.054 and 0.249, which failed; the plain relative check fails 2 of the 20 CPU runs). Such a
+#   parameter's error is measured against its own gradient's norm, but never against less than
+#   FLOOR of the whole gradient's (the global check's floor): a fixed scale, not a draw.
+# - a float32 reference gradient of zero (at most ZERO of the whole): PhiMoE's router at
+#   router_jitter_noise 0, where sparsemixer masks every logit but the top one, so that
+#   PhimoeMultiplier's backward returns g - 1 * g = 0. A relative error has no meaning there. In bf16,
+#   two router logits that round to the same value (a few tokens of this batch) both stay in the mask
+#   and give the router a gradient, unpatched and under hasten alike: 0..2.6e-3 of the whole
+#   gradient's norm in the 20 CPU runs (the H200 run: about 1.8e-4 unpatched, 2.6e-3 under
+#   hasten). It is judged in absolute terms: NOISE_FACTOR times its noise plus FLOOR of the whole
+#   gradient's norm.
+# A dropped feature still fails: with xIELU's alpha_n or alpha_p replaced by its initial value, other
+# parameters' gradients exceed this check against each of those 20 CPU runs' noise; and the CPU test
+# checks every parameter's gradient in float32 to 1e-4 of its own norm.
+FEW, ZERO = 16, 1e-6
 
 
 def _global(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     diff = torch.cat([(got[n].double() - want[n].double()).flatten() for n in want]).norm()
     return float(diff / torch.cat([want[n].double().flatten() for n in want]).norm())
+
+
+def _allowed(want: torch.Tensor, noise: torch.Tensor, whole: float) -> float:
+    """The largest error (norm of the difference) hasten's gradient of one parameter may have, given
+    the float32 reference `want`, the unpatched bf16 model's `noise` and the whole reference
+    gradient's norm `whole` (see FEW and ZERO)."""
+    own = float(want.double().norm())
+    measured = float((noise.double() - want.double()).norm())
+    if own <= ZERO * whole:
+        return NOISE_FACTOR * measured + FLOOR * whole
+    return NOISE_FACTOR * measured + 10 * FLOOR * (max(own, FLOOR * whole) if want.numel() < FEW else own)
 
 
 def _report(row: dict) -> None:
@@ -37,8 +73,15 @@ def _report(row: dict) -> None:
 
 @pytest.mark.parametrize("name", sorted(zoo.ENTRIES))
 def test_packed_bf16_within_noise_of_each_sample_alone_or_refused(name):
+    check_packed_parity(name, LENGTHS)
+
+
+def check_packed_parity(name: str, lengths) -> dict:
+    """The zoo type `name` on one packed row of samples of `lengths` tokens: hasten's bf16 loss and
+    every gradient within the unpatched bf16 model's noise of the float32 per-sample reference (or
+    the batch refused, as the zoo says). Returns the report row."""
     entry = zoo.ENTRIES[name]
-    batch_samples = zoo.samples(lengths=LENGTHS)
+    batch_samples = zoo.samples(lengths=lengths)
     reference = zoo.build(entry).to("cuda")
     plain_bf16 = zoo.clone(reference).to(torch.bfloat16)
     patched = zoo.clone(reference).to(torch.bfloat16)
@@ -48,20 +91,26 @@ def test_packed_bf16_within_noise_of_each_sample_alone_or_refused(name):
     if entry.attention == "refused":
         with pytest.raises(PackedBatchRefused, match="packed_sequence: false"):
             zoo.packed_run(patched, batch_samples, device="cuda")
-        _report({"model_type": name, "outcome": "refused"})
-        return
+        row = {"model_type": name, "outcome": "refused"}
+        _report(row)
+        return row
     handle, loss, got = zoo.packed_run(patched, batch_samples, device="cuda")
     noise_errors, errors = zoo.relative_errors(noise, want), zoo.relative_errors(got, want)
-    row = {"model_type": name, "outcome": entry.attention,
+    whole = float(torch.cat([w.double().flatten() for w in want.values()]).norm())
+    allowed = {n: _allowed(want[n], noise[n], whole) for n in want}
+    absolute = {n: float((got[n].double() - want[n].double()).norm()) for n in want}
+    row = {"model_type": name, "outcome": entry.attention, "lengths": list(lengths),
            "loss_error": abs(float(loss) - float(want_loss)), "loss_noise": abs(float(noise_loss) - float(want_loss)),
            "grad_error": _global(got, want), "grad_noise": _global(noise, want),
-           "worst_param": max(errors, key=lambda n: errors[n] - NOISE_FACTOR * noise_errors[n]),
+           "worst_param": max(want, key=lambda n: absolute[n] / max(allowed[n], 1e-30)),
            "fallbacks": fallback_counts(), "active": handle.active}
     row["worst_error"], row["worst_noise"] = errors[row["worst_param"]], noise_errors[row["worst_param"]]
+    row["worst_of_allowed"] = absolute[row["worst_param"]] / max(allowed[row["worst_param"]], 1e-30)
     _report(row)
     if entry.attention == "hasten":
         assert "attention_per_sequence" not in fallback_counts(), row
     assert row["loss_error"] <= NOISE_FACTOR * row["loss_noise"] + FLOOR, row
     assert row["grad_error"] <= NOISE_FACTOR * row["grad_noise"] + FLOOR, row
     for param in want:  # a dropped feature can hide in one parameter (sinks get zero gradient)
-        assert errors[param] <= NOISE_FACTOR * noise_errors[param] + 10 * FLOOR, (param, errors[param], row)
+        assert absolute[param] <= allowed[param], (param, errors[param], noise_errors[param], row)
+    return row
