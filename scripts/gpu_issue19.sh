@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 19 (packed training of hybrid linear-attention models) on the GPU machine (one H200), in one
+# call of at most BUDGET (570) seconds, most important first. Carry .whl/ (fla-core and
+# flash-linear-attention 0.6.0, transformers 5.24 for the hybrid types, nvidia-cudnn-frontend):
+#   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
+#   probe   scripts/fla_probe.py: fla's varlen kernels against transformers' torch functions  cap 90 s
+#   gpu     $GPU_TESTS (default: the zoo's GPU parity and the linear-attention GPU tests)    cap $GPU_CAP (240)
+#   w3      benchmarks/moe_block.py for each block in $W3_BLOCKS (none by default)           cap 120 s each
+#   w6      benchmarks/hybrid_sft.py (W6): hasten packed against transformers' padded micro-batches
+# Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue19.tgz at the end.
+#   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build probe gpu w6" bash scripts/gpu_issue19.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUDGET=${BUDGET:-570}
+PARTS=" ${PARTS:-build probe gpu w6} "
+RUN_NAME=issue19
+source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
+
+if [[ $PARTS == *" probe "* ]]; then
+  part probe 90 python3 scripts/fla_probe.py
+  grep -E "^fla|vs fp32|noise|mixed|sync|ms$|Error" "$LOGS/probe.log" 2>/dev/null | tail -12 | tee -a "$SUMMARY"
+fi
+if (( built )); then
+  if [[ $PARTS == *" gpu "* ]]; then
+    HASTEN_PARITY_REPORT="$LOGS/parity.jsonl" part gpu "${GPU_CAP:-240}" python3 -m pytest \
+      ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_linear_attention_cuda.py} -q -rs --durations=15
+    grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" w3 "* ]]; then
+    for block in ${W3_BLOCKS:-}; do
+      baseline=hf_moe_grouped_mm; [[ $block == llama4_scout ]] && baseline=hf_moe_eager
+      part "w3_$block" 120 python3 benchmarks/moe_block.py --block "$block" --out "$LOGS" --no-grouping \
+        --variants "${W3_VARIANTS:-$baseline,hasten_fused}"
+      grep -E "ms |FAILED|Error" "$LOGS/w3_$block.log" 2>/dev/null | tail -6 | tee -a "$SUMMARY"
+    done
+  fi
+  if [[ $PARTS == *" w6 "* ]]; then
+    part w6 "${W6_CAP:-200}" python3 benchmarks/hybrid_sft.py --out "$LOGS" ${W6_ARGS:-}
+    grep -E "tok/s|x |FAILED|Error" "$LOGS/w6.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
+  fi
+fi
+
+echo "total $(( SECONDS - START )) s" | tee -a "$SUMMARY"
+tar czf "$OUT/issue19.tgz" -C "$OUT" logs && rm -rf "$LOGS" && echo "packed: $OUT/issue19.tgz" \
+  || echo "tar failed: the logs stay in $LOGS"

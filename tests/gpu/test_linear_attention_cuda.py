@@ -1,0 +1,110 @@
+"""hasten.stateful on the GPU (issue 19): flash-linear-attention's varlen kernels behind the packed
+forms of the short convolution and the gated delta rule, and whole hybrid models on packed rows.
+
+1. The kernels: a packed row (samples of 1, 2, 63 and 500+ tokens) through hasten's replacement in
+   bf16 against transformers' torch function run one sample at a time in float32, output and every
+   input gradient, within a small multiple of the same torch function's own bf16 noise.
+2. The models: every hybrid type of the zoo, a packed row of samples of 1, 2, 63 and 500+ tokens
+   through the hasten-accelerated bf16 model (cuDNN attention, fused kernels, fla's varlen
+   kernels) against the unpatched float32 model run one sample at a time: loss and every gradient
+   within bf16 noise (tests/gpu/test_model_parity_cuda.py's yardstick), with fla's kernels used
+   (no per-sample fallback)."""
+
+import importlib
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hasten.observability import fallback_counts
+from hasten.packing.meta import LINEAR_META
+from hasten.stateful import LinearMeta, fla_problem
+from hasten.stateful.varlen import varlen_causal_conv1d, varlen_chunk_gated_delta_rule
+from tests.gpu.test_model_parity_cuda import check_packed_parity
+
+ISOLATION_LENGTHS = (1, 2, 63, 517, 7, 300)
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2")
+NOISE_FACTOR = 3.0
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and fla_problem(0) is not None,
+                                reason=f"flash-linear-attention cannot run here: {fla_problem(0) if torch.cuda.is_available() else ''}")
+
+
+def _torch_functions():
+    """transformers' own torch functions (the modeling module keeps them when fla is missing;
+    where fla is installed the module holds fla's, so the references come from the source)."""
+    modeling = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    return inspect.unwrap(modeling.causal_conv1d_fn), inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _meta(lengths) -> LinearMeta:
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return LinearMeta.build(cu, int(sum(lengths)))
+
+
+def _per_sample(function, meta, tensors, **kwargs):
+    pieces = [function(*(t[:, s:e] for t in tensors), **kwargs) for s, e in meta.bounds()]
+    return torch.cat([p[0] if isinstance(p, tuple) else p for p in pieces], dim=1)
+
+
+def test_gated_delta_rule_kernel_against_each_sample_alone():
+    _, torch_rule = _torch_functions()
+    packed = varlen_chunk_gated_delta_rule(torch_rule)
+    meta = _meta(ISOLATION_LENGTHS)
+    tokens = sum(ISOLATION_LENGTHS)
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(1, tokens, 2, 32, generator=gen), torch.randn(1, tokens, 2, 32, generator=gen),
+            torch.randn(1, tokens, 4, 32, generator=gen), -F.softplus(torch.randn(1, tokens, 4, generator=gen)) * 0.3,
+            torch.rand(1, tokens, 4, generator=gen)]
+    grad_out = torch.randn(1, tokens, 4, 32, generator=gen).cuda()
+
+    def run(dtype, hasten_path):
+        inputs = [t.to("cuda", dtype).requires_grad_() for t in base]
+        if hasten_path:
+            out, _ = packed(*inputs[:3], g=inputs[3], beta=inputs[4], use_qk_l2norm_in_kernel=True,
+                            **{LINEAR_META: meta})
+        else:
+            out = _per_sample(lambda q, k, v, g, b: torch_rule(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True),
+                              meta, inputs)
+        return [out, *torch.autograd.grad(out, inputs, grad_out.to(out.dtype))]
+
+    want, noise, got = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for name, g, n, w in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), got, noise, want):
+        assert _rel(g, w) <= NOISE_FACTOR * _rel(n, w) + 2e-3, (name, _rel(g, w), _rel(n, w))
+    assert "stateful_per_sample" not in fallback_counts()
+
+
+def test_short_convolution_kernel_against_each_sample_alone():
+    torch_conv, _ = _torch_functions()
+    packed = varlen_causal_conv1d(torch_conv)
+    meta = _meta(ISOLATION_LENGTHS)
+    gen = torch.Generator().manual_seed(1)
+    x0, w0 = torch.randn(1, 96, sum(ISOLATION_LENGTHS), generator=gen), torch.randn(96, 4, generator=gen) * 0.5
+    grad_out = torch.randn(x0.shape, generator=gen).cuda()
+
+    def run(dtype, hasten_path, activation):
+        x, w = x0.to("cuda", dtype).requires_grad_(), w0.to("cuda", dtype).requires_grad_()
+        if hasten_path:
+            y = packed(x, w, None, activation=activation, **{LINEAR_META: meta})
+        else:
+            y = torch.cat([torch_conv(x[..., s:e], w, None, activation=activation) for s, e in meta.bounds()], -1)
+        return [y, *torch.autograd.grad(y, (x, w), grad_out.to(y.dtype))]
+
+    for activation in ("silu", None):  # Gated DeltaNet's convolution, LFM2's
+        want, noise = run(torch.float32, False, activation), run(torch.bfloat16, False, activation)
+        got = run(torch.bfloat16, True, activation)
+        for name, g, n, w in zip(("y", "dx", "dw"), got, noise, want):
+            assert _rel(g, w) <= NOISE_FACTOR * _rel(n, w) + 2e-3, (activation, name, _rel(g, w), _rel(n, w))
+    assert "stateful_per_sample" not in fallback_counts()
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_model_packed_equals_each_sample_alone(name):
+    row = check_packed_parity(name, ISOLATION_LENGTHS)
+    assert any(item.startswith("varlen stateful layers") for item in row["active"]), row
+    assert "stateful_per_sample" not in row["fallbacks"], row
