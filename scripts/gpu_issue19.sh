@@ -4,7 +4,8 @@
 # flash-linear-attention 0.6.0, transformers 5.24 for the hybrid types, nvidia-cudnn-frontend):
 #   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
 #   probe   scripts/fla_probe.py: fla's varlen kernels against transformers' torch functions  cap 90 s
-#   gpu     $GPU_TESTS (default: the zoo's GPU parity and the linear-attention GPU tests)    cap $GPU_CAP (240)
+#   gpu     $GPU_TESTS (default: the zoo's GPU parity and the linear-attention GPU tests), -k $GPU_K
+#                                                                                          cap $GPU_CAP (240)
 #   w3      benchmarks/moe_block.py for each block in $W3_BLOCKS (none by default)           cap 120 s each
 #   w6      benchmarks/hybrid_sft.py (W6): hasten packed against transformers' padded micro-batches
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue19.tgz at the end.
@@ -17,13 +18,14 @@ RUN_NAME=issue19
 source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
 
 if [[ $PARTS == *" probe "* ]]; then
-  part probe 90 python3 scripts/fla_probe.py
+  part probe "${PROBE_CAP:-90}" python3 scripts/fla_probe.py
   grep -E "^fla|vs fp32|noise|mixed|sync|ms$|Error" "$LOGS/probe.log" 2>/dev/null | tail -12 | tee -a "$SUMMARY"
 fi
 if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
     HASTEN_PARITY_REPORT="$LOGS/parity.jsonl" part gpu "${GPU_CAP:-240}" python3 -m pytest \
-      ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_linear_attention_cuda.py} -q -rs --durations=15
+      ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_linear_attention_cuda.py} ${GPU_K:+-k "$GPU_K"} \
+      -q -rs --durations=15
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w3 "* ]]; then
