@@ -145,9 +145,11 @@ def print_training_row(row: dict, reference: str, width: int = 18) -> None:
     if row["step_s"] is None:
         print(f"{name:>{width}}: FAILED {row['error']}", flush=True)
         return
+    diff = row.get(f"first_loss_diff_vs_{reference}")
+    against = f"vs {reference} {diff:.1e}" if diff is not None else (
+        "the reference" if name == reference else f"{reference} not run: unchecked")
     print(f"{name:>{width}}: {row['tokens_per_s']:>8,.0f} tok/s  {row['step_s']:.3f} s  {row['peak_gib']:6.1f} GiB  "
-          f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}"
-          f"  (vs {reference} {row.get(f'first_loss_diff_vs_{reference}', 0.0):.1e})", flush=True)
+          f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}  ({against})", flush=True)
 
 
 def print_ratio(mine: dict, theirs: dict) -> None:

@@ -63,8 +63,9 @@ def test_packed_delta_rule_starts_each_sample_from_a_zero_state():
     packed = varlen_chunk_gated_delta_rule(original)
     gen = torch.Generator().manual_seed(1)
     tokens = sum(LENGTHS)
-    q, k = (torch.randn(1, tokens, 2, 8, generator=gen) for _ in range(2))
-    v = torch.randn(1, tokens, 4, 8, generator=gen)  # grouped value heads: 4 for 2 q/k heads
+    # as many q/k heads as value heads (transformers 5.17's torch function has no grouped value heads)
+    q, k = (torch.randn(1, tokens, 4, 8, generator=gen) for _ in range(2))
+    v = torch.randn(1, tokens, 4, 8, generator=gen)
     g = -torch.nn.functional.softplus(torch.randn(1, tokens, 4, generator=gen))
     beta = torch.rand(1, tokens, 4, generator=gen)
     meta = _meta()
