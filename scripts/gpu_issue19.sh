@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Issue 19 (packed training of hybrid linear-attention models) on the GPU machine (one H200), in one
-# call of at most BUDGET (570) seconds, most important first. Carry .whl/ (fla-core and
-# flash-linear-attention 0.6.0, transformers 5.24 for the hybrid types, nvidia-cudnn-frontend):
+# call of at most BUDGET (570) seconds, most important first. Carry .whl/: fla_tilelang.tar.xz
+# (scripts/fla_bundle.sh: flash-linear-attention 0.6.0 with TileLang, which fla needs on Hopper with
+# torch 2.11's Triton 3.6) and nvidia-cudnn-frontend's wheel (the cuDNN attention op); the image's
+# transformers 5.17 has every hybrid type of the table. A cold machine spends minutes compiling and
+# autotuning fla's Triton kernels for each new head shape (the tiny zoo models' included): give the
+# gpu part 400 s or more.
 #   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
 #   probe   scripts/fla_probe.py: fla's varlen kernels against transformers' torch functions  cap 90 s
 #   gpu     $GPU_TESTS (default: the zoo's GPU parity and the linear-attention GPU tests), -k $GPU_K
