@@ -248,3 +248,15 @@ def test_unknown_model_is_a_blocker_with_the_fix(capsys: pytest.CaptureFixture[s
     assert row["status"] == "blocker" and row["fix"] == doctor.MODEL_FIX
     exit_code, report = run_json(capsys, "--model", str(tmp_path))  # a folder without config.json
     assert exit_code == 1 and rows(report, "model")[0]["status"] == "blocker"
+
+
+def test_linear_attention_row_names_the_install_where_fla_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19: on a GPU machine without a usable flash-linear-attention, packed hybrid models are
+    refused; doctor says so with the fix (the problem hasten.stateful itself reports)."""
+    import hasten.stateful
+
+    problem = "flash-linear-attention is not importable (ModuleNotFoundError: fla); pip install flash-linear-attention"
+    monkeypatch.setattr(hasten.stateful, "fla_problem", lambda index=None: problem)
+    finding = doctor.linear_attention_finding(gpu_count=1)
+    assert finding.status == "warn" and "refused" in finding.detail and finding.fix == problem
+    assert doctor.linear_attention_finding(gpu_count=0).status == "info"

@@ -126,3 +126,22 @@ def test_padded_batches_and_undo_leave_the_model_its_own():
     assert modeling.causal_conv1d_fn is not own[0]  # the other model still uses the replacement
     second.undo()
     assert (modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule) == own
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_several_packed_rows_each_sample_alone(name):
+    """hasten.PackingCollator packs into several rows when the samples need them (the shorter rows
+    end in a padding segment, a sequence of its own): the rows are one varlen sequence list."""
+    entry = zoo.ENTRIES[name]
+    batch_samples = zoo.samples()
+    reference = zoo.build(entry)
+    patched = zoo.clone(reference)
+    want_loss, want = zoo.per_sample_reference(reference, batch_samples)
+    hasten.accelerate(patched)
+    batch = hasten.PackingCollator(max_tokens=40)(batch_samples)
+    assert batch["input_ids"].shape[0] > 1
+    loss = patched(**batch).loss
+    loss.backward()
+    assert abs(float(loss) - float(want_loss)) <= 1e-5
+    errors = zoo.relative_errors(zoo.gradients(patched), want)
+    assert max(errors.values()) <= 1e-4, max(errors.items(), key=lambda kv: kv[1])

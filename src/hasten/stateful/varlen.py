@@ -111,37 +111,41 @@ def _meta_of(kwargs: dict) -> LinearMeta | None:
 
 def varlen_causal_conv1d(original):
     """`causal_conv1d_fn` of a modeling file, computed per packed sample when the call carries a
-    LinearMeta. x: (batch=1, channels, tokens); weight: (channels, width); out like x."""
+    LinearMeta. x: (rows, channels, L), the packed rows; weight: (channels, width); out like x."""
 
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         meta = _meta_of(kwargs)
         if meta is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        if hidden_states.shape[0] != 1:
-            raise ValueError(f"hasten: a packed batch is one row; this convolution got {hidden_states.shape[0]}")
         meta.calls += 1
+        rows, channels, length = hidden_states.shape
+        # the packed rows as one sequence of rows * L tokens, which the batch's cu_seqlens describe
+        # (a row's padding tail is a sequence of its own): (rows, D, L) -> (1, D, rows * L)
+        flat = hidden_states.transpose(0, 1).reshape(1, channels, rows * length) if rows > 1 else hidden_states
         fla_activation = _fla_activation(activation)
         if hidden_states.is_cuda and fla_activation is not False and fla_problem(hidden_states.device.index) is None:
             from fla.modules.causal_conv1d import causal_conv1d
 
-            out, _ = causal_conv1d(hidden_states.transpose(1, 2).to(weight.dtype), weight, bias,
+            out, _ = causal_conv1d(flat.transpose(1, 2).to(weight.dtype), weight, bias,
                                    activation=fla_activation, cu_seqlens=meta.cu_seqlens,
                                    cu_seqlens_cpu=meta.cu_seqlens_cpu)
-            return out.transpose(1, 2).to(hidden_states.dtype)
-        _per_sample_on_cuda(hidden_states, "causal_conv1d_fn")
-        # each sample alone, as a plain call (the packed batch's keyword arguments stay out of it)
-        return torch.cat([original(hidden_states[..., start:end], weight, bias, activation=activation)
-                          for start, end in meta.bounds()], dim=-1)
+            out = out.transpose(1, 2).to(hidden_states.dtype)
+        else:
+            _per_sample_on_cuda(hidden_states, "causal_conv1d_fn")
+            # each sample alone, as a plain call (the packed batch's keyword arguments stay out of it)
+            out = torch.cat([original(flat[..., start:end], weight, bias, activation=activation)
+                             for start, end in meta.bounds()], dim=-1)
+        return out.reshape(channels, rows, length).transpose(0, 1) if rows > 1 else out
 
     causal_conv1d_fn.__hasten_original__ = original
     return causal_conv1d_fn
 
 
 def varlen_chunk_gated_delta_rule(original):
-    """`torch_chunk_gated_delta_rule` of a modeling file (q, k: (1, T, H, K); v: (1, T, HV, V);
-    g, beta: (1, T, HV)), computed per packed sample, each from a zero state, when the call
-    carries a LinearMeta. Returns (out (1, T, HV, V), None): a packed batch keeps no final state."""
+    """`torch_chunk_gated_delta_rule` of a modeling file (q, k: (rows, L, H, K); v: (rows, L, HV, V);
+    g, beta: (rows, L, HV)), computed per packed sample, each from a zero state, when the call
+    carries a LinearMeta. Returns (out (rows, L, HV, V), None): a packed batch keeps no final state."""
 
     @functools.wraps(original)
     def chunk_gated_delta_rule(query, key, value, g, beta, *args, initial_state=None, output_final_state=False,
@@ -154,19 +158,21 @@ def varlen_chunk_gated_delta_rule(original):
         if args or initial_state is not None or output_final_state:
             raise ValueError("hasten: a packed batch reached the gated delta rule with a recurrent state or a chunk "
                              "size argument; packed training starts every sample from a zero state and keeps none")
-        if query.shape[0] != 1:
-            raise ValueError(f"hasten: a packed batch is one row; this delta rule got {query.shape[0]}")
         meta.calls += 1
+        rows, length = query.shape[:2]
+        # the packed rows as one sequence of rows * L tokens: (rows, L, ...) -> (1, rows * L, ...)
+        q, k, v, g, beta = (t.reshape(1, rows * length, *t.shape[2:]) for t in (query, key, value, g, beta))
         if query.is_cuda and fla_problem(query.device.index) is None:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-            out, _ = fla_chunk(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            out, _ = fla_chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                cu_seqlens=meta.cu_seqlens, cu_seqlens_cpu=meta.cu_seqlens_cpu)
-            return out, None
-        _per_sample_on_cuda(query, "torch_chunk_gated_delta_rule")
-        outs = [original(query[:, s:e], key[:, s:e], value[:, s:e], g[:, s:e], beta[:, s:e],
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for s, e in meta.bounds()]
-        return torch.cat(outs, dim=1), None
+        else:
+            _per_sample_on_cuda(query, "torch_chunk_gated_delta_rule")
+            out = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for s, e in meta.bounds()],
+                            dim=1)
+        return out.reshape(rows, length, *out.shape[2:]), None
 
     chunk_gated_delta_rule.__hasten_original__ = original
     return chunk_gated_delta_rule
