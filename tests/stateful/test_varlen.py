@@ -145,3 +145,33 @@ def test_several_packed_rows_each_sample_alone(name):
     assert abs(float(loss) - float(want_loss)) <= 1e-5
     errors = zoo.relative_errors(zoo.gradients(patched), want)
     assert max(errors.values()) <= 1e-4, max(errors.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_published_wrapper_packs_text_and_refuses_images(name):
+    """Qwen3.5's checkpoints are image-text wrappers (Qwen3_5ForConditionalGeneration): its text
+    model packs like the text entry; a packed batch with images is refused (they attend both ways)."""
+    import transformers
+    from transformers import AutoConfig
+
+    entry = zoo.ENTRIES[name]
+    values = {**entry.config, "text_config": {**zoo.BASE, **entry.config["text_config"]}, "tie_word_embeddings": False}
+    config = AutoConfig.for_model(name, **values)
+    wrapper = getattr(transformers, type(config).__name__.replace("Config", "ForConditionalGeneration"))
+    torch.manual_seed(0)
+    reference = wrapper._from_config(config, dtype=torch.float32).train()
+    with torch.no_grad():
+        for param in reference.parameters():
+            if param.dim() == 1:  # off their initial 0 or 1, as the zoo does
+                param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    patched = zoo.clone(reference)
+    batch_samples = zoo.samples()
+    want_loss, want = zoo.per_sample_reference(reference, batch_samples)
+    handle, loss, got = zoo.packed_run(patched, batch_samples)
+    assert any(item.startswith("varlen stateful layers") for item in handle.active), handle.report()
+    assert abs(float(loss) - float(want_loss)) <= 1e-5
+    errors = zoo.relative_errors(got, want)
+    assert max(errors.values()) <= 1e-4, max(errors.items(), key=lambda kv: kv[1])
+    batch = zoo.packed_batch(batch_samples)
+    with pytest.raises(PackedBatchRefused, match="pixel_values"):
+        patched(**batch, pixel_values=torch.zeros(4, 3 * 2 * 16 * 16))

@@ -744,8 +744,12 @@ def _stateful_refusal(model: PreTrainedModel, stateful: list[str]) -> str | None
     carry = f"its {', '.join(stateful)} carry state along the sequence, from one packed sample into the next"
     if spec is None or spec.stateful is None:
         return f"{carry}, and hasten's table has no varlen form of them for this model type"
-    if attention_features_not_implemented(model):
-        return f"{carry}, and its attention has features hasten's varlen attention does not compute"
+    missing = attention_features_not_implemented(model)
+    if spec.vision:  # the entry says what its vision side does: text-only packing, image batches refused
+        missing.pop("multimodal", None)
+    if missing:
+        return (f"{carry}, and its attention has features hasten's varlen attention does not compute "
+                f"({'; '.join(missing.values())})")
     types = getattr(text_config(model), "layer_types", None)
     count = sum(t in STATEFUL_LAYER_TYPES for t in types) if types else None
     problem = stateful_patch.unsupported(model, spec.stateful, count)
