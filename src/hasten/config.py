@@ -76,7 +76,8 @@ class MoEConfig:
 
 @dataclass
 class TrainingConfig:
-    # Pack short samples into rows with per-sample boundaries (varlen attention).
+    # Pack short samples into rows with per-sample boundaries (varlen attention; hybrid models' linear-attention and
+    # short-convolution layers restart at each sample, with flash-linear-attention on a GPU).
     packed_sequence: bool = True
     # Build packing metadata once per batch and share it across layers; false
     # re-derives it inside every attention layer (slower; for comparison).
