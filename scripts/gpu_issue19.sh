@@ -10,7 +10,6 @@
 #   probe   scripts/fla_probe.py: fla's varlen kernels against transformers' torch functions  cap 90 s
 #   gpu     $GPU_TESTS (default: the zoo's GPU parity and the linear-attention GPU tests), -k $GPU_K
 #                                                                                          cap $GPU_CAP (240)
-#   w3      benchmarks/moe_block.py for each block in $W3_BLOCKS (none by default)           cap 120 s each
 #   w6      benchmarks/hybrid_sft.py (W6): hasten packed against transformers' padded micro-batches
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue19.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build probe gpu w6" bash scripts/gpu_issue19.sh
@@ -31,14 +30,6 @@ if (( built )); then
       ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_linear_attention_cuda.py} ${GPU_K:+-k "$GPU_K"} \
       -q -rs --durations=15
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
-  fi
-  if [[ $PARTS == *" w3 "* ]]; then
-    for block in ${W3_BLOCKS:-}; do
-      baseline=hf_moe_grouped_mm; [[ $block == llama4_scout ]] && baseline=hf_moe_eager
-      part "w3_$block" 120 python3 benchmarks/moe_block.py --block "$block" --out "$LOGS" --no-grouping \
-        --variants "${W3_VARIANTS:-$baseline,hasten_fused}"
-      grep -E "ms |FAILED|Error" "$LOGS/w3_$block.log" 2>/dev/null | tail -6 | tee -a "$SUMMARY"
-    done
   fi
   if [[ $PARTS == *" w6 "* ]]; then
     part w6 "${W6_CAP:-200}" python3 benchmarks/hybrid_sft.py --out "$LOGS" ${W6_ARGS:-}

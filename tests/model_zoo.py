@@ -343,9 +343,10 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
 ]}
 
 
-def build(entry: Entry, **override) -> torch.nn.Module:
+def build(entry: Entry, auto_class=None, **override) -> torch.nn.Module:
     """The entry's tiny model in float32, seeded; 1-D parameters (norm weights, biases, sinks) are
-    moved off their initial 0 or 1 so that an offset or a missing bias shows."""
+    moved off their initial 0 or 1 so that an offset or a missing bias shows. auto_class: the
+    transformers auto class to build it with (default: what `hasten train` loads it with)."""
     from transformers import __version__
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -360,7 +361,7 @@ def build(entry: Entry, **override) -> torch.nn.Module:
     config = AutoConfig.for_model(entry.model_type, **values)
     torch.manual_seed(0)
     extra = {"attn_implementation": entry.attn_implementation} if entry.attn_implementation else {}
-    model = auto_model_class(config).from_config(config, dtype=torch.float32, **extra)  # VL wrappers too
+    model = (auto_class or auto_model_class(config)).from_config(config, dtype=torch.float32, **extra)  # VL wrappers too
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():

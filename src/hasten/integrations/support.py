@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
-from hasten.integrations.contract import (attention_features_not_implemented, logit_transforms, stateful_layers,
-                                         text_config, uses_attention_interface)
+from hasten.integrations.contract import (STATEFUL_LAYER_TYPES, attention_features_not_implemented, logit_transforms,
+                                         stateful_layers, text_config, uses_attention_interface)
 
 
 @dataclass(frozen=True)
@@ -80,25 +80,60 @@ def describe(model: nn.Module) -> list[Piece]:
     return pieces
 
 
-def _attention(model: nn.Module, declared: tuple[str, ...]) -> Piece:
-    stateful = stateful_layers(model)
-    spec = spec_for(model.config)
-    if stateful and (spec is None or spec.stateful is None):
-        return Piece("attention", "warn", f"packed batches refused ({', '.join(stateful)} carry state along the "
-                     "sequence); padded batches train as transformers wrote the model")
-    if stateful:
-        from hasten.stateful.varlen import FLA_INSTALL
-
-        return Piece("attention", "ok", f"hasten varlen attention and varlen stateful layers ({', '.join(stateful)}: "
-                     "each packed sample from a zero state; on CUDA with flash-linear-attention, else packed batches "
-                     f"are refused there: {FLA_INSTALL})")
-    if not uses_attention_interface(model, spec_for(model.config)):
-        return Piece("attention", "warn", "packed batches refused: the model does not use transformers' attention "
-                     "interface")
+def attention_features_missing(model: nn.Module) -> dict[str, str]:
+    """attention_features_not_implemented, less what the model's table entry declares hasten does:
+    a multimodal entry (`vision`) packs text only and refuses image batches itself."""
     missing = attention_features_not_implemented(model)
     spec = spec_for(model.config)
     if spec is not None and spec.vision:
         missing.pop("multimodal", None)
+    return missing
+
+
+def stateful_refusal(model: nn.Module, stateful: list[str], devices: bool = True) -> str | None:
+    """Why hasten cannot keep packed samples apart in the model's stateful layers (`stateful`, from
+    contract.stateful_layers); None: it can, through hasten.stateful's varlen functions. devices:
+    also check that fla's kernels run on the CUDA devices the model's parameters are on."""
+    from hasten.stateful import patch as stateful_patch
+    from hasten.stateful.varlen import fla_problem
+
+    spec = spec_for(model.config)
+    carry = f"its {', '.join(stateful)} carry state along the sequence, from one packed sample into the next"
+    if spec is None or spec.stateful is None:
+        return f"{carry}, and hasten's table has no varlen form of them for this model type"
+    missing = attention_features_missing(model)
+    if missing:
+        return (f"{carry}, and its attention has features hasten's varlen attention does not compute "
+                f"({'; '.join(missing.values())})")
+    types = getattr(text_config(model), "layer_types", None)
+    count = sum(t in STATEFUL_LAYER_TYPES for t in types) if types else None
+    problem = stateful_patch.unsupported(model, spec.stateful, count)
+    if problem is not None:
+        return f"{carry}: {problem}"
+    for device in ({p.device for p in model.parameters() if p.is_cuda} if devices else ()):
+        problem = fla_problem(device.index)
+        if problem is not None:
+            return f"{carry}, and their varlen kernels cannot run on {device}: {problem}"
+    return None
+
+
+def _attention(model: nn.Module, declared: tuple[str, ...]) -> Piece:
+    stateful = stateful_layers(model)
+    spec = spec_for(model.config)
+    if stateful:
+        from hasten.stateful.varlen import FLA_INSTALL
+
+        refusal = stateful_refusal(model, stateful, devices=False)  # the model is not on its GPU here
+        if refusal is not None:
+            return Piece("attention", "warn", f"packed batches refused ({refusal}); padded batches train as "
+                         "transformers wrote the model")
+        return Piece("attention", "ok", f"hasten varlen attention and varlen stateful layers ({', '.join(stateful)}: "
+                     "each packed sample from a zero state; on CUDA with flash-linear-attention, else packed batches "
+                     f"are refused there: {FLA_INSTALL})")
+    if not uses_attention_interface(model, spec):
+        return Piece("attention", "warn", "packed batches refused: the model does not use transformers' attention "
+                     "interface")
+    missing = attention_features_missing(model)
     if missing:
         return Piece("attention", "info", "the model's own attention, packed rows kept apart by hasten's mask ("
                      + "; ".join(missing.values()) + ")")

@@ -33,16 +33,16 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
-from hasten.integrations.contract import (STATEFUL_LAYER_TYPES, attention_features_not_implemented, attention_chunk_size,
-                                         check_attention_kwargs, logit_transforms, packed_row_limits, stateful_layers,
-                                         text_config, uses_attention_interface)
+from hasten.integrations.contract import (attention_chunk_size, check_attention_kwargs, logit_transforms,
+                                         packed_row_limits, stateful_layers, text_config, uses_attention_interface)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
+from hasten.integrations.support import attention_features_missing, stateful_refusal
 from hasten.config import Config
 from hasten.observability import record_fallback
 from hasten.packing.collator import PackingError
 from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, LINEAR_META, MAX_K, MAX_Q, PackedMeta, chunk_boundaries, verify_against_position_ids, verify_enabled
 from hasten.stateful import patch as stateful_patch
-from hasten.stateful.varlen import LinearMeta, fla_problem
+from hasten.stateful.varlen import LinearMeta
 
 # The features that run hasten's ops (dense kernels, loss, MoE, memory) are imported by the
 # accelerate() steps that apply them: importing this module loads no op library.
@@ -737,42 +737,17 @@ def _refuse_packing(model: PreTrainedModel, handle: AccelerationHandle, refusal:
     handle.inactive.append(f"varlen attention and packed batches ({refusal}; padded batches are correct)")
 
 
-def _stateful_refusal(model: PreTrainedModel, stateful: list[str]) -> str | None:
-    """Why hasten cannot keep packed samples apart in this model's stateful layers (None: it can,
-    through hasten.stateful's varlen functions)."""
-    spec = spec_for(model.config)
-    carry = f"its {', '.join(stateful)} carry state along the sequence, from one packed sample into the next"
-    if spec is None or spec.stateful is None:
-        return f"{carry}, and hasten's table has no varlen form of them for this model type"
-    missing = attention_features_not_implemented(model)
-    if spec.vision:  # the entry says what its vision side does: text-only packing, image batches refused
-        missing.pop("multimodal", None)
-    if missing:
-        return (f"{carry}, and its attention has features hasten's varlen attention does not compute "
-                f"({'; '.join(missing.values())})")
-    types = getattr(text_config(model), "layer_types", None)
-    count = sum(t in STATEFUL_LAYER_TYPES for t in types) if types else None
-    problem = stateful_patch.unsupported(model, spec.stateful, count)
-    if problem is not None:
-        return f"{carry}: {problem}"
-    for device in {p.device for p in model.parameters() if p.is_cuda}:
-        problem = fla_problem(device.index)
-        if problem is not None:
-            return f"{carry}, and their varlen kernels cannot run on {device}: {problem}"
-    return None
-
-
 def _patch_stateful(model: PreTrainedModel, handle: AccelerationHandle) -> int:
-    """Install the varlen stateful functions; returns the calls one forward makes to them."""
-    spec = spec_for(model.config).stateful
-    handle._undo_steps.append(stateful_patch.install(model, spec))
-    layers = stateful_patch.stateful_modules(model, spec)
+    """Install the varlen stateful functions; returns the calls one forward makes to them (every
+    stateful layer calls each of its functions once)."""
+    layers = stateful_patch.stateful_modules(model, spec_for(model.config).stateful)
+    handle._undo_steps.append(stateful_patch.install(model, layers))
     kinds = sorted({type(module).__name__ for module, _ in layers})
     on_cuda = any(p.is_cuda for p in model.parameters())
     handle.active.append(f"varlen stateful layers ({len(layers)} {', '.join(kinds)}: each packed sample from a zero "
                          "state; " + ("flash-linear-attention's varlen kernels)" if on_cuda else
                                       "the model's own functions once per sample off CUDA)"))
-    return stateful_patch.calls_per_forward(model, spec)
+    return sum(len(functions) for _, functions in layers)
 
 
 def _patch_attention(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
@@ -780,7 +755,7 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
     model_type = getattr(model.config, "model_type", "?")
     stateful = stateful_layers(model)
     if stateful:  # whatever the config says: a packed batch from the user's own script is refused too
-        refusal = _stateful_refusal(model, stateful)
+        refusal = stateful_refusal(model, stateful)
         if refusal is not None or not training.packed_sequence:
             _refuse_packing(model, handle, refusal or f"its {', '.join(stateful)} carry state along the sequence "
                             "and training.packed_sequence is false", "packing_refused_stateful_layers")
@@ -792,11 +767,9 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
         _refuse_packing(model, handle, f"model type '{model_type}' does not use transformers' attention interface, "
                         "so neither hasten nor transformers keeps packed samples apart", "unsupported_architecture")
         return
-    missing = attention_features_not_implemented(model)
+    missing = attention_features_missing(model)  # a multimodal entry packs text only (its `vision`)
     spec = spec_for(model.config)
     vision = spec.vision if spec is not None else ""
-    if vision:  # the entry says what its vision side does: text-only packing, image batches refused
-        missing.pop("multimodal", None)
     if missing:
         _patch_dense_packing(model, handle, missing)
         return

@@ -42,12 +42,6 @@ def stateful_modules(model: nn.Module, spec: StatefulSpec) -> list[tuple[nn.Modu
             if (functions := spec.functions_of(module)) is not None]
 
 
-def calls_per_forward(model: nn.Module, spec: StatefulSpec) -> int:
-    """How many replaced-function calls one forward of the model makes: every stateful layer calls
-    each of its functions once."""
-    return sum(len(functions) for _, functions in stateful_modules(model, spec))
-
-
 def unsupported(model: nn.Module, spec: StatefulSpec, layer_count: int | None) -> str | None:
     """Why hasten's varlen functions cannot take this model's stateful layers (None: they can).
     layer_count: how many layers the config marks as stateful (None: the config has no layer_types)."""
@@ -119,12 +113,11 @@ def release_dropped() -> None:
         _DROPPED.pop().release()
 
 
-def install(model: nn.Module, spec: StatefulSpec):
-    """Replace the functions the model's stateful layers call; returns the undo."""
+def install(model: nn.Module, layers: list[tuple[nn.Module, tuple[str, ...]]]):
+    """Replace the functions the model's stateful layers (`stateful_modules`) call; returns the undo."""
     release_dropped()
-    targets = sorted({(sys.modules[type(module).__module__], name)
-                      for module, functions in stateful_modules(model, spec) for name in functions},
-                     key=lambda pair: (pair[0].__name__, pair[1]))
+    targets = sorted({(sys.modules[type(module).__module__], name) for module, functions in layers
+                      for name in functions}, key=lambda pair: (pair[0].__name__, pair[1]))
     for modeling, name in targets:
         REPLACED.acquire(modeling, name)
     record = _Install(targets)

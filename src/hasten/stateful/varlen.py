@@ -49,10 +49,12 @@ class LinearMeta:
     def build(cls, cu_seqlens: torch.Tensor, tokens: int) -> "LinearMeta":
         """From the batch's cu_seqlens (int32, any device) and its token count. One read-back of
         cu_seqlens per batch (a few hundred bytes) when it lives on the GPU."""
-        host = cu_seqlens.detach().to("cpu", torch.int64)
+        device = cu_seqlens.detach().to(torch.int64)  # on its own device: no copy back up
+        host = device.cpu()
         if int(host[-1]) < tokens:  # a padded tail: one more sequence, so its rows are computed too
-            host = torch.cat((host, torch.tensor([tokens], dtype=torch.int64)))
-        return cls(host.to(cu_seqlens.device, non_blocking=True), host)
+            tail = torch.tensor([tokens], dtype=torch.int64)
+            host, device = torch.cat((host, tail)), torch.cat((device, tail.to(device.device)))
+        return cls(device, host)
 
     def bounds(self) -> list[tuple[int, int]]:
         edges = self.cu_seqlens_cpu.tolist()
@@ -86,11 +88,7 @@ def fla_problem(device_index: int | None = None) -> str | None:
     return None
 
 
-def _fla_activation(activation: str | None) -> str | None | bool:
-    """fla's name for the convolution's activation; False where fla has none."""
-    if activation in (None, "silu", "swish"):
-        return activation
-    return False
+FLA_ACTIVATIONS = (None, "silu", "swish")  # the convolution activations fla's kernel applies itself
 
 
 # --- the replacements ------------------------------------------------------------------------------
@@ -123,12 +121,11 @@ def varlen_causal_conv1d(original):
         # the packed rows as one sequence of rows * L tokens, which the batch's cu_seqlens describe
         # (a row's padding tail is a sequence of its own): (rows, D, L) -> (1, D, rows * L)
         flat = hidden_states.transpose(0, 1).reshape(1, channels, rows * length) if rows > 1 else hidden_states
-        fla_activation = _fla_activation(activation)
-        if hidden_states.is_cuda and fla_activation is not False and fla_problem(hidden_states.device.index) is None:
+        if hidden_states.is_cuda and activation in FLA_ACTIVATIONS and fla_problem(hidden_states.device.index) is None:
             from fla.modules.causal_conv1d import causal_conv1d
 
             out, _ = causal_conv1d(flat.transpose(1, 2).to(weight.dtype), weight, bias,
-                                   activation=fla_activation, cu_seqlens=meta.cu_seqlens,
+                                   activation=activation, cu_seqlens=meta.cu_seqlens,
                                    cu_seqlens_cpu=meta.cu_seqlens_cpu)
             out = out.transpose(1, 2).to(hidden_states.dtype)
         else:
