@@ -48,9 +48,11 @@ GLM4V_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, 
 PARTIAL_HALF = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
 # a quarter of each head rotates (Qwen3-Next and Qwen3.5 configs)
 PARTIAL_QUARTER = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
-# two Gated DeltaNet layers around a full-attention one, grouped value heads (4 v for 2 q/k)
+# two Gated DeltaNet layers around a full-attention one, grouped value heads (4 v for 2 q/k); heads of
+# 16, fla's smallest tile, the shapes tests/gpu/test_linear_attention_cuda.py's kernel tests use (a cold
+# GPU compiles and autotunes fla's kernels once per head shape)
 GATED_DELTANET = dict(layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4,
-                      linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+                      linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
 QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                       num_position_embeddings=16)
 GLM4V_MOE_TEXT = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,

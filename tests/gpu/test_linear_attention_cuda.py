@@ -60,10 +60,11 @@ def test_gated_delta_rule_kernel_against_each_sample_alone():
     gen = torch.Generator().manual_seed(0)
     # as many q/k heads as value heads: transformers 5.17's torch function takes no grouped value
     # heads (its models repeat q and k first); 5.24's does
-    base = [torch.randn(1, tokens, 4, 32, generator=gen), torch.randn(1, tokens, 4, 32, generator=gen),
-            torch.randn(1, tokens, 4, 32, generator=gen), -F.softplus(torch.randn(1, tokens, 4, generator=gen)) * 0.3,
+    # heads of 16 as in the zoo's Gated DeltaNet models (fla compiles once per head shape)
+    base = [torch.randn(1, tokens, 4, 16, generator=gen), torch.randn(1, tokens, 4, 16, generator=gen),
+            torch.randn(1, tokens, 4, 16, generator=gen), -F.softplus(torch.randn(1, tokens, 4, generator=gen)) * 0.3,
             torch.rand(1, tokens, 4, generator=gen)]
-    grad_out = torch.randn(1, tokens, 4, 32, generator=gen).cuda()
+    grad_out = torch.randn(1, tokens, 4, 16, generator=gen).cuda()
 
     def run(dtype, hasten_path):
         inputs = [t.to("cuda", dtype).requires_grad_() for t in base]
@@ -86,7 +87,8 @@ def test_short_convolution_kernel_against_each_sample_alone():
     packed = varlen_causal_conv1d(torch_conv)
     meta = _meta(ISOLATION_LENGTHS)
     gen = torch.Generator().manual_seed(1)
-    x0, w0 = torch.randn(1, 96, sum(ISOLATION_LENGTHS), generator=gen), torch.randn(96, 4, generator=gen) * 0.5
+    # 128 channels of width 4: the zoo's Gated DeltaNet convolution (q, k: 2 heads of 16; v: 4 of 16)
+    x0, w0 = torch.randn(1, 128, sum(ISOLATION_LENGTHS), generator=gen), torch.randn(128, 4, generator=gen) * 0.5
     grad_out = torch.randn(x0.shape, generator=gen).cuda()
 
     def run(dtype, hasten_path, activation):
