@@ -88,6 +88,17 @@ def _random_routers(model: torch.nn.Module) -> None:
             module.gate.weight.normal_(0.0, 0.6, generator=gen)
 
 
+def _slow_decay(model: torch.nn.Module) -> None:
+    """Gated DeltaNet's per-head decay is exp(-A * softplus(...)) per token; transformers draws A up
+    to 16, where the state is forgotten within a token or two and a state carried across a packed
+    sample's boundary barely shows. A in (0.05, 1) keeps it for tens of tokens, as a trained model's
+    slow heads do."""
+    gen = torch.Generator().manual_seed(4)
+    for module in model.modules():
+        if type(module).__name__.endswith("GatedDeltaNet"):
+            module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(0.05, 1.0, generator=gen).log())
+
+
 def _random_correction_biases(model: torch.nn.Module) -> None:
     """The routers' score correction bias is a buffer the model initialises to zero (the 1-D
     parameters moved in build() do not include it): set off zero so that it changes the choice."""
@@ -316,27 +327,27 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     # carries a sample's tokens into the next sample's first ones
     Entry("qwen3_next", dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                              shared_expert_intermediate_size=32, rope_parameters=PARTIAL_QUARTER), "hasten",
-          feature_off=dict(linear_conv_kernel_dim=1)),
+          feature_off=dict(linear_conv_kernel_dim=1), tensor_setup=_slow_decay),
     Entry("qwen3_5_text", dict(GATED_DELTANET, rope_parameters=dict(PARTIAL_QUARTER, mrope_section=[1, 1, 0])),
-          "hasten", feature_off=dict(linear_conv_kernel_dim=1)),
+          "hasten", feature_off=dict(linear_conv_kernel_dim=1), tensor_setup=_slow_decay),
     Entry("qwen3_5_moe_text", dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                    shared_expert_intermediate_size=32,
                                    rope_parameters=dict(PARTIAL_QUARTER, mrope_section=[1, 1, 0])),
-          "hasten", feature_off=dict(linear_conv_kernel_dim=1)),
+          "hasten", feature_off=dict(linear_conv_kernel_dim=1), tensor_setup=_slow_decay),
     # Qwen3.5's wrappers (published checkpoints) on text-only packed batches
     Entry("qwen3_5", dict(text_config=dict(GATED_DELTANET, rope_parameters=dict(PARTIAL_QUARTER,
                                                                               mrope_section=[1, 1, 0])),
                           vision_config=QWEN3_5_VISION), "hasten",
-          feature_off=dict(text_config=dict(GATED_DELTANET, linear_conv_kernel_dim=1))),
+          feature_off=dict(text_config=dict(GATED_DELTANET, linear_conv_kernel_dim=1)), tensor_setup=_slow_decay),
     Entry("qwen3_5_moe", dict(text_config=dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2,
                                                moe_intermediate_size=16, shared_expert_intermediate_size=32,
                                                rope_parameters=dict(PARTIAL_QUARTER, mrope_section=[1, 1, 0])),
                               vision_config=QWEN3_5_VISION), "hasten",
           feature_off=dict(text_config=dict(GATED_DELTANET, linear_conv_kernel_dim=1, num_experts=4,
                                             num_experts_per_tok=2, moe_intermediate_size=16,
-                                            shared_expert_intermediate_size=32))),
+                                            shared_expert_intermediate_size=32)), tensor_setup=_slow_decay),
     Entry("olmo_hybrid", dict(GATED_DELTANET, num_key_value_heads=4), "hasten",
-          feature_off=dict(linear_conv_kernel_dim=1)),
+          feature_off=dict(linear_conv_kernel_dim=1), tensor_setup=_slow_decay),
     Entry("lfm2", dict(layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5, conv_L_cache=3), "hasten",
           feature_off=dict(conv_L_cache=1)),
     Entry("granitemoehybrid", dict(layer_types=["mamba", "attention", "mamba"], num_local_experts=4,

@@ -5,10 +5,11 @@ forms of the short convolution and the gated delta rule, and whole hybrid models
    bf16 against transformers' torch function run one sample at a time in float32, output and every
    input gradient, within a small multiple of the same torch function's own bf16 noise.
 2. The models: every hybrid type of the zoo, a packed row of samples of 1, 2, 63 and 500+ tokens
-   through the hasten-accelerated bf16 model (cuDNN attention, fused kernels, fla's varlen
-   kernels) against the unpatched float32 model run one sample at a time: loss and every gradient
+   (and one of 18 short samples) through the hasten-accelerated bf16 model (cuDNN attention, fused
+   kernels, fla's varlen kernels) against the unpatched float32 model run one sample at a time: loss and every gradient
    within bf16 noise (tests/gpu/test_model_parity_cuda.py's yardstick), with fla's kernels used
-   (no per-sample fallback)."""
+   (no per-sample fallback); and the negative control: with the sample boundaries dropped the same
+   check fails."""
 
 import importlib
 import inspect
@@ -24,6 +25,8 @@ from hasten.stateful.varlen import varlen_causal_conv1d, varlen_chunk_gated_delt
 from tests.gpu.test_model_parity_cuda import check_packed_parity
 
 ISOLATION_LENGTHS = (1, 2, 63, 517, 7, 300)
+# many boundaries: a state carried across them touches a large share of the tokens (the negative control)
+BOUNDARY_LENGTHS = (1, 2, 5, 9, 3, 17, 4, 8, 1, 11, 6, 2, 30, 7, 12, 63, 3, 40)
 HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2")
 NOISE_FACTOR = 3.0
 
@@ -107,8 +110,27 @@ def test_short_convolution_kernel_against_each_sample_alone():
     assert "stateful_per_sample" not in fallback_counts()
 
 
+@pytest.mark.parametrize("lengths", [ISOLATION_LENGTHS, BOUNDARY_LENGTHS], ids=["long", "many"])
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_hybrid_model_packed_equals_each_sample_alone(name):
-    row = check_packed_parity(name, ISOLATION_LENGTHS)
+def test_hybrid_model_packed_equals_each_sample_alone(name, lengths):
+    row = check_packed_parity(name, lengths)
     assert any(item.startswith("varlen stateful layers") for item in row["active"]), row
     assert "stateful_per_sample" not in row["fallbacks"], row
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_state_carried_across_samples_fails_the_check(name, monkeypatch):
+    """The negative control: the same check with the batch's sample boundaries dropped (one
+    sequence, so fla's kernels carry each layer's state and convolution window from one packed
+    sample into the next, the bug this path exists to prevent) must fail. Proves the yardstick
+    sees a leak at these sizes, through bf16 noise."""
+    build = LinearMeta.build.__func__
+
+    def one_sequence(cls, cu_seqlens, tokens):
+        return build(cls, torch.tensor([0, tokens], dtype=cu_seqlens.dtype, device=cu_seqlens.device), tokens)
+
+    monkeypatch.setattr(LinearMeta, "build", classmethod(one_sequence))
+    with pytest.raises(AssertionError):
+        check_packed_parity(name, BOUNDARY_LENGTHS, report=False)
+    # the failure is the error checks', on fla's kernels and hasten's attention (no fallback tripped it)
+    assert not {"stateful_per_sample", "attention_per_sequence"} & set(fallback_counts()), fallback_counts()

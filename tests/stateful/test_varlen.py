@@ -109,6 +109,24 @@ def test_a_layer_that_drops_the_boundaries_stops_the_step():
         model(**zoo.packed_batch(zoo.samples()))
 
 
+def test_a_layer_without_keyword_arguments_is_refused_before_any_step():
+    """transformers 5.17's Lfm2ShortConv.forward takes a fixed argument list (it forwards seq_idx
+    alone): the boundaries cannot reach its convolution, so accelerate() refuses packed batches
+    up front, naming the layer, instead of waiting for the first step's count."""
+    model = zoo.build(zoo.ENTRIES["lfm2"])
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("ShortConv"))
+    own_forward = layer.forward
+
+    def fixed_forward(hidden_states, past_key_values=None, attention_mask=None, seq_idx=None):
+        return own_forward(hidden_states, attention_mask=attention_mask)
+
+    layer.forward = fixed_forward
+    handle = hasten.accelerate(model)
+    with pytest.raises(PackedBatchRefused, match=r"Lfm2ShortConv.forward takes no keyword arguments.*5.24"):
+        model(**zoo.packed_batch(zoo.samples()))
+    handle.undo()
+
+
 def test_padded_batches_and_undo_leave_the_model_its_own():
     gc.collect()  # models of earlier tests dropped without undo(): their replacements released first
     release_dropped()

@@ -10,6 +10,7 @@ replacement is counted: the last model's undo() restores the original.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import weakref
@@ -52,11 +53,28 @@ def unsupported(model: nn.Module, spec: StatefulSpec, layer_count: int | None) -
         return (f"its config marks {layer_count} stateful layers but {len(found)} modules match the table's "
                 f"({', '.join(s for s, _ in spec.layers)})")
     for module, functions in found:
+        if not _passes_keywords(module):
+            from transformers import __version__
+
+            return (f"{type(module).__name__}.forward takes no keyword arguments beyond its own in transformers "
+                    f"{__version__}, so the batch's sample boundaries cannot reach its {', '.join(functions)}; "
+                    "a newer transformers passes them along (5.24 does)")
         modeling = sys.modules.get(type(module).__module__)
         missing = [name for name in functions if name not in REPLACEMENTS or not callable(getattr(modeling, name, None))]
         if missing:
             return f"{type(module).__name__}'s modeling file has no {', '.join(missing)} hasten can replace"
     return None
+
+
+def _passes_keywords(module: nn.Module) -> bool:
+    """Whether the layer's forward takes **kwargs: the only road by which the packing hook's
+    LinearMeta reaches the functions it calls (transformers 5.17's Lfm2ShortConv takes a fixed list
+    and forwards only seq_idx). Necessary, not sufficient: the hook still counts the calls."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True  # no signature to read: the hook's count decides
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 class _Replacements:
