@@ -31,8 +31,12 @@ def new_run_id() -> str:
 
 
 def environment() -> dict:
+    """The row's provenance: hasten's commit, the GPU, torch and transformers (the baselines are
+    transformers' code: a row measured on a newer carried release says so)."""
+    import transformers
+
     return {"commit": commit(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__}
+            "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def sync() -> None:
