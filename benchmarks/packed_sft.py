@@ -2,8 +2,13 @@
 
 `--model` picks another family's shape for the same workload (W1-<model> rows): gemma3_1b
 (Gemma-3-1B), gemma2_2b (Gemma-2-2B: attention and final logit softcapping), olmo2_1b (OLMo-2-1B),
-smollm3_3b (SmolLM3-3B), phi4_mini (Phi-4-mini, model type phi3); random weights of the real
-shape, the same 16,384-token batch.
+smollm3_3b (SmolLM3-3B), phi4_mini (Phi-4-mini, model type phi3), gpt_oss_20b (gpt-oss-20b: 32
+experts top-4 with its clamped SwiGLU and biases, attention sinks, windows of 128 on every other
+layer, yarn rotary; 4 of its 24 layers by default, 4.45B parameters, so that full fine-tuning fits
+one H200; `--layers` sets another count); random weights of the real shape, the same 16,384-token
+batch. On a MoE shape transformers' variants run its `grouped_mm` experts; on gpt-oss its eager
+attention (the one that applies the sinks), so hf_packed_sdpa is not its path and hf_padded, in
+micro-batches of 4, is the baseline.
 
 One run measures every variant on the same 16,384-token batch of 61 samples:
   hf_padded          transformers, micro-batches of 8 samples padded, sdpa, gradient accumulation
@@ -98,11 +103,23 @@ SHAPES = {
         num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
         pad_token_id=199999, bos_token_id=199999, eos_token_id=199999),
+    # 4 of gpt-oss-20b's 24 layers (LAYERS): sliding (128) and full attention alternate, as published
+    "gpt_oss_20b": lambda: AutoConfig.for_model(
+        "gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=LAYERS or 4,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        pad_token_id=199999, eos_token_id=200002),
 }
 MODEL = "qwen3_0.6b"  # set by --model
+LAYERS = None  # set by --layers (the shapes that read it: gpt_oss_20b)
 # transformers' attention for the baselines and the reference where its default would compute
 # something else: 5.17 picks sdpa for Gemma 2, and its sdpa drops the attention softcap
-ATTN_IMPLEMENTATION = {"gemma2_2b": "eager"}
+ATTN_IMPLEMENTATION = {"gemma2_2b": "eager", "gpt_oss_20b": "eager"}
+# samples per padded micro-batch (hf_padded): gpt-oss's eager attention keeps 64 heads of scores per
+# layer, 8 rows of up to 2,048 tokens would hold about 13 GiB a layer
+MICRO_BATCH = {"gpt_oss_20b": 4}
 
 
 def make_samples(seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
@@ -239,6 +256,8 @@ def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] =
     torch.cuda.empty_cache()
     reset_fallbacks()
     model = build_model()
+    if name.startswith("hf_") and getattr(model.config, "num_local_experts", None):
+        model.set_experts_implementation("grouped_mm")  # transformers' fastest experts (sort + histc + cumsum)
     try:
         return _run_variant(name, model, samples, refs, steps, profile, handles := [])
     finally:
@@ -286,7 +305,7 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
     elif name == "hf_packed_sdpa":
         inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")} | {"use_cache": False}]
     elif name == "hf_padded":
-        inputs = padded_microbatches(samples)
+        inputs = padded_microbatches(samples, MICRO_BATCH.get(MODEL, 8))
     else:
         raise ValueError(name)
     if name == "hasten_graphed_optimizer":
@@ -326,7 +345,8 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
                            f"steps {optimizer.eager_steps}, disabled {optimizer.disabled_reason}")
     if name in profile:
         print_profile(name, step)
-    row = {"workload": workload(), "variant": name, "model": MODEL, **common.environment(), "tokens_per_s": TOKENS / step_s,
+    row = {"workload": workload(), "variant": name, "model": MODEL, "layers": model.config.num_hidden_layers,
+           "params": sum(p.numel() for p in model.parameters()), **common.environment(), "tokens_per_s": TOKENS / step_s,
            "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count, "correct": correct,
            "losses": [round(float(v), 5) for v in losses],  # every step's loss, warm-up included (same batch)
            "notes": f"isolation rel err {err:.2e}; first loss {float(losses[0]):.4f}; "
@@ -343,9 +363,10 @@ def workload() -> str:
 
 
 def main() -> int:
-    global MODEL
+    global MODEL, LAYERS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(SHAPES), default=MODEL, help="the shape (default: W1's Qwen3-0.6B)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of gpt_oss_20b (default 4 of 24)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--profile", default="", help="comma-separated variants to profile for one step")
     parser.add_argument("--out", type=Path, default=None)
@@ -353,7 +374,7 @@ def main() -> int:
                                               "hasten_posids,"
                                               "hasten_gqa_repeat,hasten_no_cache")
     args = parser.parse_args()
-    MODEL = args.model
+    MODEL, LAYERS = args.model, args.layers
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("W1 needs a CUDA GPU", file=sys.stderr)
         return 1

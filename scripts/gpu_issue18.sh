@@ -7,6 +7,9 @@
 #   w3      benchmarks/moe_block.py for each block in $W3_BLOCKS (gpt_oss_20b deepseek_v2_lite
 #           llama4_scout qwen3_30b_a3b): hasten_fused against transformers' grouped_mm (Llama 4:
 #           against its block's own forward), 16,384 tokens                                  cap 120 s each
+#   gptoss  benchmarks/packed_sft.py --model gpt_oss_20b (4 of 24 layers, full fine-tuning):
+#           hasten packed against transformers' padded micro-batches (eager attention with the
+#           sinks, grouped_mm experts); rows W1-gpt_oss_20b.jsonl                  cap $GPTOSS_CAP (300)
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue18.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w3" bash scripts/gpu_issue18.sh
 set -uo pipefail
@@ -29,6 +32,13 @@ if (( built )); then
         --variants "${W3_VARIANTS:-$baseline,hasten_fused}"
       grep -E "ms |FAILED|Error" "$LOGS/w3_$block.log" 2>/dev/null | tail -6 | tee -a "$SUMMARY"
     done
+  fi
+  if [[ $PARTS == *" gptoss "* ]]; then
+    # the whole-model row: gpt-oss-20b's shape, 4 of its 24 layers (GPTOSS_ARGS: --layers N), full
+    # fine-tuning on W1's 16,384-token batch, hasten packed against transformers' padded micro-batches
+    part gptoss "${GPTOSS_CAP:-300}" python3 benchmarks/packed_sft.py --model gpt_oss_20b --variants hf_padded,hasten \
+      --steps 3 --out "$LOGS" ${GPTOSS_ARGS:-}
+    grep -E "tok/s|x tokens|FAILED|Error" "$LOGS/gptoss.log" 2>/dev/null | tail -6 | tee -a "$SUMMARY"
   fi
 fi
 
