@@ -255,6 +255,27 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
           feature_off=dict(layer_types=FULL_3)),
     Entry("hunyuan_v1_dense", dict(), "hasten"),
     Entry("helium", dict(), "hasten"),
+    # yarn rotary from 8 positions, Llama 4's query scale stepping every 8 positions at the published
+    # beta 0.1 (off: gradients move by 0.16), a window of 5 on every layer
+    Entry("ministral3", dict(sliding_window=WINDOW,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=64.0,
+                                                  original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0,
+                                                  mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1)),
+          "hasten", feature_off=dict(rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=64.0,
+                                                          original_max_position_embeddings=8, beta_fast=32.0,
+                                                          beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0,
+                                                          llama_4_scaling_beta=0.0))),
+    # windows of 5 on layers 0 and 2, the full layer without rotary, two rotary bases; random sinks
+    Entry("granite_swa", dict(sliding_window=WINDOW, layer_types=SLIDING_3, layer_rope_theta=[10000.0, 0, 500.0],
+                              embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                              logits_scaling=4.0), "hasten", tensor_feature_off=_zero_sinks),
+    Entry("hyperclovax", dict(use_post_norm=True, embedding_multiplier=3.0, residual_multiplier=0.5,
+                              attention_multiplier=0.3, logits_scaling=0.25), "hasten",
+          feature_off=dict(logits_scaling=1.0)),
+    # multi-head latent attention as deepseek_v3's case, dense SwiGLU MLPs
+    Entry("youtu", dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+                        rope_interleave=True, num_key_value_heads=4, head_dim=8), "hasten",
+          feature_off=dict(rope_interleave=False)),
     # global_head_dim 32: the published 512 is past every packed kernel's 256 (per-sequence attention on the GPU)
     Entry("gemma4_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=2.0,
                               num_kv_shared_layers=1, global_head_dim=32), "hasten",

@@ -253,6 +253,35 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                      attention=("qkv clipping (clip_qkv) before the attention call", "projection biases"),
                      model_code=("OlmoLayerNorm: F.layer_norm without weight or bias, in float32",
                                  "q/k/v clamped to +-clip_qkv")),
+    # Ministral 3 (Ministral3ForCausalLM; the text model of Mistral3ForConditionalGeneration in the
+    # published checkpoints): Mistral's layout (a window on every layer where sliding_window is set),
+    # yarn rotary, and Llama 4's position-dependent query scale 1 + beta * log(1 + floor(pos / orig_max))
+    # applied in the model's own attention from position_ids (per packed sample: the collator's)
+    "ministral3": ArchSpec("dense", attention=(_WINDOWS,),
+                           model_code=("the query scale 1 + llama_4_scaling_beta * log(1 + floor(position / "
+                                       "original_max_position_embeddings)), from each sample's own positions",),
+                           notes="yarn rotary scaling in the model's rotary module (cos/sin)"),
+    # Granite with sliding windows on the layers layer_types marks, a learnable sink logit per head
+    # (its eager attention's sigmoid(lse - sink) output scale is gpt-oss's extra softmax denominator
+    # term, passed as s_aux), a rotary base per layer (layer_rope_theta, 0: no rotary on that layer)
+    "granite_swa": ArchSpec("dense", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
+                            rotary=RotarySpec(note="a rotary base per layer (layer_rope_theta); layers with base 0 "
+                                                   "skip rotary in the model's own attention"),
+                            attention=(_LAYER_WINDOWS, "attention sinks (a logit per head in the softmax "
+                                       "denominator)", "the query scale attention_multiplier"),
+                            model_code=("embedding_multiplier", "residual_multiplier")),
+    # HyperCLOVA X: Granite's muP multipliers with extra RMSNorms after attention and MLP
+    # (use_post_norm: "Peri-LN"), and logits_scaling MULTIPLYING the logits (Granite divides)
+    "hyperclovax": ArchSpec("dense", norm=NormSpec(placement="pre_post"),
+                            logits=LogitSpec(scale_key="logits_scaling"),
+                            attention=("the query scale attention_multiplier",),
+                            model_code=("embedding_multiplier", "residual_multiplier"),
+                            notes="post-attention and post-MLP norms (post_norm1/2) beside the pre-norms where "
+                                  "use_post_norm; logits_scaling multiplies the logits"),
+    # Youtu-LLM: a dense Llama decoder (SwiGLU MLP) with DeepSeek-V3's multi-head latent attention
+    "youtu": ArchSpec("dense", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,),
+                      model_code=("low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) projections "
+                                  "with their RMSNorms",)),
     # --- MoE -----------------------------------------------------------------------------------
     "qwen3_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), attention=(_WINDOWS,)),
     "qwen2_moe": ArchSpec("moe", attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),
