@@ -244,6 +244,19 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("starcoder2", dict(sliding_window=WINDOW, use_bias=True, residual_dropout=0.0, embedding_dropout=0.0),
           "hasten", feature_off=dict(sliding_window=None)),
     Entry("smollm3", dict(no_rope_layer_interval=2), "hasten"),
+    # older dense decoders (nn.LayerNorm with bias, ungated GELU MLPs): a quarter or half of each head
+    # rotates, attention and MLP in parallel, biases on; num_key_value_heads=4: GPT-NeoX has no GQA
+    Entry("gpt_neox", dict(rope_parameters=PARTIAL_QUARTER, num_key_value_heads=4, use_parallel_residual=True,
+                           attention_bias=True, hidden_act="gelu", hidden_dropout=0.0), "hasten",
+          feature_off=dict(rope_parameters=dict(PARTIAL_QUARTER, partial_rotary_factor=1.0))),
+    Entry("phi", dict(rope_parameters=PARTIAL_HALF, qk_layernorm=True, hidden_act="gelu_new", resid_pdrop=0.0,
+                      embd_pdrop=0.0), "hasten",
+          feature_off=dict(rope_parameters=dict(PARTIAL_HALF, partial_rotary_factor=1.0))),
+    # StableLM-2-12B's layout: parallel residual, per-head q/k LayerNorms, q/k/v biases, a quarter of each
+    # head rotates; its decoder layer hands the attention position_ids only (metadata derived per layer)
+    Entry("stablelm", dict(rope_parameters=PARTIAL_QUARTER, use_qkv_bias=True, qk_layernorm=True,
+                           use_parallel_residual=True, hidden_dropout=0.0), "hasten",
+          feature_off=dict(rope_parameters=dict(PARTIAL_QUARTER, partial_rotary_factor=1.0))),
     Entry("gemma", dict(hidden_act="gelu_pytorch_tanh"), "hasten"),
     Entry("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
           feature_off=dict(layer_types=FULL_3)),

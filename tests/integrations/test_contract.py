@@ -503,3 +503,29 @@ def test_llama4_chunks_are_built_once_per_batch(monkeypatch, metadata_cache):
     assert calls == ([5] if metadata_cache else [5, 5])
     assert abs(float(loss) - float(want_loss)) < 1e-5
     assert max(zoo.relative_errors(got, want).values()) < 1e-4
+
+
+def test_an_unmarked_attention_class_is_packed_only_where_its_entry_vouches(monkeypatch):
+    """StableLM's class leaves `_supports_attention_backend` off (its decoder layer passes the attention
+    position_ids only): packed batches run on hasten's attention because its table entry says so
+    (`attention_interface`), the metadata derived per layer; without that, they are refused."""
+    import dataclasses
+
+    from hasten.integrations import architectures
+    from hasten.integrations.transformers import PackedBatchRefused
+    from tests import model_zoo as zoo
+
+    entry = zoo.ENTRIES["stablelm"]
+    model = zoo.build(entry)
+    assert not getattr(model, "_supports_attention_backend", False)
+    handle = hasten.accelerate(model)
+    assert handle.packing_refusal is None and "metadata derived per layer (the model's decoder layers" in \
+        handle.report(), handle.report()
+    handle.undo()
+    monkeypatch.setitem(architectures.ARCHITECTURES, "stablelm",
+                        dataclasses.replace(architectures.ARCHITECTURES["stablelm"], attention_interface=""))
+    handle = hasten.accelerate(model)
+    assert "does not use transformers' attention interface" in (handle.packing_refusal or ""), handle.report()
+    with pytest.raises(PackedBatchRefused):
+        model(**zoo.packed_batch(zoo.samples()))
+    handle.undo()

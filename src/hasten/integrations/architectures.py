@@ -49,6 +49,10 @@ class ArchSpec:
     # convolutions), computed per packed sample by hasten.stateful; None: the model has none, and
     # a model with such layers but no entry here has packed batches refused
     stateful: StatefulSpec | None = None
+    # the model's attention modules call transformers' attention interface although its class leaves
+    # `_supports_attention_backend` off (which would refuse packed batches): why that is safe, and
+    # what reaches the attention call (StableLM: position_ids only); empty: the class's mark decides
+    attention_interface: str = ""
     notes: str = ""
 
 
@@ -228,6 +232,43 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "cohere2": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
                         rotary=RotarySpec(interleaved=True), logits=LogitSpec(scale_key="logit_scale"),
                         attention=(_LAYER_WINDOWS,), model_code=("attention and MLP in parallel on one norm",)),
+    # --- older dense decoders: nn.LayerNorm with bias (torch's own kernel), partial rotary,
+    # parallel attention/MLP residuals, ungated GELU MLPs; hasten's gains are its varlen attention
+    # on packed batches and the fused loss ---------------------------------------------------------
+    # GPT-NeoX (Pythia, GPT-NeoX-20B): one query_key_value projection laid out [q|k|v] per head, the
+    # rotary on the first rotary_pct of each head inside apply_rotary_pos_emb, attention and MLP in
+    # parallel on two norms (use_parallel_residual)
+    "gpt_neox": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                         rotary=RotarySpec(partial=True), attention=("projection biases (attention_bias)",),
+                         model_code=("fused query_key_value projection, [q | k | v] per head",
+                                     "attention and MLP in parallel on their own norms (use_parallel_residual)",
+                                     "the ungated MLP dense_4h_to_h(act(dense_h_to_4h(x))) with biases")),
+    # Phi-1/1.5/2: attention and MLP in parallel on one norm, q/k/v/dense biases, the rotary on the first
+    # partial_rotary_factor of each head (the model's attention slices it off and passes it alone to
+    # apply_rotary_pos_emb), optional per-head q/k LayerNorms with bias, an LM head bias
+    "phi": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                    rotary=RotarySpec(note="the model's attention passes the rotated part of each head "
+                                           "(partial_rotary_factor) alone and concatenates the rest back"),
+                    attention=("projection biases",),
+                    model_code=("attention and MLP in parallel on one norm",
+                                "q/k LayerNorms with bias per head where qk_layernorm is set",
+                                "the ungated MLP fc2(act(fc1(x))) with biases"),
+                    notes="the LM head has a bias, which hasten's fused loss adds"),
+    # StableLM (StableLM-2, StableLM-3B-4E1T): gated SwiGLU MLP, q/k/v biases (use_qkv_bias), the rotary on
+    # the first partial_rotary_factor of each head (sliced off by the model's attention), per-head q/k
+    # LayerNorms (qk_layernorm) and attention and MLP in parallel on one norm (use_parallel_residual) in
+    # StableLM-2-12B; its class leaves `_supports_attention_backend` off because its decoder layer passes
+    # the attention only position_ids
+    "stablelm": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
+                         rotary=RotarySpec(note="the model's attention passes the rotated part of each head "
+                                                "(partial_rotary_factor) alone and concatenates the rest back"),
+                         attention=("qkv bias (use_qkv_bias)",),
+                         model_code=("q/k LayerNorms per head (StableLmLayerNormPerHead) where qk_layernorm is set",
+                                     "attention and MLP in parallel on one norm where use_parallel_residual is set"),
+                         attention_interface=(
+                             "StableLmAttention calls transformers' attention interface with position_ids, but its "
+                             "decoder layer passes it no other keyword arguments: hasten's attention derives the "
+                             "packing metadata from position_ids in every layer (one host read-back per layer)")),
     # --- StarCoder2: nn.LayerNorm with bias, ungated GELU MLP with biases ---------------------
     "starcoder2": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
                            mlp=MlpSpec(kind="ungated"), attention=(_WINDOWS, "projection biases")),

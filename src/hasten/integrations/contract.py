@@ -59,9 +59,11 @@ def uses_attention_interface(model: nn.Module, spec) -> bool:
     varlen attention plugs in). transformers marks that on the model class
     (`_supports_attention_backend`); its hybrid models (Qwen3-Next, Qwen3.5, OLMo hybrid) leave the
     mark off although their full-attention modules call the interface, which their table entries
-    (with a `stateful` spec, each proven by its parity case) vouch for."""
+    (with a `stateful` spec, each proven by its parity case) vouch for; so does an entry's
+    `attention_interface` (StableLM, whose decoder layer passes its attention position_ids only)."""
     return bool(getattr(model, "_supports_attention_backend", False)
-                or (spec is not None and getattr(spec, "stateful", None) is not None))
+                or (spec is not None and (getattr(spec, "stateful", None) is not None
+                                          or bool(getattr(spec, "attention_interface", "")))))
 
 
 def _nonzero(value) -> bool:

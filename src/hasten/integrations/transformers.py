@@ -796,8 +796,12 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
 
     handle._undo_steps.append(undo)
     handle.active.append("varlen attention (packed sequences, no mask)")
-    handle.active.append("metadata cache (once per batch)" if training.metadata_cache
-                         else "metadata derived per layer (training.metadata_cache is false)")
+    if spec is not None and spec.attention_interface:  # the metadata does not reach its attention calls
+        handle.active.append("metadata derived per layer (the model's decoder layers pass its attention "
+                             "position_ids only)")
+    else:
+        handle.active.append("metadata cache (once per batch)" if training.metadata_cache
+                             else "metadata derived per layer (training.metadata_cache is false)")
 
 
 def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, missing: dict[str, str]) -> None:

@@ -2,11 +2,11 @@
 
 transformers' *ForCausalLM.forward computes `logits = lm_head(hidden)` for every token, upcasts
 them to float32 and then takes the loss: for Qwen3-0.6B at 16k tokens that is 16,384 x 151,936
-logits, about 10 GB with their gradient. The replacement forward runs the decoder (`self.model`)
-as transformers does and, when it trains with labels, hands the hidden states to the fused op;
-`logits` is then None in the output. Inference, evaluation without labels, and anything the
-fused path does not cover (router auxiliary loss, a wrapped LM head) run transformers' own
-forward, the last with a one-time notice.
+logits, about 10 GB with their gradient. The replacement forward runs the decoder (`self.model`,
+or the class's base model: GPT-NeoX's `gpt_neox`) as transformers does and, when it trains with
+labels, hands the hidden states to the fused op; `logits` is then None in the output.
+Inference, evaluation without labels, and anything the fused path does not cover (router
+auxiliary loss, a wrapped LM head) run transformers' own forward, the last with a one-time notice.
 """
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ def _shifted_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None) ->
 _FROM_CONFIG = "config"
 
 
+def _decoder_attribute(model: nn.Module) -> str | None:
+    """The attribute that holds the decoder the causal LM runs before its head: `model` in most
+    *ForCausalLM classes, else the class's base model (`base_model_prefix`: GPT-NeoX's `gpt_neox`)."""
+    for name in ("model", getattr(model, "base_model_prefix", None)):
+        module = getattr(model, name, None) if name else None
+        if isinstance(module, nn.Module) and module is not model:
+            return name
+    return None
+
+
 def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap: float | None | str = _FROM_CONFIG,
                                 logit_scale: float = 1.0):
     """Replace `model.forward` for training with labels; returns a function that undoes it.
@@ -45,7 +55,8 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap
     model multiplies its logits by (Cohere's logit_scale, 1 / Granite's logits_scaling). The scale
     is applied to the hidden states before the LM head, which is the same product for a head
     without bias (one rounding of the scaled hidden state in its dtype; exact for powers of two)."""
-    for attribute in ("model", "lm_head"):
+    decoder = _decoder_attribute(model)
+    for attribute in (decoder or "model", "lm_head"):
         if not isinstance(getattr(model, attribute, None), nn.Module):
             raise FusedLossUnsupported(f"{type(model).__name__} has no `{attribute}` module (not a transformers "
                                        "*ForCausalLM layout)")
@@ -76,9 +87,9 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             inputs_embeds=inputs_embeds, labels=labels,
                             use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             **kwargs)
+        outputs = getattr(self, decoder)(input_ids=input_ids, attention_mask=attention_mask,
+                                         position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                         use_cache=use_cache, **kwargs)
         hidden = outputs.last_hidden_state
         if logit_scale != 1.0:
             hidden = hidden * logit_scale
