@@ -163,6 +163,36 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                                moe_num_shared_experts=1), "hasten"),
     Entry("hunyuan_v1_moe", dict(num_experts=4, moe_topk=2, moe_intermediate_size=16), "hasten"),
     Entry("flex_olmo", dict(num_experts=4, num_experts_per_tok=2), "hasten"),
+    # Hy3: sigmoid router with a correction bias and router_scaling_factor, a shared expert, a dense first layer
+    Entry("hy_v3", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1,
+                        router_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"]), "hasten",
+          feature_off=dict(router_scaling_factor=1.0), tensor_setup=_random_correction_biases),
+    # windows of 5 with sinks and twice the K/V heads on layers 0 and 2; value heads of 8 (query/key 16)
+    # scaled by 0.7; half of each head rotates, another base per layer type; group-limited router
+    Entry("mimo_v2_flash", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=2,
+                                topk_group=1, routed_scaling_factor=2.5, v_head_dim=8, attention_value_scale=0.7,
+                                sliding_window=WINDOW, layer_types=SLIDING_3,
+                                mlp_layer_types=["dense", "sparse", "sparse"],
+                                rope_parameters=dict(full_attention=dict(PARTIAL_HALF, rope_theta=500000.0),
+                                                     sliding_attention=PARTIAL_HALF)), "hasten",
+          tensor_feature_off=_zero_sinks, tensor_setup=_random_correction_biases),
+    # windows of 5 on layers 0 and 2 (full rotary there), half of each head rotating on the full layer,
+    # per-element softplus output gates, 2 query heads on the middle layer, a router softcap
+    Entry("laguna", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=32, moe_routed_scaling_factor=2.5,
+                         moe_router_logit_softcapping=1.0, gating="per-element",
+                         num_attention_heads_per_layer=[4, 2, 4], sliding_window=WINDOW, layer_types=SLIDING_3,
+                         mlp_layer_types=["dense", "sparse", "sparse"],
+                         rope_parameters=dict(full_attention=dict(PARTIAL_HALF, rope_theta=500000.0),
+                                              sliding_attention=dict(PARTIAL_HALF, partial_rotary_factor=1.0))),
+          "hasten", feature_off=dict(layer_types=FULL_3)),
+    # windows of 5 on layers 0 and 2 and random sinks on every layer; the middle layer without rotary
+    # (base 0), the last with another base; Granite's multipliers, a shared expert
+    Entry("granitemoe_swa", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                                 shared_intermediate_size=32, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                 attention_multiplier=0.3, logits_scaling=4.0, sliding_window=WINDOW,
+                                 layer_types=SLIDING_3, layer_rope_theta=[10000.0, 0, 500000.0]), "hasten",
+          tensor_feature_off=_zero_sinks),
     Entry("phimoe", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, input_jitter_noise=0.0,
                          router_jitter_noise=0.0, lm_head_bias=True, attention_bias=True), "hasten",
           feature_off=dict(sliding_window=None)),

@@ -425,6 +425,58 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                        "shared experts", "dense first layers (first_k_dense_replace / "
                                        "mlp_layer_types)"),
                            notes="the shared experts and dense first-layer MLPs are SwiGLU MLPs on hasten's kernel"),
+    # Hy3 (Tencent HunYuan V3): pre-norm decoder with q/k RMSNorms per head and full rotary; a sigmoid
+    # router with a correction bias (on the MoE block), renormalised top-k times router_scaling_factor,
+    # a SwiGLU shared expert added (in float32 where enable_moe_fp32_combine), dense first layers
+    "hy_v3": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                      model_code=("sigmoid router with a correction bias, renormalised top-k, router_scaling_factor",
+                                  "shared experts, added to the routed output in float32 (enable_moe_fp32_combine)",
+                                  "dense first layers (mlp_layer_types)"),
+                      notes="the shared experts and dense first-layer MLPs are SwiGLU MLPs on hasten's kernel"),
+    # MiMo-V2-Flash: sliding-window layers with attention sinks (and twice the K/V heads) between
+    # full-attention layers without; value heads (v_head_dim) smaller than the query/key heads, scaled
+    # by attention_value_scale; partial rotary with a base per layer type; DeepSeek-V3's router
+    "mimo_v2_flash": ArchSpec("moe", rotary=RotarySpec(partial=True, note="a rotary base and width per layer type "
+                                                                          "(rope_parameters by layer type), chosen "
+                                                                          "per layer by the model"),
+                              attention=(_LAYER_WINDOWS, "attention sinks on the sliding-window layers (a logit per "
+                                         "head in the softmax denominator)",
+                                         "value heads (v_head_dim) smaller than the query/key heads, zero-padded to "
+                                         "their size for the varlen kernels and sliced back"),
+                              model_code=("values scaled by attention_value_scale before the attention call",
+                                          "sigmoid router with a correction bias, group-limited top-k, routed scaling",
+                                          "dense first layers (mlp_layer_types)"),
+                              notes="its eager attention subtracts the row max before the softmax with sinks: the "
+                                    "same softmax"),
+    # Laguna (poolside): q/k RMSNorms per head, partial rotary with a base and width per layer type,
+    # sliding windows on the layers layer_types marks, a softplus gate on the attention output (per
+    # head or per element), query heads per layer; sigmoid router (optional logit softcap) with a
+    # correction bias, routed scaling, a SwiGLU shared expert, dense first layers
+    "laguna": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                       rotary=RotarySpec(partial=True, note="a rotary base and width per layer type (rope_parameters "
+                                                            "by layer type), chosen per layer by the model"),
+                       attention=(_LAYER_WINDOWS,),
+                       model_code=("the attention output gated by softplus(g_proj(x)), per head or per element "
+                                   "(gating)", "query heads per layer (num_attention_heads_per_layer)",
+                                   "sigmoid router with a correction bias and an optional logit softcap "
+                                   "(moe_router_logit_softcapping), renormalised top-k",
+                                   "moe_routed_scaling_factor on the routed output", "shared experts",
+                                   "dense first layers (mlp_layer_types)"),
+                       notes="the shared experts and dense first-layer MLPs are SwiGLU MLPs on hasten's kernel"),
+    # Granite MoE with sliding windows and attention sinks on every layer: its eager attention
+    # scales the output by sigmoid(logsumexp(scores) - sink), which is the sink logit in the
+    # softmax denominator (gpt-oss's sinks); a rotary base per layer (0: no rotary on that layer),
+    # Granite's multipliers and logit scaling, an optional shared expert
+    "granitemoe_swa": ArchSpec("moe", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
+                               rotary=RotarySpec(note="a rotary base per layer (layer_rope_theta), none on layers "
+                                                      "with base 0: the model passes no cos/sin there"),
+                               attention=(_LAYER_WINDOWS, "attention sinks on every layer (the model's output scale "
+                                          "sigmoid(logsumexp - sink): a logit per head in the softmax denominator)",
+                                          "the query scale attention_multiplier"),
+                               model_code=("embedding_multiplier", "residual_multiplier",
+                                           "router: softmax over the top-k logits",
+                                           "the shared expert (shared_mlp: one input_linear [gate | up], SiLU, "
+                                           "output_linear) where shared_intermediate_size is set")),
     # --- hybrids: linear attention or short convolutions between attention layers (issue 19) ------
     # Qwen3-Next: Gated DeltaNet on three of four layers, gated full attention with partial rotary
     # and (1 + weight) q/k norms on the fourth, MoE with a gated shared expert on every layer
