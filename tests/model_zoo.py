@@ -53,6 +53,16 @@ PARTIAL_QUARTER = dict(rope_type="default", rope_theta=10000.0, partial_rotary_f
 # GPU compiles and autotunes fla's kernels once per head shape)
 GATED_DELTANET = dict(layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4,
                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+# Qwen4-Exp's text model: Gated DeltaNet, indexed (QSA) attention with blocks of 4 and a budget of 8
+# tokens, two hyper-connection streams, PLE (hashed 2- and 3-gram embeddings and a dilated
+# convolution) on the first layer; a tiny n-gram vocabulary
+QWEN4_EXP_TEXT = dict(GATED_DELTANET, layer_types=["linear_attention", "indexed_attention", "linear_attention"],
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=32, hc_count=2, hc_lowrank=8, ple_layer_ids=[1],
+                      ple_embed_dim=64, heads_per_ngram=2, ngram_vocab_size_base=50,
+                      make_ngram_vocab_size_divisible_by=8, indexer_n_heads=2, indexer_kv_heads=1,
+                      indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+                      rope_parameters=dict(PARTIAL_QUARTER, mrope_section=[1, 1, 0]))
 QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                       num_position_embeddings=16)
 GLM4V_MOE_TEXT = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
@@ -105,6 +115,16 @@ def _random_correction_biases(model: torch.nn.Module) -> None:
     gen = torch.Generator().manual_seed(3)
     for module in model.modules():
         bias = module._buffers.get("e_score_correction_bias")
+        if bias is not None:
+            bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
+
+
+def _random_expert_biases(model: torch.nn.Module) -> None:
+    """LFM2-MoE's router adds an expert bias (a buffer the model initialises to zero) to its sigmoid
+    scores before the top-k: set off zero so that it changes the choice."""
+    gen = torch.Generator().manual_seed(3)
+    for module in model.modules():
+        bias = module._buffers.get("expert_bias")
         if bias is not None:
             bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
 
@@ -414,6 +434,35 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
           feature_off=dict(linear_conv_kernel_dim=1), tensor_setup=_slow_decay),
     Entry("lfm2", dict(layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5, conv_L_cache=3), "hasten",
           feature_off=dict(conv_L_cache=1)),
+    # LFM2-MoE: LFM2's short convolutions and attention, a dense first layer (w1, w3, w2), then
+    # sigmoid-routed experts with an expert bias, normalised top-k and a routed scaling of 2.5
+    Entry("lfm2_moe", dict(layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5, conv_L_cache=3,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1,
+                           use_expert_bias=True, routed_scaling_factor=2.5), "hasten",
+          feature_off=dict(conv_L_cache=1), tensor_setup=_random_expert_biases),
+    # LFM3: LFM2's short convolutions, a window of 5 on the sliding layer (default rotary), a full layer
+    # with 'proportional' rotary (half of each head's frequencies zero), sandwich norms, attention
+    # biases and the per-head sigmoid output gate
+    Entry("lfm3", dict(layer_types=["sliding_attention", "conv", "full_attention"], norm_eps=1e-5, conv_L_cache=3,
+                       sliding_window=WINDOW, attention_bias=True, use_sandwich_norm=True, use_attention_gate=True,
+                       rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                                            full_attention=dict(rope_type="proportional", rope_theta=1000000.0,
+                                                                partial_rotary_factor=0.5))), "hasten",
+          feature_off=dict(conv_L_cache=1)),
+    # Lara-Mini: Gated DeltaNet, a window of 5 on the sliding layer (rotary), a full layer without
+    # rotary; MoE with an ungated shared expert on every layer
+    Entry("lara_mini", dict(GATED_DELTANET, layer_types=["linear_attention", "sliding_attention", "full_attention"],
+                            sliding_window=WINDOW, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=32), "hasten",
+          feature_off=dict(linear_conv_kernel_dim=1), tensor_setup=_slow_decay),
+    # Qwen4-Exp: Gated DeltaNet layers (the functions hasten replaces) but also a sparse indexed
+    # attention (QSA: a top-k block selection read from the 4-D mask), hashed n-gram per-layer
+    # embeddings (PLE) that segment on EOS, not on the packed boundaries, and PLE's own dilated
+    # depthwise convolution (nn.Conv1d, no causal_conv1d_fn): refused
+    Entry("qwen4_exp_text", dict(QWEN4_EXP_TEXT), "refused"),
+    Entry("qwen4_exp", dict(text_config=QWEN4_EXP_TEXT, vision_config=QWEN3_5_VISION), "refused",
+          notes="the wrapper's config built as its causal LM (Qwen4ExpForCausalLM); as "
+                "Qwen4ExpForConditionalGeneration, packed batches are refused the same way"),
     Entry("granitemoehybrid", dict(layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
                                    num_experts_per_tok=2, shared_intermediate_size=32, mamba_n_heads=4,
                                    mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=8), "refused"),

@@ -3,7 +3,7 @@ batch's LinearMeta, the guard that every stateful layer got the batch's boundari
 
 The parity of whole hybrid models (packed row against each sample alone, float32) is in
 tests/integrations/test_model_parity.py (qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid,
-lfm2); the GPU run of the same with flash-linear-attention's kernels in tests/gpu."""
+lfm2, lfm2_moe, lfm3, lara_mini); the GPU run of the same with flash-linear-attention's kernels in tests/gpu."""
 
 import gc
 import sys
@@ -146,7 +146,7 @@ def test_padded_batches_and_undo_leave_the_model_its_own():
     assert (modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule) == own
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "lfm2_moe", "lfm3", "lara_mini"])
 def test_several_packed_rows_each_sample_alone(name):
     """hasten.PackingCollator packs into several rows when the samples need them (the shorter rows
     end in a padding segment, a sequence of its own): the rows are one varlen sequence list."""

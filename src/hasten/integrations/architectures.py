@@ -508,6 +508,41 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                      model_code=("the short convolutions' projections and gates (the model's own code around the "
                                  "varlen convolution)",),
                      stateful=_SHORT_CONV),
+    # LFM2-MoE: LFM2's short convolutions and attention (q/k norms), dense SwiGLU MLPs (w1, w3, w2)
+    # on the first num_dense_layers, then experts behind a sigmoid router with an expert bias
+    "lfm2_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                         mlp=MlpSpec(projections=("w1", "w3", "w2"), fixed_activation=True),
+                         model_code=("the short convolutions' projections and gates (the model's own code around the "
+                                     "varlen convolution)",
+                                     "sigmoid router with an expert bias (use_expert_bias), normalised top-k, "
+                                     "routed_scaling_factor", "dense first layers (num_dense_layers)"),
+                         stateful=_SHORT_CONV),
+    # LFM3: LFM2's short convolutions with sliding-window and full attention layers (q/k norms per
+    # head, a per-head sigmoid output gate), norms after the operator and the MLP too (sandwich)
+    "lfm3": ArchSpec("dense", norm=NormSpec(placement="pre_post", qk_norm=True),
+                     mlp=MlpSpec(projections=("w1", "w3", "w2"), fixed_activation=True),
+                     rotary=RotarySpec(note="one rotary embedding per layer type, chosen by the model: the config's "
+                                            "sliding_attention base on the sliding layers, a 'proportional' one on "
+                                            "the full layers (zero frequencies past partial_rotary_factor: the whole "
+                                            "head rotates by cos 1, sin 0 there); cos/sin in float32"),
+                     attention=(_LAYER_WINDOWS, "the per-head sigmoid output gate (g_proj, use_attention_gate), in "
+                                "the model's own attention module", "projection biases (attention_bias)"),
+                     model_code=("the short convolutions' projections and gates (the model's own code around the "
+                                 "varlen convolution)",),
+                     stateful=_SHORT_CONV,
+                     notes="post-operator and post-FFN norms beside the pre-norms where use_sandwich_norm is set"),
+    # Lara-Mini: Gated DeltaNet layers between sliding-window attention layers (rotary) and full
+    # attention layers without rotary; MoE with an ungated shared expert on every layer
+    "lara_mini": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                          rotary=RotarySpec(note="only on the sliding-window layers: the full-attention layers get "
+                                                 "no position embeddings (NoPE), the model's own decision"),
+                          attention=(_LAYER_WINDOWS,),
+                          model_code=_GDN_CODE + ("the router (logits in float32, softmax top-k, normalised)",
+                                                  "the shared expert, added in full (no gate)"),
+                          stateful=_GATED_DELTANET,
+                          notes="its RMSNorm multiplies the weight in float32 before the cast to the input dtype "
+                                "(Gemma's order): the same in float32, one bf16 rounding apart from hasten's kernel "
+                                "(Llama's order) in bf16"),
 }
 
 
