@@ -27,7 +27,7 @@ from tests.gpu.test_model_parity_cuda import check_packed_parity
 ISOLATION_LENGTHS = (1, 2, 63, 517, 7, 300)
 # many boundaries: a state carried across them touches a large share of the tokens (the negative control)
 BOUNDARY_LENGTHS = (1, 2, 5, 9, 3, 17, 4, 8, 1, 11, 6, 2, 30, 7, 12, 63, 3, 40)
-HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2")
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3", "lara_mini")
 NOISE_FACTOR = 3.0
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and fla_problem(0) is not None,
