@@ -318,6 +318,15 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
           feature_off=dict(layer_types=FULL_3)),
     Entry("hunyuan_v1_dense", dict(), "hasten"),
     Entry("helium", dict(), "hasten"),
+    # Jais-2: nn.LayerNorm with bias, the ungated ReLU² MLP, biases on q/k/v/o and the MLP
+    Entry("jais2", dict(hidden_act="relu2", attention_bias=True, mlp_bias=True), "hasten",
+          feature_off=dict(hidden_act="relu")),
+    # NanoChat: weightless RMSNorms, the flipped-sign rotary (the model's own), ReLU², a final softcap of 2
+    Entry("nanochat", dict(hidden_act="relu2", final_logit_softcapping=2.0, attention_bias=True), "hasten",
+          feature_off=dict(final_logit_softcapping=None)),
+    # HRM-Text: stacks of 3 layers, 2 H cycles of 3 L cycles (24 layer passes), the last L cycle of the first
+    # H cycle and the last 2 of the second with gradients, the rest under no_grad; embedding scale 1 / 0.08
+    Entry("hrm_text", dict(H_cycles=2, L_cycles=3, L_bp_cycles=[2]), "hasten", feature_off=dict(H_cycles=1)),
     # yarn rotary from 8 positions, Llama 4's query scale stepping every 8 positions at the published
     # beta 0.1 (off: gradients move by 0.16), a window of 5 on every layer
     Entry("ministral3", dict(sliding_window=WINDOW,

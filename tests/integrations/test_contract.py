@@ -282,6 +282,31 @@ def test_gemma3_multimodal_trains_text_packed_and_refuses_packed_images():
     assert model.config.vision_config._attn_implementation == vision_before
 
 
+def test_prefix_lm_token_types_are_refused_under_hasten_attention():
+    """HRM-Text (prefix_lm): the tokens token_type_ids mark attend to each other both ways, which
+    hasten's varlen attention does not compute. Its mask reading samples rows of the first batch
+    row only, so a prefix elsewhere would pass as causal: a batch marking any token is refused,
+    packed or not. Unmarked batches train (the zoo's parity case runs them causally)."""
+    import hasten
+    from hasten.integrations.masks import MaskNotSupported
+    from tests import model_zoo as zoo
+
+    model = zoo.build(zoo.ENTRIES["hrm_text"])
+    handle = hasten.accelerate(model)
+    batch = zoo.packed_batch(zoo.samples(lengths=(40, 30)))
+    model(**batch, token_type_ids=torch.zeros_like(batch["input_ids"])).loss.backward()
+    marked = torch.zeros_like(batch["input_ids"])
+    marked[0, 41:45] = 1  # the second sample's tokens 1..4: rows the mask reading does not sample
+    with pytest.raises(MaskNotSupported, match="training.packed_sequence: false"):
+        model(**batch, token_type_ids=marked)
+    ids = torch.tensor([s["input_ids"] for s in zoo.samples(lengths=(20, 20))])
+    marked = torch.zeros_like(ids)
+    marked[1, 5:9] = 1  # unpacked rows, the prefix in the second
+    with pytest.raises(MaskNotSupported, match="training.packed_sequence: false"):
+        model(input_ids=ids, labels=ids, token_type_ids=marked)
+    handle.undo()
+
+
 def _padded_batch_equals_unpatched(model_type: str):
     """A padded batch through the accelerated model (its own eager attention with hasten's dense
     mask, as additive mask): loss and every gradient of the unpatched model. Returns both models."""

@@ -276,7 +276,7 @@ def _checked_by_class(candidates: list[nn.Module], check) -> tuple[list[nn.Modul
 
 def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
     """Returns (undo, number of modules patched, reasons other norm classes were left alone)."""
-    if spec.kind == "torch":
+    if spec.kind in ("torch", "own"):
         return (lambda: None), 0, []
     patched, refused = _checked_by_class([m for m in model.modules() if _is_norm(m, spec)],
                                          lambda m: rms_norm_mismatch(m, spec))

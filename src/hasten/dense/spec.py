@@ -17,7 +17,9 @@ class NormSpec:
 
     kind         "rms": x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), hasten::rms_norm;
                  "layer": mean-centred, weight without bias (Cohere), torch's fused layer_norm;
-                 "torch": nn.LayerNorm already (StarCoder2): one torch kernel, nothing to patch.
+                 "torch": nn.LayerNorm already (StarCoder2): one torch kernel, nothing to patch;
+                 "own": a norm of no form hasten's kernels take (NanoChat's RMSNorm without weight):
+                 the model's own code runs, which the entry's model_code names.
     class_suffix the module classes that are these norms (e.g. "RMSNorm", "LayerNorm")
     weight_offset 1.0 where the weight is stored as an offset from one (Gemma: `1 + weight`)
     eps_attribute where the module keeps its epsilon ("variance_epsilon"; Gemma: "eps")

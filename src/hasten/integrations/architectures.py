@@ -323,6 +323,41 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "youtu": ArchSpec("dense", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,),
                       model_code=("low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) projections "
                                   "with their RMSNorms",)),
+    # Jais-2: Llama's attention and rotary with nn.LayerNorm pre-norms (with bias) and Nemotron's ungated
+    # MLP (ReLU² in the published config), biases on q/k/v/o and on the MLP's two projections
+    "jais2": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                      attention=("projection biases (attention_bias)",),
+                      model_code=("nn.LayerNorm with bias (pre-norms and the final norm)",
+                                  "the ungated MLP down_proj(act(up_proj(x))) (ReLU² in the published config), "
+                                  "mlp_bias where set")),
+    # NanoChat (karpathy/nanochat): weightless RMSNorms (after the embedding, before attention and MLP, on
+    # q/k after the rotary, final), rotate_half with flipped signs (a rotation by -theta, which hasten's
+    # rotary kernel does not take), an ungated ReLU² MLP (fc1, fc2), the final logit softcap
+    "nanochat": ArchSpec("dense", norm=NormSpec(kind="own", class_suffix="RMSNorm", qk_norm=True),
+                         mlp=MlpSpec(kind="ungated"),
+                         rotary=RotarySpec(own=True, note="rotate_half with flipped signs, cat(x2, -x1): a rotation by "
+                                                          "-theta"),
+                         logits=_SOFTCAP,
+                         model_code=("weightless RMSNorms in float32 (NanoChatRMSNorm: no weight for hasten's kernel) "
+                                     "after the embedding, before attention and MLP, on q/k per head after the "
+                                     "rotary, and final",
+                                     "the ungated MLP fc2(act(fc1(x))) (ReLU² in the published config)")),
+    # HRM-Text: two stacks of Llama layers (L and H) run in nested cycles, H_cycles x (L_cycles + 1) stack
+    # passes over the whole sequence; the states between passes are per token (nothing carried along the
+    # sequence but attention), so packed samples stay apart as in any decoder. Weightless RMSNorms, MHA
+    # with a per-element sigmoid output gate, an embedding scale
+    "hrm_text": ArchSpec("dense", norm=NormSpec(kind="own", class_suffix="RMSNorm"),
+                         attention=("the per-element sigmoid output gate (gate_proj), in the model's own attention "
+                                    "module",),
+                         model_code=("the H/L cycle recurrence (per-token states; the earlier L cycles under no_grad, "
+                                     "L_bp_cycles)", "embedding_scale",
+                                     "weightless RMSNorms in float32 (HrmTextRMSNorm: no weight for hasten's kernel), "
+                                     "before attention and MLP and after each stack"),
+                         notes="prefix-LM (prefix_lm: the tokens token_type_ids mark attend to each other both "
+                               "ways) is a mask overlay hasten's varlen attention does not compute: a batch that "
+                               "marks any token is refused under it; hasten.PackingCollator emits no "
+                               "token_type_ids, so packed samples train causally, as the model computes without "
+                               "them"),
     # --- MoE -----------------------------------------------------------------------------------
     "qwen3_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), attention=(_WINDOWS,)),
     "qwen2_moe": ArchSpec("moe", attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),

@@ -520,6 +520,18 @@ def _refuse_images_in_a_packed_batch(bound: dict, what: str) -> None:
                                  f"{what}")
 
 
+def _refuse_a_marked_prefix(bound: dict) -> None:
+    """A prefix-LM model (the config's `prefix_lm`: HRM-Text) lets the tokens its token_type_ids mark
+    attend to each other both ways: a mask overlay that depends on the tokens, which hasten's varlen
+    attention does not compute (its reading of the mask samples rows of the first batch row only)."""
+    marked = bound.get("token_type_ids")
+    if isinstance(marked, torch.Tensor) and bool((marked != 0).any()):  # once per forward, only when given
+        raise MaskNotSupported("hasten: token_type_ids mark a bidirectional prefix (the model's prefix_lm), which "
+                               "hasten's varlen attention does not compute, packed or not. Train prefix-LM batches "
+                               "with training.packed_sequence: false (transformers' attention), or leave "
+                               "token_type_ids out (causal throughout, as the model computes without them)")
+
+
 class _PackingPreHook:
     """Once per forward, before the model runs: what a packed batch needs, by who runs attention.
 
@@ -539,6 +551,7 @@ class _PackingPreHook:
         self.stateful_calls = stateful_calls  # a hybrid model: its stateful layers' calls per forward
         self.images = images  # a multimodal table entry's `vision`: packed batches with images are refused
         self.row_limits = packed_row_limits(model)  # lengths past which the model's own code mixes samples
+        self.prefix_lm = bool(getattr(text_config(model), "prefix_lm", False))  # token_type_ids: a two-way prefix
         self.chunk = attention_chunk_size(model)  # Llama 4: its chunks built with the batch's metadata
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
@@ -559,6 +572,8 @@ class _PackingPreHook:
         # generation with a cache: leave it alone (transformers >= 5.24 names it `cache`)
         if bound.get("past_key_values") is not None or bound.get("cache") is not None:
             return None
+        if self.prefix_lm and self.mode == "hasten":
+            _refuse_a_marked_prefix(bound)
         cu_seqlens = bound.get(CU_Q)
         position_ids = bound.get("position_ids")
         mask = bound.get("attention_mask")
@@ -1091,7 +1106,9 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
     done = []
     norm_name = {"rms": "RMSNorm", "layer": "LayerNorm"}.get(spec.norm.kind)
     if kernels.rms_norm and norm_name is None:
-        handle.inactive.append(f"fused norm (the model's {spec.norm.class_suffix} is torch's own kernel already)")
+        handle.inactive.append(f"fused norm (the model's {spec.norm.class_suffix} " + (
+            "is torch's own kernel already)" if spec.norm.kind == "torch" else
+            "runs its own code: a form hasten's kernels do not take)"))
     elif kernels.rms_norm:
         undo, count, refused = install_fused_norms(target, spec.norm)
         handle._undo_steps.append(undo)
