@@ -129,6 +129,27 @@ def _random_expert_biases(model: torch.nn.Module) -> None:
             bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
 
 
+def _zaya_routing(model: torch.nn.Module) -> None:
+    """ZAYA's router (a down projection, then ZayaRouterMLP: RMSNorm, two GELU layers, the logits)
+    adds balancing biases (a buffer: zero, and -1 on its skip expert, which top-1 of probabilities
+    then never picks) before its top-1. At the zoo's scale every token of a layer goes to one expert:
+    the stream's constant offsets (its 1-D biases, moved by 0.3) swamp the tokens and the router's
+    small weights see only them. Router weights of gain 3, those offsets at a tenth and the balancing
+    biases off zero (the skip expert's too) spread the tokens over the experts and the skip one."""
+    gen = torch.Generator().manual_seed(3)
+    for module in model.modules():
+        name = type(module).__name__
+        if name == "ZayaRouter":
+            for linear in (module.down_proj, module.router_mlp.fc1, module.router_mlp.fc2, module.router_mlp.out_proj):
+                linear.weight.normal_(0.0, 3.0 * linear.in_features ** -0.5, generator=gen)
+            module.balancing_biases.copy_(0.1 * torch.randn(module.balancing_biases.shape, generator=gen))
+        elif name == "ZayaResidualScaling":
+            module.hidden_states_bias.mul_(0.1)
+            module.residual_bias.mul_(0.1)
+        elif name == "ZayaModel":
+            module.input_hidden_states_bias.mul_(0.1)
+
+
 def _zero_sinks(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(getattr(module, "sinks", None), torch.Tensor):
@@ -183,6 +204,29 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                                moe_num_shared_experts=1), "hasten"),
     Entry("hunyuan_v1_moe", dict(num_experts=4, moe_topk=2, moe_intermediate_size=16), "hasten"),
     Entry("flex_olmo", dict(num_experts=4, num_experts_per_tok=2), "hasten"),
+    # Mellum: windows of 5 on layers 0 and 2, another rotary base on the full layer, a dense first layer
+    Entry("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                         sliding_window=WINDOW, layer_types=SLIDING_3, mlp_layer_types=["dense", "sparse", "sparse"],
+                         rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=500000.0),
+                                              sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
+          "hasten", feature_off=dict(layer_types=FULL_3)),
+    # Kolibri-1: windows of 5 on layers 0 and 2 (rotary there), the full layer NoPE, pre and post norms,
+    # top-k on logits + a correction bias, sigmoid weights, a shared expert
+    Entry("kolibri1", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           shared_expert_intermediate_size=32, sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
+          feature_off=dict(sliding_window=4096), tensor_setup=_random_correction_biases),
+    # Flint: windows of 5 on layers 0 and 2 (rotary there), the full layer NoPE, random sinks on every
+    # layer, a dense first layer, an ungated shared expert
+    Entry("flint", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=32, mlp_only_layers=[0], sliding_window=WINDOW,
+                        layer_types=SLIDING_3), "hasten", tensor_feature_off=_zero_sinks),
+    # ZAYA1: its CCA projection convolves q/k over the last tokens and takes half of each value head from
+    # the previous token (state along the sequence, no varlen form in hasten): packed batches refused.
+    # Top-1 (the config allows no other) over 4 experts and the skip expert (its weight zeroed, expert 0's
+    # id); a window of 5 on the hybrid_sliding layers, half of each head rotating, two rotary bases
+    Entry("zaya", dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, router_hidden_size=32,
+                       sliding_window=WINDOW, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                       lm_head_bias=True), "refused", tensor_setup=_zaya_routing),
     # Hy3: sigmoid router with a correction bias and router_scaling_factor, a shared expert, a dense first layer
     Entry("hy_v3", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1,
                         router_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"]), "hasten",

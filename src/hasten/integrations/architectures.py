@@ -512,6 +512,46 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                            "router: softmax over the top-k logits",
                                            "the shared expert (shared_mlp: one input_linear [gate | up], SiLU, "
                                            "output_linear) where shared_intermediate_size is set")),
+    # Mellum (JetBrains Mellum2): Qwen3-MoE's layer (q/k RMSNorms per head, softmax router, normalised
+    # top-k) with sliding windows on the layers layer_types marks, a rotary base per layer type (full
+    # rotary on every layer), dense SwiGLU layers where mlp_layer_types says "dense"
+    "mellum": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                       rotary=RotarySpec(note="a rotary base per layer type (rope_parameters by layer type), chosen "
+                                              "per layer by the model"),
+                       attention=(_LAYER_WINDOWS,),
+                       model_code=("softmax router, normalised top-k (norm_topk_prob)",
+                                   "dense layers (mlp_layer_types)"),
+                       notes="the dense layers' MLPs are SwiGLU MLPs on hasten's kernel; the checkpoints' "
+                             "multi-token prediction layer (mtp.*) is not built (ignored at load)"),
+    # Kolibri-1 (Aleph Alpha): GLM-4's layer (norms after attention and MLP beside the pre-norms), q/k
+    # RMSNorms per head, rotary on the sliding-window layers only (full layers NoPE); a router that
+    # picks the top-k of logits + correction bias and weights by the sigmoid of the chosen logits,
+    # renormalised; a SwiGLU shared expert added in full on every layer
+    "kolibri1": ArchSpec("moe", norm=NormSpec(placement="pre_post", qk_norm=True),
+                         rotary=RotarySpec(note="on the sliding-window layers only (global layers without rotary "
+                                                "where a sliding window is set): the model's attention decides"),
+                         attention=(_LAYER_WINDOWS,),
+                         model_code=("router in float32: top-k of the logits plus a correction bias, the sigmoid of "
+                                     "the chosen logits, renormalised (norm_topk_prob)",
+                                     "a shared expert on every layer, added in full"),
+                         notes="post-attention and post-MLP norms beside the pre-norms; the shared experts are SwiGLU "
+                               "MLPs on hasten's kernel"),
+    # Flint (RecursiveSI): Qwen3-MoE's attention (q/k RMSNorms per head) with a learned sink logit per
+    # head on every layer, sliding windows on the layers layer_types marks, rotary on those only (full
+    # layers NoPE); a float32 sigmoid router without a bias, renormalised top-k; an ungated SwiGLU
+    # shared expert added in full; dense first layers (mlp_only_layers)
+    "flint": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+                      rotary=RotarySpec(note="only on the sliding-window layers: the model's own attention skips it "
+                                             "on the full-attention layers"),
+                      attention=(_LAYER_WINDOWS, "attention sinks on every layer (a logit per head in the softmax "
+                                 "denominator)"),
+                      model_code=("sigmoid router in float32 (no bias), renormalised top-k (norm_topk_prob)",
+                                  "a shared expert added in full (no gate)", "dense first layers (mlp_only_layers)"),
+                      notes="the shared experts and dense first-layer MLPs are SwiGLU MLPs on hasten's kernel; its "
+                            "RMSNorm multiplies the weight in float32 before the cast to the input dtype (Gemma's "
+                            "order): the same in float32, one bf16 rounding apart from hasten's kernel (Llama's "
+                            "order) in bf16; its eager attention (the reference: no sdpa) computes the scores and "
+                            "softmax in float32 under autocast too"),
     # --- hybrids: linear attention or short convolutions between attention layers (issue 19) ------
     # Qwen3-Next: Gated DeltaNet on three of four layers, gated full attention with partial rotary
     # and (1 + weight) q/k norms on the fourth, MoE with a gated shared expert on every layer
