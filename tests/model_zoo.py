@@ -446,6 +446,19 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                               moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
                               topk_method="group_limited_greedy", routed_scaling_factor=2.5, num_key_value_heads=4,
                               head_dim=8), "hasten", feature_off=dict(routed_scaling_factor=1.0)),
+    # MiniCPM3: MLA as deepseek_v2's case (q/k heads of 16 + 8, value heads of 8) with a low-rank query
+    # and projection biases, scale_emb 3, residual branches scaled by 1.4 / sqrt(3), the final hidden
+    # states divided by logits_scaling = 64 / 16 = 4
+    Entry("minicpm3", dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+                           num_key_value_heads=4, attention_bias=True, scale_emb=3.0, scale_depth=1.4,
+                           dim_model_base=16), "hasten", feature_off=dict(dim_model_base=None)),
+    # A.X-K1: deepseek_v3's case (MLA, sigmoid group-limited router, a shared expert, a dense first layer)
+    # with the RMSNorm on the MoE block's output
+    Entry("axk1", dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+                       n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+                       mlp_layer_types=["dense", "sparse", "sparse"], n_group=2, topk_group=1,
+                       routed_scaling_factor=2.5, rope_interleave=True, num_key_value_heads=4, head_dim=8), "hasten",
+          feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases),
     # ungated MLPs (one up_proj, the activation the model's own), biases on where the config has them
     Entry("arcee", dict(hidden_act="relu2", mlp_bias=True, attention_bias=True), "hasten",
           feature_off=dict(hidden_act="relu")),

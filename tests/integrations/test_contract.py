@@ -460,6 +460,32 @@ def test_a_dynamic_rotary_limits_packed_rows_to_its_original_context():
     assert max(zoo.relative_errors(got, want).values()) < 1e-4
 
 
+def test_a_longrope_rotary_limits_packed_rows_to_its_original_context():
+    """A "longrope" rotary (MiniCPM3's and Phi-3-128k's published one) switches the batch to its
+    long factors once a position passes the original context, as "dynamic" rescales: a packed batch
+    whose longest sample is past it is refused; with every sample within it a longer row equals
+    each sample alone."""
+    from tests import model_zoo as zoo
+
+    from hasten.integrations.transformers import PackedBatchRefused
+
+    entry = zoo.ENTRIES["minicpm3"]  # 8 rotary features a head: 4 factors
+
+    def longrope(context):
+        return dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.1, 1.3, 1.6],
+                                         long_factor=[1.0, 2.0, 4.0, 8.0], original_max_position_embeddings=context))
+    batch_samples = zoo.samples()  # 73 tokens in one row, the longest sample 33
+    model = zoo.build(entry, **longrope(30))
+    handle = hasten.accelerate(model)
+    with pytest.raises(PackedBatchRefused, match="longest sample has 33 tokens.*longrope rotary.*at most 30 tokens"):
+        model(**zoo.packed_batch(batch_samples))
+    handle.undo()
+    want_loss, want = zoo.per_sample_reference(zoo.build(entry, **longrope(40)), batch_samples)
+    _, loss, got = zoo.packed_run(zoo.build(entry, **longrope(40)), batch_samples)
+    assert abs(float(loss) - float(want_loss)) < 1e-5
+    assert max(zoo.relative_errors(got, want).values()) < 1e-4
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen2_5_vl", "glm4v", "glm4v_moe", "mistral3", "gemma4"])
 @pytest.mark.parametrize("pixels", ["pixel_values", "pixel_values_videos"])
 def test_vl_wrappers_train_text_packed_and_refuse_packed_images_and_videos(model_type, pixels):
@@ -553,4 +579,98 @@ def test_an_unmarked_attention_class_is_packed_only_where_its_entry_vouches(monk
     assert "does not use transformers' attention interface" in (handle.packing_refusal or ""), handle.report()
     with pytest.raises(PackedBatchRefused):
         model(**zoo.packed_batch(zoo.samples()))
+    handle.undo()
+
+
+# DeepSeek-V3.2's sparse attention (DSA) and A.X-K2's: an indexer keeps 4 keys per query, fewer than
+# the long samples have, so a dropped selection shows
+_DSA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, head_dim=8,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+            routed_scaling_factor=2.5, num_key_value_heads=4, index_topk=4, index_head_dim=16, index_n_heads=2)
+
+
+@pytest.mark.parametrize("model_type,extra", [("deepseek_v32", dict(first_k_dense_replace=1, n_group=2, topk_group=1)),
+                                              ("axk2", dict(mlp_layer_types=["dense", "sparse", "sparse"],
+                                                            gated_norm_rank=4))])
+def test_a_sparse_attention_selection_the_packed_mask_path_would_drop_is_refused(model_type, extra):
+    """These models merge their indexer's top-k into the mask only when their attention
+    implementation is named 'eager' or 'sdpa', and otherwise pass it to the attention function as
+    `indices`; the model's own attention under hasten's packed mask (another name) would drop it and
+    train as if the attention were dense. Refused; with training.packed_sequence false the
+    attention stays transformers' and a padded batch computes what the unpatched model does."""
+    from tests import model_zoo as zoo
+
+    from hasten.config import Config
+    from hasten.integrations.transformers import PackedBatchRefused
+
+    entry = zoo.Entry(model_type, dict(_DSA, **extra), "transformers")
+    batch_samples = zoo.samples()
+    reference = zoo.build(entry)
+    model = zoo.clone(reference)
+    reference.zero_grad(set_to_none=True)
+    want_loss = reference(**zoo.padded_batch(batch_samples)).loss
+    want_loss.backward()
+    want = zoo.gradients(reference)
+    handle = hasten.accelerate(model)
+    with pytest.raises(PackedBatchRefused, match="sparse attention selection.*indices.*packed_sequence: false"):
+        model(**zoo.packed_batch(batch_samples))
+    handle.undo()
+    config = Config()
+    config.training.packed_sequence = False
+    handle = hasten.accelerate(model, config)
+    model.zero_grad(set_to_none=True)
+    loss = model(**zoo.padded_batch(batch_samples)).loss
+    loss.backward()
+    assert abs(float(loss.detach()) - float(want_loss.detach())) < 1e-5
+    assert max(zoo.relative_errors(zoo.gradients(model), want).values()) < 1e-4
+    handle.undo()
+
+
+def _distinct_hash_experts(model: nn.Module) -> None:
+    """DeepSeek-V4's hash router reads its experts from a token -> ids table the model initialises
+    to zero (every token to expert 0, twice: the router's weights then get no gradient but rounding);
+    two distinct experts per token, as a checkpoint's table has."""
+    gen = torch.Generator().manual_seed(5)
+    for module in model.modules():
+        table = module._buffers.get("tid2eid")
+        if table is not None:
+            experts = module.weight.shape[0]
+            table.copy_(torch.stack([torch.randperm(experts, generator=gen)[:table.shape[1]]
+                                     for _ in range(table.shape[0])]))
+
+
+def test_deepseek_v4_refuses_packed_batches_and_trains_padded_ones_exactly():
+    """DeepSeek-V4 (outside the table): its compressed layers pool windows of tokens along the row
+    (across a packed row's samples) and extend the mask with their own block bias; the mask its
+    attention then receives is not hasten's, so a packed batch is refused at that call. A padded
+    batch runs the model's own attention and computes what the unpatched model does."""
+    from tests import model_zoo as zoo
+
+    from hasten.integrations.transformers import PackedBatchRefused
+
+    entry = zoo.Entry("deepseek_v4", dict(num_key_value_heads=1, head_dim=32, q_lora_rank=24, n_routed_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=16, hc_mult=2,
+                                          sliding_window=zoo.WINDOW, o_groups=2, o_lora_rank=16, index_n_heads=2,
+                                          index_head_dim=16, index_topk=4, partial_rotary_factor=0.25,
+                                          layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                       "heavily_compressed_attention"],
+                                          compress_rates={"compressed_sparse_attention": 4,
+                                                          "heavily_compressed_attention": 8},
+                                          mlp_layer_types=["hash_moe", "moe", "moe"]), "transformers",
+                      tensor_setup=_distinct_hash_experts)
+    batch_samples = zoo.samples()
+    reference = zoo.build(entry)
+    model = zoo.clone(reference)
+    reference.zero_grad(set_to_none=True)
+    want_loss = reference(**zoo.padded_batch(batch_samples)).loss
+    want_loss.backward()
+    want = zoo.gradients(reference)
+    handle = hasten.accelerate(model)
+    with pytest.raises(PackedBatchRefused, match="DeepseekV4Attention.*packed_sequence: false"):
+        model(**zoo.packed_batch(batch_samples))
+    model.zero_grad(set_to_none=True)
+    loss = model(**zoo.padded_batch(batch_samples)).loss
+    loss.backward()
+    assert abs(float(loss.detach()) - float(want_loss.detach())) < 1e-5
+    assert max(zoo.relative_errors(zoo.gradients(model), want).values()) < 1e-4
     handle.undo()

@@ -394,6 +394,32 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # GLM-4.7-Flash: DeepSeek-V3's layout (MLA, the same router) under GLM's names
     "glm4_moe_lite": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
+    # MiniCPM3: a dense Llama decoder with DeepSeek-V2's multi-head latent attention (an optional
+    # low-rank query, keys and values from a compressed latent, value heads smaller), rotated by the
+    # standard apply_rotary_pos_emb on the rope part of each head; muP-style scale_emb on the
+    # embeddings, scale_depth / sqrt(layers) on each residual branch, and the final hidden states
+    # divided by logits_scaling (hidden_size / dim_model_base, a config property) before the LM head
+    "minicpm3": ArchSpec("dense", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
+                         rotary=RotarySpec(note="on the rope part of each query/key head (qk_rope_head_dim), which "
+                                                "the model's attention passes alone (the key's one shared rope head "
+                                                "too): halves, rotate_half"),
+                         attention=(_MLA, "projection biases (attention_bias)"),
+                         model_code=("embedding scale scale_emb",
+                                     "residual branches scaled by scale_depth / sqrt(num_hidden_layers)",
+                                     "low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) "
+                                     "projections with their RMSNorms"),
+                         notes="the model divides the final hidden states by logits_scaling before its bias-free LM "
+                               "head: the fused loss's logit scale 1 / logits_scaling (one rounding of the scaled "
+                               "hidden state apart in bf16)"),
+    # A.X-K1 (SK Telecom): DeepSeek-V3's layout (MLA with a low-rank query, the sigmoid group-limited
+    # router, a shared expert, dense layers where mlp_layer_types says) plus an RMSNorm on the MoE
+    # block's output (post_mlp_layernorm, inside the block, after the shared expert is added)
+    "axk1": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=(
+        "low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) projections with their RMSNorms",
+        "sigmoid router with a correction bias, group-limited top-k, routed scaling", "shared experts",
+        "dense layers (mlp_layer_types; legacy first_k_dense_replace / moe_layer_freq)",
+        "the MoE block's output RMSNorm (post_mlp_layernorm), applied by the block after the shared experts"),
+        notes="the post-MoE norm is an RMSNorm module of the model's class: on hasten's kernel like the others"),
     "phimoe": ArchSpec("moe", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
                        attention=(_WINDOWS, "qkv bias"),
                        model_code=("the sparsemixer top-2 router (with its jitter where the config sets one)",

@@ -124,7 +124,9 @@ def packed_row_limits(model: nn.Module) -> list[tuple[int, str, str]]:
       shorter than floor_scale, packed or not.
     - A "dynamic" (NTK) rotary rescales its frequencies for the whole batch once its largest
       position passes the original context: in a packed row, one long sample would change the
-      frequencies of the others. Rows no longer than that context never rescale."""
+      frequencies of the others. Rows no longer than that context never rescale. A "longrope"
+      rotary (Phi-3's 128k checkpoints, MiniCPM3) picks its long or short factors the same way,
+      from the batch's largest position."""
     config = text_config(model)
     limits = []
     no_rope = [layer for layer, uses_rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not uses_rope]
@@ -134,11 +136,18 @@ def packed_row_limits(model: nn.Module) -> list[tuple[int, str, str]]:
                                              f"{floor_scale}) on {len(no_rope)} layers without rotary counts positions "
                                              "along the packed row"))
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type == "dynamic":
         context = rope.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings", None)
         if context:
             limits.append((int(context), "sample", f"its dynamic rotary rescales every sample's frequencies once "
                                                    f"one sample passes {context} positions"))
+    elif rope_type == "longrope":
+        context = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                           None)
+        if context:
+            limits.append((int(context), "sample", f"its longrope rotary switches every sample to its long factors "
+                                                   f"once one sample passes {context} positions"))
     return limits
 
 

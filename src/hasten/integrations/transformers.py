@@ -318,6 +318,16 @@ def hasten_dense_attention_forward(module: torch.nn.Module, query: torch.Tensor,
             raise NotImplementedError(f"{type(module).__name__} passes {', '.join(dropped)} to transformers' sdpa "
                                       "attention, which does not apply it; load the model with "
                                       "attn_implementation='eager' (or upgrade transformers)")
+    # DeepSeek-V3.2's sparse attention (and A.X-K2, GLM-MoE-DSA, MiniMax-M3...) merges its indexer's
+    # top-k into the mask only under the implementation names "eager" and "sdpa"; under any other
+    # name (this path's) it hands the selection to the attention function, which eager and sdpa ignore
+    sparse = [name for name in ("indices", "block_indices") if kwargs.get(name) is not None]
+    if sparse:
+        raise PackedBatchRefused(f"hasten: {type(module).__name__} passes a sparse attention selection "
+                                 f"({', '.join(sparse)}) to its attention function, which its model merges into the "
+                                 "mask only under transformers' own 'eager' and 'sdpa' names; the model's attention "
+                                 "under hasten's packed mask would drop it. Train this model with padded batches "
+                                 "(training.packed_sequence: false), where its attention stays transformers'.")
     state = _current_forward()
     if state is not None and state.sample_ids is not None and not any(attention_mask is m for m in state.masks):
         raise PackedBatchRefused(f"hasten: {type(module).__name__} of a packed batch received an attention mask that "
