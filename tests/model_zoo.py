@@ -352,6 +352,36 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                            use_parallel_residual=True, hidden_dropout=0.0), "hasten",
           feature_off=dict(rope_parameters=dict(PARTIAL_QUARTER, partial_rotary_factor=1.0))),
     Entry("gemma", dict(hidden_act="gelu_pytorch_tanh"), "hasten"),
+    # Gemma 4 unified: gemma4_text's case without PLE or MoE, keys as values on the full layer, a double-wide
+    # MLP on the KV-shared last layer; use_bidirectional_attention left at its default "vision" (text causal)
+    Entry("gemma4_unified_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=2.0,
+                                      num_kv_shared_layers=1, global_head_dim=32, attention_k_eq_v=True,
+                                      use_double_wide_mlp=True), "hasten",
+          feature_off=dict(final_logit_softcapping=None)),
+    # its wrapper (Gemma4UnifiedForConditionalGeneration) on text-only packed batches, a tiny encoder-free
+    # vision embedder (never run by text batches); its head applies the text config's final softcap
+    Entry("gemma4_unified", dict(text_config=dict(sliding_window=WINDOW, layer_types=SLIDING_3,
+                                                  final_logit_softcapping=2.0, num_kv_shared_layers=1,
+                                                  global_head_dim=32),
+                                 vision_config=dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=64,
+                                                    mm_posemb_size=16, output_proj_dims=64)), "hasten",
+          feature_off=dict(text_config=dict(sliding_window=512, layer_types=SLIDING_3, final_logit_softcapping=2.0,
+                                            num_kv_shared_layers=1, global_head_dim=32),
+                           vision_config=dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=64, mm_posemb_size=16,
+                                              output_proj_dims=64)),
+          notes="Gemma4UnifiedForConditionalGeneration; a packed batch with media is refused. Off: windows past the "
+                "samples (the softcap alone moves this draw's gradients by 0.9%)"),
+    # JetMoE: 4 experts, 2 per token, in the MoA (query heads: 2 experts x 2 heads of 16) and the MLP; random
+    # output biases on both. Off: one expert per token (2 query heads)
+    Entry("jetmoe", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16), "hasten",
+          feature_off=dict(num_experts_per_tok=1)),
+    # DBRX: q/k/v clamped at 0.3 (well inside their spread), 2 K/V heads, 2 of 4 experts renormalised; d_model
+    # given itself (the config mirrors it into ffn_config before hidden_size is mapped); its attention reads
+    # attn_config.rope_theta, which published configs carry and the config class does not default. Off: a
+    # clamp at 1e4 (transformers 5.24's DBRX attention fails on clip_qkv=None: torch.clamp of two Nones)
+    Entry("dbrx", dict(d_model=64, attn_config=dict(kv_n_heads=2, clip_qkv=0.3, rope_theta=10000.0),
+                       ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)), "hasten",
+          feature_off=dict(attn_config=dict(kv_n_heads=2, clip_qkv=1e4, rope_theta=10000.0))),
     Entry("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
           feature_off=dict(layer_types=FULL_3)),
     Entry("cohere2", dict(sliding_window=WINDOW, layer_types=SLIDING_3, logit_scale=0.5), "hasten",

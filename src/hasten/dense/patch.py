@@ -306,12 +306,14 @@ def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
     """Returns (undo, number of modules patched, reasons other MLP classes were left alone)."""
     if spec.kind not in _GATES:
         return (lambda: None), 0, []
+    candidates = [m for m in model.modules() if _is_gated_mlp(m, spec)]
+    if not candidates:  # e.g. an MoE model whose experts are all its MLPs (JetMoE, DBRX: no hidden_act either)
+        return (lambda: None), 0, []
     activation = _activation(config if config is not None else model.config)
     if activation not in _ACTIVATIONS[spec.kind] and not spec.fixed_activation:
         return (lambda: None), 0, [f"the config's activation '{activation}' is not the table's "
                                    f"{_GATES[spec.kind][0]} gate"]
-    patched, refused = _checked_by_class([m for m in model.modules() if _is_gated_mlp(m, spec)],
-                                         lambda m: gated_mlp_mismatch(m, spec))
+    patched, refused = _checked_by_class(candidates, lambda m: gated_mlp_mismatch(m, spec))
     if spec.fused_gate_up:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             gate_up = self.gate_up_proj(x)  # (..., 2I): [gate | up]

@@ -224,6 +224,61 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         vision=("text-only packed batches on hasten's attention; a packed batch with images or videos "
                 "(pixel_values, pixel_values_videos) is refused: image tokens attend to each other both ways. "
                 "Images train padded (training.packed_sequence: false)")),
+    # Gemma 4 "unified" (Gemma4UnifiedForCausalLM): gemma4_text's decoder (pre and post norms,
+    # q/k norms per head, GeGLU, windows on the layers layer_types marks, K/V shared across the last
+    # layers, a partial 'proportional' rotary on global layers) without per-layer input embeddings or
+    # MoE; use_bidirectional_attention defaults to "vision", which leaves text tokens causal
+    "gemma4_unified_text": dataclasses.replace(
+        _GEMMA4_TEXT,
+        attention=(_LAYER_WINDOWS, "use_bidirectional_attention 'vision' (its default): text tokens causal, only "
+                   "image/video tokens (none in a text model) attend both ways"),
+        model_code=("embedding scale sqrt(hidden)", "K/V shared across the last layers (num_kv_shared_layers)",
+                    "a value norm without weight", "keys as values on full-attention layers (attention_k_eq_v)",
+                    "layer_scalar on each layer's output")),
+    # Gemma 4 unified's multimodal wrapper (Gemma4UnifiedForConditionalGeneration): the text model
+    # above inside, no vision or audio tower (raw patches and waveform frames projected by small
+    # embedders); its head applies the text config's final softcap, as gemma4's wrapper does
+    "gemma4_unified": dataclasses.replace(
+        _GEMMA4_TEXT,
+        attention=(_LAYER_WINDOWS, "use_bidirectional_attention 'vision' (its default): text tokens causal; image "
+                   "and video tokens attend to their own block both ways (packed media batches refused)"),
+        model_code=("embedding scale sqrt(hidden)", "K/V shared across the last layers (num_kv_shared_layers)",
+                    "a value norm without weight", "keys as values on full-attention layers (attention_k_eq_v)",
+                    "layer_scalar on each layer's output",
+                    "the encoder-free vision and audio embedders (LayerNorms, a patch projection, factorized 2-D "
+                    "position embeddings, an RMSNorm and a projection)"),
+        vision=("text-only packed batches on hasten's attention; a packed batch with images, videos or audio "
+                "(pixel_values, pixel_values_videos, input_features, mm_encoder_outputs, or media tokens marked in "
+                "mm_token_type_ids) is refused: image tokens attend to each other both ways. Media train padded "
+                "(training.packed_sequence: false)")),
+    # JetMoE: a mixture of attention heads (MoA) and of MLP experts, both routed top-k (softmax over
+    # the k logits). Each token's query heads are its k routed experts' query projections
+    # (num_key_value_heads heads each) and one kv_proj's K/V is repeated k times: the attention call
+    # is plain multi-head attention over k * num_key_value_heads heads, which hasten's varlen attention
+    # computes; the experts' projections and output biases around it are the model's own
+    "jetmoe": ArchSpec("moe",
+                       attention=("mixture of attention heads: query heads from the top-k routed experts' query "
+                                  "projections, K/V (one kv_proj) repeated for each; plain multi-head attention at "
+                                  "the call",),
+                       model_code=("the MoA router, its experts' query and output projections (JetMoeParallelExperts) "
+                                   "and the output bias", "the MLP router (softmax over the top-k logits)",
+                                   "the MLP experts and their output bias"),
+                       experts="JetMoeMoE's experts are JetMoeParallelExperts (weights (E, out, in), a per-expert "
+                               "loop over the routed rows, [gate | up] chunked, a bias added after the combine), "
+                               "not transformers' experts interface",
+                       notes="the decoder norms are built with eps 1e-6 whatever rms_norm_eps says (the final norm "
+                             "reads it); hasten's RMSNorm reads each module's own"),
+    # DBRX: nn.LayerNorm without bias (torch's kernel), one Wqkv projection clamped to +-clip_qkv before
+    # the split, GQA, full rotary; a softmax router over all experts with the top-k weights
+    # renormalised by their p-norm, experts stored as stacked 2-D w1 / v1 / w2 parameters
+    "dbrx": ArchSpec("moe", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
+                     attention=("qkv clipping (clip_qkv) before the attention call",),
+                     model_code=("fused Wqkv projection, q/k/v clamped to +-clip_qkv",
+                                 "router: softmax over all experts, top-k, weights divided by their p-norm "
+                                 "(moe_normalize_expert_weights)",
+                                 "the router's input jitter in training where moe_jitter_eps is set"),
+                     experts="DbrxExperts holds w1, v1, w2 as (E * ffn_hidden_size, hidden) parameters and loops "
+                             "over the hit experts itself: not transformers' experts interface"),
     # --- Cohere: LayerNorm without bias, interleaved rotary, parallel blocks, logit scale -----
     "cohere": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
                        rotary=RotarySpec(interleaved=True), logits=LogitSpec(scale_key="logit_scale"),

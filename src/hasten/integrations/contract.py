@@ -91,8 +91,12 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
         qk_dim = nope + rope                    # can be stale: GLM-4.7-Flash's after a head_dim override)
     if qk_dim is not None and v_dim is not None and v_dim > qk_dim:
         missing["mla"] = f"value heads ({v_dim}) wider than the query/key heads ({qk_dim})"
-    if getattr(config, "use_bidirectional_attention", False):
-        missing["bidirectional"] = "bidirectional attention (use_bidirectional_attention)"
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    # Gemma 4's "vision": image and video tokens attend to each other both ways, text causally
+    # (its attention modules are causal unless "all"); media make the model multimodal below, or
+    # its table entry refuses packed batches with media itself (`vision`)
+    if bidirectional and bidirectional != "vision":
+        missing["bidirectional"] = f"bidirectional attention (use_bidirectional_attention={bidirectional!r})"
     if _nonzero(getattr(config, "alibi", None)):
         missing["alibi"] = "ALiBi position biases"
     other = sorted({t for t in getattr(config, "layer_types", None) or []
@@ -173,6 +177,7 @@ ATTENTION_KWARGS_READ = frozenset({"position_ids", "is_causal", CU_Q, CU_K, MAX_
 ATTENTION_KWARGS_INERT = frozenset({
     "cache_position", "use_cache", "past_key_values", "cache",  # cache bookkeeping, updated before the call
     "num_items_in_batch", "output_hidden_states", "output_router_logits",  # read by the model, not attention
+    "labels",  # the loss's: Gemma 4's wrappers pass them to their decoder, which hands its kwargs to attention
     "seq_idx",  # read by state-space layers (packing into those is refused)
     "position_embeddings",  # rotary already applied to q and k
     "layer_idx", "target_dtype",  # flash bookkeeping

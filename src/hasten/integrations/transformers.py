@@ -881,7 +881,10 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
             handle.inactive.append("training.moe.fused_grouping is false: the MoE blocks run as transformers wrote them")
         return
     if not experts:
-        if config.training.moe.fused_grouping:
+        if spec is not None and spec.family == "moe" and spec.experts:
+            # experts outside transformers' experts interface, named by the table entry (JetMoE, DBRX)
+            handle.inactive.append(f"fused MoE experts (the model's own: {spec.experts})")
+        elif config.training.moe.fused_grouping:
             handle.inactive.append("training.moe.fused_grouping (this model has no MoE experts)")
         return
     if not config.training.moe.fused_grouping:
