@@ -64,3 +64,22 @@ def test_wrapped_lm_head_is_refused_with_the_reason():
     handle = hasten.accelerate(model, Config())
     assert any("not a plain nn.Linear" in item for item in handle.inactive)
     assert fallback_counts().get("fused_cross_entropy") == 1
+
+
+def test_an_lm_head_with_its_own_forward_is_refused():
+    """An nn.Linear subclass that computes more than x @ W^T + b (Dory's head scales its logits by a
+    learned vector) would be silently wrong under the fused loss, which reads the weight."""
+
+    class ScaledHead(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    head = ScaledHead(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    head.weight = model.lm_head.weight
+    model.lm_head = head
+    handle = hasten.accelerate(model, Config())
+    assert any("with a forward of its own" in item for item in handle.inactive)
+    assert model(**packed_batch()).logits is not None  # transformers' own forward: the head's scale applied
+    assert fallback_counts().get("fused_cross_entropy") == 1

@@ -63,6 +63,11 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap
     if not isinstance(model.lm_head, nn.Linear):
         raise FusedLossUnsupported(f"the LM head is a {type(model.lm_head).__name__}, not a plain nn.Linear "
                                    "(wrapped by PEFT or quantized); the fused loss reads its weight directly")
+    if type(model.lm_head).forward is not nn.Linear.forward:
+        # a subclass with its own forward computes something beyond x @ W^T + b (Dory's head scales
+        # its logits by a learned vector), which reading the weight would drop
+        raise FusedLossUnsupported(f"the LM head is a {type(model.lm_head).__name__} with a forward of its own, not "
+                                   "a plain nn.Linear; the fused loss reads its weight directly and would skip it")
     if logit_scale != 1.0 and model.lm_head.bias is not None:
         raise FusedLossUnsupported(f"a logit scale ({logit_scale:g}) with an LM head bias: the fused loss scales the "
                                    "hidden states, which scales the bias too")
