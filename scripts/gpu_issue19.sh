@@ -6,9 +6,11 @@
 # transformers 5.17 has every hybrid type of the table, but its Lfm2ShortConv takes no keyword
 # arguments (LFM2 packed is refused there), and lfm2_moe, lfm3 and lara_mini are 5.24's:
 # .whl/transformers_pruned.tar.xz (1.5 MB) runs them on 5.24, with the other types new in 5.24:
-#   bash scripts/transformers_bundle.sh 5.24.0 lfm2 qwen3_next qwen3_5 qwen3_5_moe olmo_hybrid llama4 \
-#     ministral3 granite_swa hyperclovax youtu gpt_neox phi stablelm hy_v3 mimo_v2_flash laguna \
-#     granitemoe_swa lfm2_moe lfm3 lara_mini qwen4_exp mistral3 qwen3_moe gpt_oss deepseek_v2
+#   bash scripts/transformers_bundle.sh 5.24.0 lfm2 qwen3_next qwen3_5 qwen3_5_moe olmo_hybrid \
+#     llama4 ministral3 granite_swa hyperclovax youtu gpt_neox phi stablelm hy_v3 mimo_v2_flash \
+#     laguna granitemoe_swa lfm2_moe lfm3 lara_mini qwen4_exp mistral3 qwen3_moe gpt_oss \
+#     deepseek_v2 phi3 phimoe jais2 nanochat hrm_text mellum kolibri1 flint minicpm3 axk1 \
+#     gemma4_unified jetmoe dbrx zaya axk2 deepseek_v32 deepseek_v4
 # (a type left out of the bundle fails to import in that call). A cold machine compiles and autotunes
 # fla's Triton and TileLang kernels once per head shape: at fac8d45 the GPU tests took 145 s cold on
 # 5.17, over 240 s cold on 5.24 (grouped value heads, another shape) and 51 s warm.
