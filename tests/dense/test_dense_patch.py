@@ -115,3 +115,34 @@ def test_mixed_dtypes_fall_back_to_transformers_norm():
     out = norm(x)
     assert out.dtype == torch.float64
     assert hasten.observability.fallback_counts().get("fused_rms_norm") == 1
+
+
+def test_each_configuration_of_a_norm_class_is_checked_not_only_the_first():
+    """A class can serve several roles (a per-instance flag, another shape): checking its first
+    module alone would vouch for the others. Here one instance of a norm class doubles its output;
+    it must stay the model's while its siblings take the kernel."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hasten.dense.patch import install_fused_norms
+
+    class FlaggedRMSNorm(LlamaRMSNorm):
+        def __init__(self, hidden, eps, doubled):
+            super().__init__(hidden, eps=eps)
+            self.doubled = doubled
+
+        def forward(self, hidden_states):
+            out = super().forward(hidden_states)
+            return out * 2 if self.doubled else out
+
+    model = MODELS["llama"]()
+    norms = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, LlamaRMSNorm)]
+    for i, (parent, name, child) in enumerate(norms):
+        flagged = FlaggedRMSNorm(child.weight.shape[0], child.variance_epsilon, doubled=(i == len(norms) - 1))
+        flagged.weight.data.copy_(child.weight.data)
+        setattr(parent, name, flagged)
+    undo, count, refused = install_fused_norms(model)
+    doubled = norms[-1][0].get_submodule(norms[-1][1])
+    assert count == len(norms) - 1 and "forward" not in vars(doubled), (count, refused)
+    assert any("FlaggedRMSNorm computes something other than" in reason for reason in refused), refused
+    undo()

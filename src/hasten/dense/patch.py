@@ -264,13 +264,32 @@ def _restore_forwards(modules: list[nn.Module]):
     return undo
 
 
+# instance attributes that number a module rather than configure it (one check serves every layer)
+_BOOKKEEPING = ("layer_idx", "layer_id", "layer_number", "idx", "name")
+
+
+def _configuration(module: nn.Module) -> tuple:
+    """What can make two modules of one class compute differently: the class, the shapes of its own
+    parameters and buffers, and its plain-valued attributes (eps, flags, sizes). A class may serve
+    several roles (Qwen4-exp's RMSNorm also normalises grouped hyper-connection streams; a norm with
+    a per-instance flag): each configuration is checked, not just the class's first module."""
+    tensors = tuple((name, tuple(t.shape)) for name, t in [*module._parameters.items(), *module._buffers.items()]
+                    if t is not None)
+    plain = tuple(sorted((key, value) for key, value in vars(module).items()
+                         if not key.startswith("_") and key != "training" and key not in _BOOKKEEPING
+                         and isinstance(value, (bool, int, float, str, type(None)))))
+    return type(module), tensors, plain
+
+
 def _checked_by_class(candidates: list[nn.Module], check) -> tuple[list[nn.Module], list[str]]:
-    """The candidates whose class passes `check` (run once per class), and the reasons of the others."""
-    verdicts: dict[type, str | None] = {}
+    """The candidates that pass `check` (run once per class and configuration: `_configuration`),
+    and the reasons of the others."""
+    verdicts: dict[tuple, str | None] = {}
     for module in candidates:
-        if type(module) not in verdicts:
-            verdicts[type(module)] = check(module)
-    passed = [m for m in candidates if verdicts[type(m)] is None]
+        key = _configuration(module)
+        if key not in verdicts:
+            verdicts[key] = check(module)
+    passed = [m for m in candidates if verdicts[_configuration(m)] is None]
     return passed, sorted({reason for reason in verdicts.values() if reason is not None})
 
 
