@@ -109,24 +109,25 @@ def _slow_decay(model: torch.nn.Module) -> None:
             module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(0.05, 1.0, generator=gen).log())
 
 
-def _random_correction_biases(model: torch.nn.Module) -> None:
-    """The routers' score correction bias is a buffer the model initialises to zero (the 1-D
-    parameters moved in build() do not include it): set off zero so that it changes the choice."""
-    gen = torch.Generator().manual_seed(3)
-    for module in model.modules():
-        bias = module._buffers.get("e_score_correction_bias")
-        if bias is not None:
-            bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
+def _random_buffer(name: str, why: str):
+    """A tensor_setup setting the router buffer `name` off the zero the model initialises it to, so
+    that it changes the expert choice (the 1-D parameters moved in build() do not include buffers)."""
+
+    def setup(model: torch.nn.Module) -> None:
+        gen = torch.Generator().manual_seed(3)
+        for module in model.modules():
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
+
+    setup.__doc__ = why
+    return setup
 
 
-def _random_expert_biases(model: torch.nn.Module) -> None:
-    """LFM2-MoE's router adds an expert bias (a buffer the model initialises to zero) to its sigmoid
-    scores before the top-k: set off zero so that it changes the choice."""
-    gen = torch.Generator().manual_seed(3)
-    for module in model.modules():
-        bias = module._buffers.get("expert_bias")
-        if bias is not None:
-            bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
+# the routers' score correction bias (DeepSeek-V3's layout and its kin)
+_random_correction_biases = _random_buffer("e_score_correction_bias", "routers' score correction biases off zero")
+# LFM2-MoE's router adds an expert bias to its sigmoid scores before the top-k
+_random_expert_biases = _random_buffer("expert_bias", "LFM2-MoE's expert biases off zero")
 
 
 def _zaya_routing(model: torch.nn.Module) -> None:

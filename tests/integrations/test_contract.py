@@ -589,6 +589,29 @@ _DSA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_di
             routed_scaling_factor=2.5, num_key_value_heads=4, index_topk=4, index_head_dim=16, index_n_heads=2)
 
 
+def _padded_reference(entry, batch_samples):
+    """(a copy of the entry's model, the unpatched model's loss and gradients on a padded batch):
+    what a model whose packed batches hasten refuses must still compute padded."""
+    from tests import model_zoo as zoo
+
+    reference = zoo.build(entry)
+    model = zoo.clone(reference)
+    reference.zero_grad(set_to_none=True)
+    want_loss = reference(**zoo.padded_batch(batch_samples)).loss
+    want_loss.backward()
+    return model, want_loss.detach(), zoo.gradients(reference)
+
+
+def _assert_padded_batch_exact(model, batch_samples, want_loss, want):
+    from tests import model_zoo as zoo
+
+    model.zero_grad(set_to_none=True)
+    loss = model(**zoo.padded_batch(batch_samples)).loss
+    loss.backward()
+    assert abs(float(loss.detach()) - float(want_loss)) < 1e-5
+    assert max(zoo.relative_errors(zoo.gradients(model), want).values()) < 1e-4
+
+
 @pytest.mark.parametrize("model_type,extra", [("deepseek_v32", dict(first_k_dense_replace=1, n_group=2, topk_group=1)),
                                               ("axk2", dict(mlp_layer_types=["dense", "sparse", "sparse"],
                                                             gated_norm_rank=4))])
@@ -605,12 +628,7 @@ def test_a_sparse_attention_selection_the_packed_mask_path_would_drop_is_refused
 
     entry = zoo.Entry(model_type, dict(_DSA, **extra), "transformers")
     batch_samples = zoo.samples()
-    reference = zoo.build(entry)
-    model = zoo.clone(reference)
-    reference.zero_grad(set_to_none=True)
-    want_loss = reference(**zoo.padded_batch(batch_samples)).loss
-    want_loss.backward()
-    want = zoo.gradients(reference)
+    model, want_loss, want = _padded_reference(entry, batch_samples)
     handle = hasten.accelerate(model)
     with pytest.raises(PackedBatchRefused, match="sparse attention selection.*indices.*packed_sequence: false"):
         model(**zoo.packed_batch(batch_samples))
@@ -618,11 +636,7 @@ def test_a_sparse_attention_selection_the_packed_mask_path_would_drop_is_refused
     config = Config()
     config.training.packed_sequence = False
     handle = hasten.accelerate(model, config)
-    model.zero_grad(set_to_none=True)
-    loss = model(**zoo.padded_batch(batch_samples)).loss
-    loss.backward()
-    assert abs(float(loss.detach()) - float(want_loss.detach())) < 1e-5
-    assert max(zoo.relative_errors(zoo.gradients(model), want).values()) < 1e-4
+    _assert_padded_batch_exact(model, batch_samples, want_loss, want)
     handle.undo()
 
 
@@ -659,18 +673,9 @@ def test_deepseek_v4_refuses_packed_batches_and_trains_padded_ones_exactly():
                                           mlp_layer_types=["hash_moe", "moe", "moe"]), "transformers",
                       tensor_setup=_distinct_hash_experts)
     batch_samples = zoo.samples()
-    reference = zoo.build(entry)
-    model = zoo.clone(reference)
-    reference.zero_grad(set_to_none=True)
-    want_loss = reference(**zoo.padded_batch(batch_samples)).loss
-    want_loss.backward()
-    want = zoo.gradients(reference)
+    model, want_loss, want = _padded_reference(entry, batch_samples)
     handle = hasten.accelerate(model)
     with pytest.raises(PackedBatchRefused, match="DeepseekV4Attention.*packed_sequence: false"):
         model(**zoo.packed_batch(batch_samples))
-    model.zero_grad(set_to_none=True)
-    loss = model(**zoo.padded_batch(batch_samples)).loss
-    loss.backward()
-    assert abs(float(loss.detach()) - float(want_loss.detach())) < 1e-5
-    assert max(zoo.relative_errors(zoo.gradients(model), want).values()) < 1e-4
+    _assert_padded_batch_exact(model, batch_samples, want_loss, want)
     handle.undo()

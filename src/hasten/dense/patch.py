@@ -284,18 +284,18 @@ def _configuration(module: nn.Module) -> tuple:
 def _checked_by_class(candidates: list[nn.Module], check) -> tuple[list[nn.Module], list[str]]:
     """The candidates that pass `check` (run once per class and configuration: `_configuration`),
     and the reasons of the others."""
+    keyed = [(_configuration(module), module) for module in candidates]
     verdicts: dict[tuple, str | None] = {}
-    for module in candidates:
-        key = _configuration(module)
+    for key, module in keyed:
         if key not in verdicts:
             verdicts[key] = check(module)
-    passed = [m for m in candidates if verdicts[_configuration(m)] is None]
+    passed = [module for key, module in keyed if verdicts[key] is None]
     return passed, sorted({reason for reason in verdicts.values() if reason is not None})
 
 
 def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
     """Returns (undo, number of modules patched, reasons other norm classes were left alone)."""
-    if spec.kind in ("torch", "own"):
+    if not spec.fused:
         return (lambda: None), 0, []
     patched, refused = _checked_by_class([m for m in model.modules() if _is_norm(m, spec)],
                                          lambda m: rms_norm_mismatch(m, spec))

@@ -36,6 +36,11 @@ class NormSpec:
     placement: str = "pre"
     qk_norm: bool = False
 
+    @property
+    def fused(self) -> bool:
+        """Whether hasten's norm kernel takes this norm ("torch" and "own" stay the model's code)."""
+        return self.kind not in ("torch", "own")
+
 
 @dataclass(frozen=True)
 class MlpSpec:

@@ -79,6 +79,14 @@ _GEMMA4_TEXT = ArchSpec("dense", norm=NormSpec(eps_attribute="eps", placement="p
                         model_code=("embedding scale sqrt(hidden)", "per-layer input embeddings",
                                     "K/V shared across the last layers", "a value norm without weight"))
 
+_GEMMA4_UNIFIED_TEXT = dataclasses.replace(
+    _GEMMA4_TEXT,
+    attention=(_LAYER_WINDOWS, "use_bidirectional_attention 'vision' (its default): text tokens causal, only "
+               "image/video tokens (none in a text model) attend both ways"),
+    model_code=("embedding scale sqrt(hidden)", "K/V shared across the last layers (num_kv_shared_layers)",
+                "a value norm without weight", "keys as values on full-attention layers (attention_k_eq_v)",
+                "layer_scalar on each layer's output"))
+
 _MLA = ("multi-head latent attention: value heads (v_head_dim) smaller than the query/key heads "
         "(qk_nope_head_dim + qk_rope_head_dim), zero-padded to their size for the varlen kernels and sliced back")
 _DEEPSEEK_ROTARY = RotarySpec(own=True, note="on the rope part of each query/key head (qk_rope_head_dim) inside the "
@@ -228,25 +236,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # q/k norms per head, GeGLU, windows on the layers layer_types marks, K/V shared across the last
     # layers, a partial 'proportional' rotary on global layers) without per-layer input embeddings or
     # MoE; use_bidirectional_attention defaults to "vision", which leaves text tokens causal
-    "gemma4_unified_text": dataclasses.replace(
-        _GEMMA4_TEXT,
-        attention=(_LAYER_WINDOWS, "use_bidirectional_attention 'vision' (its default): text tokens causal, only "
-                   "image/video tokens (none in a text model) attend both ways"),
-        model_code=("embedding scale sqrt(hidden)", "K/V shared across the last layers (num_kv_shared_layers)",
-                    "a value norm without weight", "keys as values on full-attention layers (attention_k_eq_v)",
-                    "layer_scalar on each layer's output")),
+    "gemma4_unified_text": _GEMMA4_UNIFIED_TEXT,
     # Gemma 4 unified's multimodal wrapper (Gemma4UnifiedForConditionalGeneration): the text model
     # above inside, no vision or audio tower (raw patches and waveform frames projected by small
     # embedders); its head applies the text config's final softcap, as gemma4's wrapper does
     "gemma4_unified": dataclasses.replace(
-        _GEMMA4_TEXT,
+        _GEMMA4_UNIFIED_TEXT,
         attention=(_LAYER_WINDOWS, "use_bidirectional_attention 'vision' (its default): text tokens causal; image "
                    "and video tokens attend to their own block both ways (packed media batches refused)"),
-        model_code=("embedding scale sqrt(hidden)", "K/V shared across the last layers (num_kv_shared_layers)",
-                    "a value norm without weight", "keys as values on full-attention layers (attention_k_eq_v)",
-                    "layer_scalar on each layer's output",
-                    "the encoder-free vision and audio embedders (LayerNorms, a patch projection, factorized 2-D "
-                    "position embeddings, an RMSNorm and a projection)"),
+        model_code=_GEMMA4_UNIFIED_TEXT.model_code + (
+            "the encoder-free vision and audio embedders (LayerNorms, a patch projection, factorized 2-D "
+            "position embeddings, an RMSNorm and a projection)",),
         vision=("text-only packed batches on hasten's attention; a packed batch with images, videos or audio "
                 "(pixel_values, pixel_values_videos, input_features, mm_encoder_outputs, or media tokens marked in "
                 "mm_token_type_ids) is refused: image tokens attend to each other both ways. Media train padded "

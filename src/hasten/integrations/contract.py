@@ -62,8 +62,7 @@ def uses_attention_interface(model: nn.Module, spec) -> bool:
     (with a `stateful` spec, each proven by its parity case) vouch for; so does an entry's
     `attention_interface` (StableLM, whose decoder layer passes its attention position_ids only)."""
     return bool(getattr(model, "_supports_attention_backend", False)
-                or (spec is not None and (getattr(spec, "stateful", None) is not None
-                                          or bool(getattr(spec, "attention_interface", "")))))
+                or (spec is not None and (spec.stateful is not None or bool(spec.attention_interface))))
 
 
 def _nonzero(value) -> bool:

@@ -58,7 +58,7 @@ def describe(model: nn.Module) -> list[Piece]:
     norm = _NORMS[spec.norm.kind] + (" with weight + 1" if spec.norm.weight_offset == 1.0 else "")
     where = {"pre": "before attention and MLP", "pre_post": "before and after attention and MLP",
              "post": "after attention and MLP"}[spec.norm.placement]
-    pieces.append(Piece("norm", "ok" if spec.norm.kind not in ("torch", "own") else "info",
+    pieces.append(Piece("norm", "ok" if spec.norm.fused else "info",
                         f"{norm}, {where}" + (", q/k norms too" if spec.norm.qk_norm else "")))
     mlp = _MLPS[spec.mlp.kind] + (" on one gate_up_proj" if spec.mlp.fused_gate_up else "")
     pieces.append(Piece("mlp", "ok" if spec.mlp.kind != "ungated" else "info",
