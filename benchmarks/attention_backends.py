@@ -12,7 +12,12 @@ to each tensor's largest magnitude. hasten_cudnn_softcap: the same with Gemma 2'
 of 50 (cuDNN's score modifier, which builds the causal band inside it), against the per-sequence
 path with that softcap; it measures what the cap costs beside hasten_cudnn.
 
-    python benchmarks/attention_backends.py [--out benchmarks/results]
+--long L (W2_attention): instead, ONE causal sequence of L tokens on W2_long's Llama-8B heads (32
+query, 8 K/V, head_dim 128), FlashAttention-2 (torch varlen) against hasten's cuDNN op: forward and
+backward timed apart, with TFLOP/s (causal: forward 2 * L^2 * heads * head_dim, backward 2.5x
+that), the numbers that bound a long-context step (attention is most of it past 100k tokens).
+
+    python benchmarks/attention_backends.py [--out benchmarks/results] [--long 131072]
 """
 
 from __future__ import annotations
@@ -61,10 +66,50 @@ def run(fn, q, k, v, cu, max_len, grad):
     return [out.detach()] + [t.grad for t in leaves]
 
 
+LONG_Q_HEADS = 32  # Llama-8B (W2_long); 8 K/V heads as in W1
+
+
+def long_sequence_rows(tokens: int, run_id: str) -> list[dict]:
+    """Forward and backward apart on one causal sequence of `tokens` (see the module's --long)."""
+    cu = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(tokens, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for heads in (LONG_Q_HEADS, KV_HEADS, KV_HEADS))
+    grad = torch.randn_like(q)
+    forward_flop = 2.0 * tokens * tokens * LONG_Q_HEADS * HEAD_DIM  # causal: half of 4 * L^2 * h * d
+    rows = []
+    for name, fn in (("flash_varlen", torch_varlen("native")), ("hasten_cudnn", hasten_cudnn)):
+        base = {"workload": "W2_attention", "variant": name, "tokens": tokens, **common.environment(),
+                "run_id": run_id}
+        try:
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            forward = common.median(common.time_steps(lambda: fn(*leaves, cu, tokens), warmup=1, iters=3))
+            out = fn(*leaves, cu, tokens)
+
+            def backward():
+                torch.autograd.grad(out, leaves, grad, retain_graph=True)
+            backward_s = common.median(common.time_steps(backward, warmup=1, iters=3))
+            row = base | {"forward_ms": forward * 1e3, "backward_ms": backward_s * 1e3,
+                          "forward_tflops": forward_flop / forward / 1e12,
+                          "backward_tflops": 2.5 * forward_flop / backward_s / 1e12}
+            print(f"{name:14s} {tokens} tokens: forward {row['forward_ms']:.1f} ms ({row['forward_tflops']:.0f} "
+                  f"TFLOP/s), backward {row['backward_ms']:.1f} ms ({row['backward_tflops']:.0f} TFLOP/s)")
+            rows.append(row)
+            del out, leaves
+        except (RuntimeError, ValueError) as exc:
+            print(f"{name:14s} failed: {type(exc).__name__}: {str(exc)[:300]}")
+            rows.append(base | {"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(common.RESULTS))
+    parser.add_argument("--long", type=int, default=None, help="one causal sequence of this many tokens instead")
     args = parser.parse_args()
+    if args.long:
+        common.write_rows(long_sequence_rows(args.long, common.new_run_id()), "W2_attention", Path(args.out))
+        return 0
     lengths = [len(s) for s in make_samples()]
     assert sum(lengths) == TOKENS
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 21 (long context on one GPU) on the GPU machine (one H200), in one call of at most BUDGET
+# (560) seconds:
+#   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
+#   attn    benchmarks/attention_backends.py --long L for each L in $ATTN_LENGTHS (131072 262144):
+#           one causal sequence, FlashAttention-2 against hasten's cuDNN op, forward and backward
+#           apart with TFLOP/s (rows W2_attention.jsonl)                                     cap 120 s
+#   long    benchmarks/long_context.py --variants $LONG_VARIANTS (hasten_offload) with
+#           $LONG_ARGS (e.g. --offload_lengths 262144 --max_step_s 500): the longest length that
+#           trains, its step time, and the memory preflight's stated maximum (rows W2_long.jsonl)
+#                                                                                cap $LONG_CAP (540)
+# Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue21.tgz at the end.
+#   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build attn long" bash scripts/gpu_issue21.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUDGET=${BUDGET:-560}
+PARTS=" ${PARTS:-build attn} "
+RUN_NAME=issue21
+source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
+
+if (( built )); then
+  if [[ $PARTS == *" attn "* ]]; then
+    for length in ${ATTN_LENGTHS:-131072 262144}; do
+      part "attn_$length" 120 python3 benchmarks/attention_backends.py --long "$length" --out "$LOGS"
+      grep -E "TFLOP|failed|Error" "$LOGS/attn_$length.log" 2>/dev/null | tail -4 | tee -a "$SUMMARY"
+    done
+  fi
+  if [[ $PARTS == *" long "* ]]; then
+    part long "${LONG_CAP:-540}" python3 benchmarks/long_context.py --variants "${LONG_VARIANTS:-hasten_offload}" \
+      --out "$LOGS" ${LONG_ARGS:-}
+    grep -E "tokens|trained|stated|maximum|FAILED|Error" "$LOGS/long.log" 2>/dev/null | tail -12 | tee -a "$SUMMARY"
+  fi
+fi
+
+echo "total $(( SECONDS - START )) s" | tee -a "$SUMMARY"
+tar czf "$OUT/issue21.tgz" -C "$OUT" logs && rm -rf "$LOGS" && echo "packed: $OUT/issue21.tgz" \
+  || echo "tar failed: the logs stay in $LOGS"
