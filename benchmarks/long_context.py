@@ -35,6 +35,7 @@ import common  # noqa: E402
 
 import hasten  # noqa: E402
 from hasten.config import Config  # noqa: E402
+from hasten.memory.offload import OffloadError  # noqa: E402
 from hasten.packing import move_batch  # noqa: E402
 
 # transformers' reference limit is 49,152, so each ladder starts near what it has to show
@@ -82,7 +83,7 @@ def batch_for(tokens: int, variant: str) -> dict:
 
 
 def try_length(model, optimizer, tokens: int, variant: str) -> tuple[float, float] | None:
-    """(seconds, peak GiB) of one step at `tokens`, or None when it runs out of memory."""
+    """(seconds, peak GiB) of one step at `tokens`, or None when it runs out of memory (GPU or host)."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -95,14 +96,15 @@ def try_length(model, optimizer, tokens: int, variant: str) -> tuple[float, floa
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         return time.perf_counter() - start, torch.cuda.max_memory_allocated() / 2**30
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, OffloadError):  # OffloadError: the host guard, before the host runs short
         optimizer.zero_grad(set_to_none=True)
         return None
 
 
-def stated_max_tokens(model, handle, optimizer, sizes=(16384, 32768)) -> int:
-    """hasten.memory.preflight's largest length for this model and machine, from two probe steps
-    (the optimizer's state not yet made is counted as AdamW's two tensors per adapter weight)."""
+def preflight_forecast(model, handle, optimizer, sizes=(16384, 32768)):
+    """hasten.memory.preflight's forecast for this model and machine, from two probe steps (the
+    optimizer's state not yet made is counted as AdamW's two tensors per adapter weight): its
+    largest_tokens() is the length it states, host_layers_kept(L) the split a length L needs."""
     from hasten.memory import preflight
 
     def step(tokens):
@@ -115,9 +117,9 @@ def stated_max_tokens(model, handle, optimizer, sizes=(16384, 32768)) -> int:
     if handle.offload is not None:
         handle.offload.restart_calibration()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    forecast = preflight.forecast(probes, preflight.optimizer_state_bytes(trainable), torch.device("cuda"),
-                                  with_offload=engine is not None)
-    return forecast.largest_tokens()
+    return preflight.forecast(probes, preflight.optimizer_state_bytes(trainable), torch.device("cuda"),
+                              with_offload=engine is not None,
+                              host_layers=handle.offload.host_layers if handle.offload is not None else 0)
 
 
 def main() -> int:
@@ -138,19 +140,28 @@ def main() -> int:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         trained, tried, capped = None, [], ""
         ladder = {"hf_grad_ckpt": args.hf_lengths, "hasten": args.hasten_lengths, "hasten_offload": args.offload_lengths}
-        lengths = [int(x) for x in ladder[variant].split(",")]
-        stated = None
+        lengths = [int(x) for x in ladder[variant].split(",") if x.strip()]  # empty: the preflight's statement only
+        stated, forecast, kept = None, None, 0
         if variant == "hasten_offload":  # the memory preflight's forecast: what this machine would take
-            stated = stated_max_tokens(model, handle, optimizer)
-            print(f"{variant:>14} preflight: the largest sequence that fits is about {stated:,} tokens", flush=True)
+            forecast = preflight_forecast(model, handle, optimizer)
+            stated = forecast.largest_tokens()
+            print(f"{variant:>14} preflight: the largest sequence that fits is about {stated:,} tokens "
+                  f"({forecast.per_token / 1024:.0f} KiB a token on the GPU, {forecast.host_per_token / 1024:.0f} "
+                  f"on the host over {forecast.host_layers} layers)", flush=True)
         for tokens in lengths:
+            needed = forecast.host_layers_kept(tokens) if forecast is not None else None
+            if needed and needed > kept:  # what hasten train's preflight does: the last layers stay on the GPU
+                handle.offload.keep_on_device(needed - kept)
+                kept = needed
+                print(f"{variant:>14} {tokens:>7} tokens: the last {kept} layers keep their checkpointed input on "
+                      "the GPU (the host cannot hold them all)", flush=True)
             if trained and trained[1] * (tokens / trained[0]) ** 2 > args.max_step_s:
                 capped = (f"; stopped before {tokens} tokens: predicted step "
                           f"{trained[1] * (tokens / trained[0]) ** 2:.0f} s > --max_step_s {args.max_step_s:.0f}")
                 print(f"{variant:>14} {tokens:>7} tokens: not tried{capped}", flush=True)
                 break
             result = try_length(model, optimizer, tokens, variant)
-            tried.append((tokens, None if result is None else round(result[0], 2)))
+            tried.append((tokens, None if result is None else round(result[0], 2)) + ((f"{kept} kept",) if kept else ()))
             print(f"{variant:>14} {tokens:>7} tokens: " + ("out of memory" if result is None
                                                            else f"{result[0]:.2f} s, peak {result[1]:.1f} GiB"),
                   flush=True)

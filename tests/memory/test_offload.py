@@ -311,3 +311,34 @@ def test_bounded_copies_wait_for_nothing_on_the_cpu_and_are_counted():
     row = manager.summary()
     assert row["forward_waits"] == 0 and "boundary_max" not in row  # boundaries are measured on a GPU
     manager.detach()
+
+
+def test_the_preflights_split_keeps_the_last_offloaded_layers_on_the_device():
+    """keep_on_device(k): the last k of the layers sending their checkpointed inputs to the host keep
+    them instead (the gradients unchanged); 'auto' plans around them."""
+    batch = _batch()
+    want_loss, want = _loss_and_grads(_checkpointed_model(), batch)
+    model = _checkpointed_model()
+    manager = OffloadManager(model, "all", min_bytes=0, checkpointed=True)
+    assert manager.host_layers == 3
+    manager.keep_on_device(2)
+    assert manager.offload.plan == ["recompute_offload", "recompute", "recompute", "recompute"]
+    assert manager.host_layers == 1
+    loss, grads = _loss_and_grads(model, batch)
+    assert torch.equal(loss, want_loss)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6)
+    assert manager.offload.bytes_per_layer[1:] == [0, 0, 0]  # only layer 0's input went to the host
+    with pytest.raises(ValueError, match="only 1 go to the host"):
+        manager.keep_on_device(2)
+    manager.detach()
+
+    model = _checkpointed_model()
+    manager = OffloadManager(model, "auto", min_bytes=0, checkpointed=True)
+    manager.keep_on_device(1)
+    for _ in range(3):
+        _loss_and_grads(model, batch)
+    assert manager.plan is not None and manager.plan.choices[2] == "recompute"
+    manager.restart_calibration()
+    assert manager.offload.plan[2] == "recompute"
+    manager.detach()

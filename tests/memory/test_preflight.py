@@ -85,3 +85,28 @@ def test_probes_measure_the_step_and_back_off_when_one_runs_out():
 def test_adamw_state_is_two_tensors_per_trainable_parameter():
     params = [torch.zeros(10, 4), torch.zeros(3, dtype=torch.bfloat16)]
     assert optimizer_state_bytes(params) == 2 * (40 * 4 + 3 * 2)
+
+
+def test_a_host_too_small_for_every_layer_keeps_the_last_ones_on_the_device():
+    """Four offloaded layers of 1 MiB a token each (host 4 MiB a token), a host of 40 GiB and a
+    device of 100 GiB with 2 MiB a token of its own: 12,288 tokens need 48 GiB of host, so the last
+    layer keeps its share on the device (host 36 GiB, device 36 GiB)."""
+    forecast = MemoryForecast(optimizer_bytes=0, per_token=2 * 2**20, constant=0, device_limit=100 * GIB,
+                              host_per_token=4 * 2**20, host_limit=40 * GIB, host_layers=4)
+    assert forecast.host_layers_kept(10 * 1024) == 0  # 40 GiB: the host holds all four
+    assert forecast.host_layers_kept(12 * 1024) == 1
+    assert forecast.device_bytes(12 * 1024, 1) == 36 * GIB and forecast.host_bytes(12 * 1024, 1) == 36 * GIB
+    assert forecast.refusal(12 * 1024, "an H200") is None
+    # whole layers move: 20,480 tokens fit with two kept (host 40, device 80 GiB) or three (host 20,
+    # device 100); one token more needs three kept for the host and then overflows the device
+    assert forecast.largest_tokens() == 20 * 1024
+    assert forecast.host_layers_kept(20 * 1024) == 2 and forecast.host_layers_kept(20 * 1024 + 1) is None
+    message = forecast.refusal(30 * 1024, "an H200")
+    assert "keeping 3 of the 4 offloaded layers' checkpoints there because the host cannot hold them" in message
+    assert f"about {20 * 1024:,} tokens" in message and "host memory" not in message
+
+
+def test_without_the_layer_count_the_host_bound_stays_as_it_was():
+    forecast = MemoryForecast(optimizer_bytes=0, per_token=2 * 2**20, constant=0, device_limit=100 * GIB,
+                              host_per_token=4 * 2**20, host_limit=40 * GIB)
+    assert forecast.host_layers_kept(12 * 1024) is None and forecast.largest_tokens() == 10 * 1024

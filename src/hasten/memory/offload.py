@@ -505,6 +505,8 @@ class OffloadManager:
         calibration = [to_host] * (len(layers) - keep) + [stay] * keep
         self.offload = LayerOffload(layers, calibration, double_buffer=double_buffer, min_bytes=min_bytes)
         self.calibration_choices = list(calibration)
+        self._to_host, self._stay = to_host, stay
+        self.kept_for_host: list[int] = []  # layers keep_on_device() keeps off the host (the preflight's split)
         self.plan = None  # hasten.memory.planner.Plan once 'auto' has planned
         self.bandwidth: dict[str, float] | None = None
         available = available_host_bytes()
@@ -522,6 +524,30 @@ class OffloadManager:
 
     def detach(self) -> None:
         self.offload.detach()
+
+    @property
+    def host_layers(self) -> int:
+        """The decoder layers whose saved tensors (under full checkpointing: checkpointed inputs)
+        go to the host in the plan running now."""
+        return sum(choice == self._to_host for choice in self.offload.plan)
+
+    def keep_on_device(self, layers: int) -> None:
+        """The last `layers` of the layers that go to the host keep what they save on the device
+        instead: the memory preflight's split when the host cannot hold every layer's share
+        (hasten.memory.preflight.MemoryForecast.host_layers_kept). The highest layers stay, their
+        backward coming first. 'auto' keeps them there in every plan it makes."""
+        going = [i for i, choice in enumerate(self.calibration_choices) if choice == self._to_host]
+        if layers <= 0:
+            return
+        if layers > len(going):
+            raise ValueError(f"{layers} layers to keep on the device, but only {len(going)} go to the host")
+        for index in going[len(going) - layers:]:
+            self.calibration_choices[index] = self._stay
+            self.kept_for_host.append(index)
+        if self.plan is not None:
+            for index in self.kept_for_host:
+                self.plan.choices[index] = self._stay
+        self.offload.set_plan(self.plan.choices if self.plan is not None else self.calibration_choices)
 
     def restart_calibration(self) -> None:
         """Forget the forwards seen so far (the memory preflight's probe steps, of other sizes than
@@ -606,6 +632,8 @@ class OffloadManager:
                                 may_recompute=not self.checkpointed)
         if self.checkpointed:  # the planner's keep / offload of a checkpoint's input
             self.plan.choices = [{"keep": "recompute", "offload": "recompute_offload"}[c] for c in self.plan.choices]
+        for index in self.kept_for_host:  # the preflight's split: the host cannot hold these
+            self.plan.choices[index] = self._stay
         self.offload.set_plan(self.plan.choices)
         logger.warning("hasten: activation offload plan: %s (link %s; predicted extra step time %.1f ms%s)",
                        self.plan.summary(),

@@ -14,8 +14,14 @@ chunks), so a line through the probes gives the step's memory at any length:
 
 against what is free now (the device's free memory plus the allocator's cached blocks, less a 5%
 margin for fragmentation; the host's MemAvailable, 80% of it, the offload guard's own limit).
-A batch past either stops the run before its first step, naming the largest that fits. Batches up
-to PROBE_EXACT tokens are probed at their own size (the forecast is the measurement).
+
+Where the host cannot hold every offloaded layer's checkpoint but the device has room, the batch is
+split (`host_layers_kept`): the last k of the offloaded layers keep their checkpointed input on the
+device (host_per_token / host_layers bytes a token each, the decoder's layers being alike), the
+fewest k that bring the host under its limit. The highest layers stay: their backward comes first,
+so the copies the lower layers make have the most time. A batch that no split fits stops the run
+before its first step, naming the largest that fits. Batches up to PROBE_EXACT tokens are probed at
+their own size (the forecast is the measurement).
 """
 
 from __future__ import annotations
@@ -62,34 +68,74 @@ class MemoryForecast:
     device_limit: int  # bytes this step may add to what is allocated now
     host_per_token: float = 0.0
     host_limit: int | None = None
+    host_layers: int = 0  # decoder layers whose checkpoints went to the host in the probes (0: no split)
 
-    def device_bytes(self, tokens: int) -> float:
-        return self.optimizer_bytes + self.per_token * tokens + self.constant
+    def _layer_per_token(self) -> float:
+        """Host bytes a token of one offloaded layer: what keeping it on the device moves there."""
+        return self.host_per_token / self.host_layers if self.host_layers > 0 else 0.0
 
-    def host_bytes(self, tokens: int) -> float:
-        return self.host_per_token * tokens
+    def device_bytes(self, tokens: int, kept: int = 0) -> float:
+        """With `kept` of the offloaded layers' checkpoints on the device instead of the host."""
+        return (self.optimizer_bytes + (self.per_token + kept * self._layer_per_token()) * tokens
+                + self.constant)
+
+    def host_bytes(self, tokens: int, kept: int = 0) -> float:
+        return (self.host_per_token - kept * self._layer_per_token()) * tokens
+
+    def _kept_for_host(self, tokens: int) -> int | None:
+        """The fewest offloaded layers to keep on the device so that the host holds the rest (None:
+        even keeping every one of them leaves the host over its limit)."""
+        if self.host_limit is None or self.host_bytes(tokens) <= self.host_limit:
+            return 0
+        per_layer = self._layer_per_token() * tokens
+        if per_layer <= 0:
+            return None
+        kept = math.ceil((self.host_bytes(tokens) - self.host_limit) / per_layer)
+        return kept if kept <= self.host_layers else None
+
+    def host_layers_kept(self, tokens: int) -> int | None:
+        """How many of the offloaded layers (the last ones) keep their checkpointed input on the
+        device for a batch of `tokens`: 0 when the host holds them all, None when no split fits."""
+        kept = self._kept_for_host(tokens)
+        if kept is None or self.device_bytes(tokens, kept) > self.device_limit:
+            return None
+        return kept
 
     def largest_tokens(self) -> int:
         room = self.device_limit - self.optimizer_bytes - self.constant
-        largest = math.inf if self.per_token <= 0 else room / self.per_token
-        if self.host_limit is not None and self.host_per_token > 0:
-            largest = min(largest, self.host_limit / self.host_per_token)
-        return max(0, int(largest)) if math.isfinite(largest) else 2**62
+        if self.per_token <= 0 and (self.host_limit is None or self.host_per_token <= 0):
+            return 2**62 if room >= 0 else 0
+        # the fits are monotone in tokens: bisect between 0 and the device's bound without the host
+        high = int(room / self.per_token) + 1 if self.per_token > 0 else 2**62
+        if self.host_limit is not None and self.host_per_token > 0 and self.host_layers == 0:
+            high = min(high, int(self.host_limit / self.host_per_token) + 1)
+        low = 0
+        while low < high - 1:
+            middle = (low + high) // 2
+            if self.host_layers_kept(middle) is None:
+                high = middle
+            else:
+                low = middle
+        return low if self.host_layers_kept(low) is not None else 0
 
     def refusal(self, tokens: int, where: str) -> str | None:
         """Why `tokens` does not fit (None when it does), naming the largest batch that would."""
-        gib = 2**30
-        problems = []
-        if self.device_bytes(tokens) > self.device_limit:
-            problems.append(f"about {self.device_bytes(tokens) / gib:.1f} GiB on {where} beyond the weights, with "
-                            f"{self.device_limit / gib:.1f} GiB free there ({self.per_token * 1000 / 2**20:.1f} MiB "
-                            f"of activations per 1,000 tokens, {self.optimizer_bytes / gib:.2f} GiB of optimizer "
-                            "state)")
-        if self.host_limit is not None and self.host_bytes(tokens) > self.host_limit:
-            problems.append(f"about {self.host_bytes(tokens) / gib:.1f} GiB of host memory for the offloaded "
-                            f"activations, with {self.host_limit / gib:.1f} GiB to spare on this machine")
-        if not problems:
+        if self.host_layers_kept(tokens) is not None:
             return None
+        gib = 2**30
+        kept_for_host = self._kept_for_host(tokens)
+        kept = self.host_layers if kept_for_host is None else kept_for_host
+        problems = []
+        if self.device_bytes(tokens, kept) > self.device_limit:
+            split = (f", keeping {kept} of the {self.host_layers} offloaded layers' checkpoints there because the "
+                     "host cannot hold them" if kept else "")
+            problems.append(f"about {self.device_bytes(tokens, kept) / gib:.1f} GiB on {where} beyond the weights"
+                            f"{split}, with {self.device_limit / gib:.1f} GiB free there "
+                            f"({self.per_token * 1000 / 2**20:.1f} MiB of activations per 1,000 tokens, "
+                            f"{self.optimizer_bytes / gib:.2f} GiB of optimizer state)")
+        if self.host_limit is not None and self.host_bytes(tokens, kept) > self.host_limit:
+            problems.append(f"about {self.host_bytes(tokens, kept) / gib:.1f} GiB of host memory for the offloaded "
+                            f"activations, with {self.host_limit / gib:.1f} GiB to spare on this machine")
         largest = self.largest_tokens()
         return (f"training.max_tokens={tokens:,} needs " + " and ".join(problems) + f" (measured before the first "
                 f"step). The largest batch that fits with these settings is about {largest:,} tokens: lower "
@@ -158,7 +204,9 @@ def measure(step: Callable[[int], None], sizes: Sequence[int], memory,
 
 
 def forecast(probes: Sequence[Probe], optimizer_bytes: int, device: torch.device,
-             with_offload: bool) -> MemoryForecast:
+             with_offload: bool, host_layers: int = 0) -> MemoryForecast:
+    """`host_layers`: the decoder layers that sent their checkpoints to the host in the probes
+    (training.checkpoint.offload: all under activations: full); 0 forecasts without a split."""
     per_token, constant = fit_line([(p.tokens, float(p.device_bytes)) for p in probes])
     free, _total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -169,4 +217,4 @@ def forecast(probes: Sequence[Probe], optimizer_bytes: int, device: torch.device
         available = available_host_bytes()
         host_limit = int(available * HOST_FRACTION) if available else None
     return MemoryForecast(optimizer_bytes, max(per_token, 0.0), max(constant, 0.0), limit, max(host_per_token, 0.0),
-                          host_limit)
+                          host_limit, host_layers if with_offload else 0)

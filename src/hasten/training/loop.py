@@ -437,7 +437,8 @@ def _memory_preflight(run: _Run) -> None:
                           "lower the memory per token (training.checkpoint.activations: full, offload: all, "
                           "mlp_tile_tokens)")
     forecast = preflight.forecast(probes, preflight.optimizer_state_bytes(run.trainable), device,
-                                  with_offload=offloaded is not None)
+                                  with_offload=offloaded is not None,
+                                  host_layers=offload.host_layers if offload is not None else 0)
     refusal = forecast.refusal(t.max_tokens, name)
     if refusal is None and failed_at is not None:
         refusal = (f"training.max_tokens={t.max_tokens:,} ran out of memory in a probe step of {failed_at:,} tokens "
@@ -446,11 +447,17 @@ def _memory_preflight(run: _Run) -> None:
                    "training.max_tokens to it, or set training.memory_preflight: false to try anyway")
     if refusal is not None:
         raise ConfigError(refusal)
+    kept = forecast.host_layers_kept(t.max_tokens)
+    if kept:
+        logger.warning("hasten: memory preflight: the host cannot hold all %d offloaded layers' checkpointed inputs of "
+                       "a %s-token batch; the last %d stay on %s (%.1f GiB there)", offload.host_layers,
+                       f"{t.max_tokens:,}", kept, name, forecast.device_bytes(t.max_tokens, kept) / 2**30)
+        offload.keep_on_device(kept)
     logger.info("hasten: memory preflight (%s): a %s-token batch needs about %.1f GiB beyond the weights of %.1f "
                 "GiB free%s; the largest that fits is about %s tokens", ", ".join(f"{p.tokens:,}" for p in probes),
-                f"{t.max_tokens:,}", forecast.device_bytes(t.max_tokens) / 2**30, forecast.device_limit / 2**30,
+                f"{t.max_tokens:,}", forecast.device_bytes(t.max_tokens, kept) / 2**30, forecast.device_limit / 2**30,
                 "" if forecast.host_limit is None else
-                f", and {forecast.host_bytes(t.max_tokens) / 2**30:.1f} GiB of host memory of "
+                f", and {forecast.host_bytes(t.max_tokens, kept) / 2**30:.1f} GiB of host memory of "
                 f"{forecast.host_limit / 2**30:.1f}", f"{forecast.largest_tokens():,}")
 
 
