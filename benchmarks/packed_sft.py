@@ -167,16 +167,44 @@ ISOLATION_TOLERANCE = 3e-2
 ISOLATION_TOLERANCE_BY_MODEL = {"phi4_mini": 8e-2, "smollm3_3b": 8e-2}
 LOSS_TOLERANCE = 2e-2  # losses near 12 in bf16: run-to-run noise is about 1e-3
 CHECKED = (0, 30, 60)  # samples whose logits are compared inside the pack and alone
+# Models checked against the float32 truth instead of transformers' bf16 run: on gpt-oss-20b's shape
+# (4 layers, random init) transformers' own bf16 eager run of a sample alone is 0.35 from its float32
+# run (073aa48, H200, scripts/gptoss_isolation.py; 0.29 with router margins), so a fixed tolerance
+# against the bf16 run cannot tell a leak from noise; hasten packed measured 0.32 from the truth there.
+# A variant passes when it is no further from the truth than ISOLATION_NOISE_FACTOR x transformers' bf16.
+FP32_TRUTH = {"gpt_oss_20b"}
+ISOLATION_NOISE_FACTOR = 1.25
+
+
+@dataclasses.dataclass
+class Isolation:
+    refs: dict[int, torch.Tensor]  # checked sample -> its logits alone (float32)
+    tolerance: float  # the largest relative error a correct variant may show against refs
+    basis: str  # what refs are, for the row's notes
+
+
+def _alone(model, samples) -> dict[int, torch.Tensor]:
+    return {i: model(input_ids=torch.tensor([samples[i]], device=DEVICE), use_cache=False).logits[0].float()
+            for i in CHECKED}
 
 
 @torch.no_grad()
-def reference_logits(samples) -> dict[int, torch.Tensor]:
-    """The checked samples alone through transformers' own sdpa, same seed-0 weights as every variant."""
+def reference_logits(samples) -> Isolation:
+    """The checked samples alone through transformers' own attention (sdpa, or eager where
+    ATTN_IMPLEMENTATION says), same seed-0 weights as every variant; for FP32_TRUTH models in
+    float32, with the tolerance set by transformers' own bf16 distance from it."""
     model = build_model().eval()
-    refs = {i: model(input_ids=torch.tensor([samples[i]], device=DEVICE), use_cache=False).logits[0].float()
-            for i in CHECKED}
+    tolerance = ISOLATION_TOLERANCE_BY_MODEL.get(MODEL, ISOLATION_TOLERANCE)
+    if MODEL not in FP32_TRUTH:
+        refs = _alone(model, samples)
+        del model
+        return Isolation(refs, tolerance, "transformers bf16 alone")
+    bf16 = _alone(model, samples)
+    refs = _alone(model.float(), samples)
     del model
-    return refs
+    noise = max(float((bf16[i] - refs[i]).norm() / refs[i].norm()) for i in CHECKED)
+    return Isolation(refs, max(tolerance, ISOLATION_NOISE_FACTOR * noise),
+                     f"float32 alone; transformers bf16 alone {noise:.2e} from it")
 
 
 @torch.no_grad()
@@ -251,7 +279,7 @@ def dynamo_counts() -> dict:
             "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
-def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] = ()) -> dict:
+def run_variant(name: str, samples, isolation: Isolation, steps: int, profile: tuple[str, ...] = ()) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     reset_fallbacks()
@@ -259,7 +287,7 @@ def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] =
     if name.startswith("hf_") and getattr(model.config, "num_local_experts", None):
         model.set_experts_implementation("grouped_mm")  # transformers' fastest experts (sort + histc + cumsum)
     try:
-        return _run_variant(name, model, samples, refs, steps, profile, handles := [])
+        return _run_variant(name, model, samples, isolation, steps, profile, handles := [])
     finally:
         for h in reversed(handles):  # also when the variant failed: the next one starts from an unpatched model
             h.undo()
@@ -267,7 +295,7 @@ def run_variant(name: str, samples, refs, steps: int, profile: tuple[str, ...] =
             torch._dynamo.reset()
 
 
-def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> dict:
+def _run_variant(name, model, samples, isolation: Isolation, steps, profile, handles: list) -> dict:
     handle = None
     kernel_switches = [f.name for f in dataclasses.fields(KernelsConfig)]
     unfused = dict.fromkeys(kernel_switches, False)
@@ -318,11 +346,11 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
     step = common.training_step(model, inputs, optimizer, losses)
 
     # Isolation first, on the untrained seed-0 weights that the references were computed with.
-    err = 0.0 if name == "hf_padded" else isolation_error(model, lambda: model(**inputs[0]), samples, refs)
+    err = 0.0 if name == "hf_padded" else isolation_error(model, lambda: model(**inputs[0]), samples, isolation.refs)
     # hf_padded: each sample sits in its own padded row behind a padding mask. Threshold:
     # bf16 noise over 28 layers and 152k logits measured 1.3e-2 for transformers' own
     # correct packed path on H200; leakage across samples measures 0.3 and more.
-    correct = err <= ISOLATION_TOLERANCE_BY_MODEL.get(MODEL, ISOLATION_TOLERANCE)
+    correct = err <= isolation.tolerance
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     compiled_before = dynamo_counts()
@@ -349,7 +377,7 @@ def _run_variant(name, model, samples, refs, steps, profile, handles: list) -> d
            "params": sum(p.numel() for p in model.parameters()), **common.environment(), "tokens_per_s": TOKENS / step_s,
            "step_s": step_s, "peak_gib": peak, "host_syncs_per_step": syncs.count, "correct": correct,
            "losses": [round(float(v), 5) for v in losses],  # every step's loss, warm-up included (same batch)
-           "notes": f"isolation rel err {err:.2e}; first loss {float(losses[0]):.4f}; "
+           "notes": f"isolation rel err {err:.2e} (against {isolation.basis}, tolerance {isolation.tolerance:.2e}); first loss {float(losses[0]):.4f}; "
                     f"steps {[round(t, 4) for t in times]}; "
                     f"fallbacks {fallback_counts()}" + "".join(f"; {n}" for n in extra_notes)}
     if name == "hasten_compiled" or isinstance(optimizer, GraphedAdamW):
@@ -380,13 +408,14 @@ def main() -> int:
         return 1
     samples = make_samples(vocab=SHAPES[MODEL]().vocab_size)
     print(f"{workload()}: {len(samples)} samples, {sum(map(len, samples))} tokens, max {max(map(len, samples))}")
-    refs = reference_logits(samples)
+    isolation = reference_logits(samples)
+    print(f"isolation check against {isolation.basis}, tolerance {isolation.tolerance:.2e}")
     run_id = common.new_run_id()
     rows = []
     path = None
     for name in args.variants.split(","):
         try:
-            row = run_variant(name, samples, refs, args.steps, tuple(args.profile.split(","))) | {"run_id": run_id}
+            row = run_variant(name, samples, isolation, args.steps, tuple(args.profile.split(","))) | {"run_id": run_id}
         except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others
             traceback.print_exc()
             row = {"workload": workload(), "variant": name, "model": MODEL, **common.environment(), "tokens_per_s": None, "step_s": None,
