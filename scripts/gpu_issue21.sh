@@ -2,6 +2,8 @@
 # Issue 21 (long context on one GPU) on the GPU machine (one H200), in one call of at most BUDGET
 # (560) seconds:
 #   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
+#   gpu     $GPU_TESTS (default: the preflight's GPU tests, its split among them, and the offload
+#           tests, the 32,768-token tiled-against-untiled check among them)                   cap 200 s
 #   attn    benchmarks/attention_backends.py --long L for each L in $ATTN_LENGTHS (131072 262144):
 #           one causal sequence, FlashAttention-2 against hasten's cuDNN op, forward and backward
 #           apart with TFLOP/s (rows W2_attention.jsonl)                                     cap 120 s
@@ -10,7 +12,9 @@
 #           trains, its step time, and the memory preflight's stated maximum (rows W2_long.jsonl)
 #                                                                                cap $LONG_CAP (540)
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue21.tgz at the end.
-#   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build attn long" bash scripts/gpu_issue21.sh
+#   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu attn long" bash scripts/gpu_issue21.sh
+# A 393,216-token step takes about 410 s: with the build (140-180 s cold) it does not fit one 600 s
+# call; run it on the warm machine right after a call that built (the build stays while it is warm).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-560}
@@ -19,6 +23,10 @@ RUN_NAME=issue21
 source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
 
 if (( built )); then
+  if [[ $PARTS == *" gpu "* ]]; then
+    part gpu 200 python3 -m pytest ${GPU_TESTS:-tests/gpu/test_preflight_cuda.py tests/gpu/test_offload_cuda.py} -q -rs
+    grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
   if [[ $PARTS == *" attn "* ]]; then
     for length in ${ATTN_LENGTHS:-131072 262144}; do
       part "attn_$length" 120 python3 benchmarks/attention_backends.py --long "$length" --out "$LOGS"

@@ -335,6 +335,28 @@ def test_checkpointed_inputs_on_the_host_train_like_full_checkpointing(tile_toke
     print(f"tiles {tile_tokens}: offload {row}")
 
 
+def test_a_32768_token_sequence_trains_alike_tiled_and_untiled():
+    """Issue 21's check at its length: one 32,768-token sequence (the long-context shape of a batch),
+    full checkpointing with the inputs on the host, the MLP untiled against tiles of 5,000 tokens
+    (off block multiples, the last tile short): losses and every gradient within bf16 noise."""
+    gen = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, SHAPE["vocab_size"], (32768,), generator=gen).tolist()
+    batch = move_batch(hasten.PackingCollator(max_tokens=32768)([{"input_ids": ids}]), "cuda")
+    results = {}
+    for tile_tokens in (0, 5000):
+        model, handle = _accelerated({"activations": "full", "offload": "all", "mlp_tile_tokens": tile_tokens})
+        results[tile_tokens] = _train(model, [batch, batch])
+        handle.undo()
+        del model, handle
+        gc.collect()
+    (want_losses, want_grads), (losses, grads) = results[0], results[5000]
+    for got, want in zip(losses, want_losses):
+        assert abs(got - want) <= 1e-2 * abs(want), (losses, want_losses)
+    worst = max(_rel(grads[n], want_grads[n]) for n in want_grads)
+    print(f"32,768 tokens, tiles of 5,000 against untiled: losses {losses} / {want_losses}, worst gradient {worst:.2e}")
+    assert worst <= 2e-2, worst
+
+
 def test_checkpointed_inputs_offloaded_and_tiles_lower_the_peak():
     """8 layers, only the q projections trained (as LoRA trains: a full fine-tune's weight gradients
     pile up over the backward and put its peak at the end, where no input is held; measured at
