@@ -383,6 +383,10 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("dbrx", dict(d_model=64, attn_config=dict(kv_n_heads=2, clip_qkv=0.3, rope_theta=10000.0),
                        ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)), "hasten",
           feature_off=dict(attn_config=dict(kv_n_heads=2, clip_qkv=1e4, rope_theta=10000.0))),
+    # helper-i anchor
+    # helper-j anchor
+    # helper-k anchor
+    # helper-l anchor
     Entry("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
           feature_off=dict(layer_types=FULL_3)),
     Entry("cohere2", dict(sliding_window=WINDOW, layer_types=SLIDING_3, logit_scale=0.5), "hasten",

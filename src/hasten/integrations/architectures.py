@@ -699,6 +699,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                           notes="its RMSNorm multiplies the weight in float32 before the cast to the input dtype "
                                 "(Gemma's order): the same in float32, one bf16 rounding apart from hasten's kernel "
                                 "(Llama's order) in bf16"),
+    # helper-i anchor
+    # helper-j anchor
+    # helper-k anchor
+    # helper-l anchor
 }
 
 
