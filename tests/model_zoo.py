@@ -383,6 +383,28 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("dbrx", dict(d_model=64, attn_config=dict(kv_n_heads=2, clip_qkv=0.3, rope_theta=10000.0),
                        ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)), "hasten",
           feature_off=dict(attn_config=dict(kv_n_heads=2, clip_qkv=1e4, rope_theta=10000.0))),
+    # EXAONE 3.x and IQuest-Coder: LlamaForCausalLM under their own model types, biases on q/k/v/o (the
+    # bias the feature that shows)
+    Entry("exaone", dict(attention_bias=True), "hasten", tensor_feature_off=_zero_biases,
+          notes="LlamaForCausalLM's classes under model_type exaone"),
+    Entry("iquestcoder", dict(attention_bias=True, mlp_bias=True), "hasten", tensor_feature_off=_zero_biases,
+          notes="LlamaForCausalLM's classes under model_type iquestcoder"),
+    # Sarvam-30B: glm4_moe's case with full rotary, q/k norms and qkv biases
+    Entry("sarvam_moe", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                             first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5, attention_bias=True), "hasten",
+          feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases,
+          notes="Glm4MoeForCausalLM's classes under model_type sarvam_moe"),
+    # Sarvam-105B: deepseek_v3's case with a plain query projection (q_lora_rank None, as published)
+    Entry("sarvam_mla", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                             v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                             moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5, rope_interleave=True, num_key_value_heads=4, head_dim=8),
+          "hasten", feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases,
+          notes="DeepseekV3ForCausalLM's classes under model_type sarvam_mla"),
+    # BitNet: sub-norms on the attention output and the gated product, ReLU² gate (the MLP the model's own),
+    # q/k/v/o biases; unquantised nn.Linear projections (from_config: no quantization config)
+    Entry("bitnet", dict(hidden_act="relu2", attention_bias=True), "hasten", feature_off=dict(hidden_act="silu")),
     # helper-i anchor
     # helper-j anchor
     # helper-k anchor

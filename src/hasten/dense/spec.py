@@ -49,6 +49,8 @@ class MlpSpec:
     kind  "swiglu": down(silu(gate) * up); "geglu_tanh": down(gelu_tanh(gate) * up) (Gemma);
           "ungated": one up projection, the model's own activation, a down projection (StarCoder2's
                      GELU, Nemotron's and Arcee's ReLU^2, Apertus's xIELU): no gate, nothing to fuse
+          "own": a gated MLP of no form hasten's kernels take (BitNet's RMSNorm between the gated
+                 product and down_proj): the model's own code runs, which the entry's model_code names
     fused_gate_up  one `gate_up_proj` whose output is [gate | up] along the last dimension
                    (Phi-3, GLM-4) instead of gate_proj and up_proj
     projections    the module names of (gate, up, down): LFM2 calls them (w1, w3, w2)

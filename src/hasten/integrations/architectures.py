@@ -699,6 +699,40 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                           notes="its RMSNorm multiplies the weight in float32 before the cast to the input dtype "
                                 "(Gemma's order): the same in float32, one bf16 rounding apart from hasten's kernel "
                                 "(Llama's order) in bf16"),
+    # EXAONE 3.0/3.5 (LG AI Research): LlamaForCausalLM's classes under model_type exaone (the
+    # checkpoints' transformer.h.* names renamed at load): Llama's pre-norm decoder, SwiGLU, full rotary
+    "exaone": ArchSpec("dense", attention=("projection biases (attention_bias) where set",),
+                       notes="LlamaForCausalLM's classes (modeling_llama) under model_type exaone"),
+    # IQuest-Coder-V1: LlamaForCausalLM's classes under model_type iquestcoder; its config refuses the
+    # original code's clip_qkv and sliding windows (no released checkpoint sets them), so Llama exactly
+    "iquestcoder": ArchSpec("dense", attention=("projection biases (attention_bias) where set",),
+                            notes="LlamaForCausalLM's classes (modeling_llama) under model_type iquestcoder; head_dim "
+                                  "a config value (128)"),
+    # Sarvam-30B: Glm4MoeForCausalLM's classes (q/k RMSNorms per head, the sigmoid group-limited router
+    # with a correction bias, shared experts, dense first layers) with full rotary by default
+    "sarvam_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
+                           attention=("qkv bias (attention_bias, the checkpoints' use_qkv_bias) where set",),
+                           model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
+                                       "shared experts", "dense first layers (first_k_dense_replace)"),
+                           notes="Glm4MoeForCausalLM's classes (modeling_glm4_moe); partial_rotary_factor 1.0 unless "
+                                 "the config sets it (the rotary width is read from cos at every call)"),
+    # Sarvam-105B: DeepseekV3ForCausalLM's classes (multi-head latent attention, here with a plain query
+    # projection: q_lora_rank None, the sigmoid group-limited router, shared experts, dense first layers)
+    "sarvam_mla": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+        "sigmoid router with a correction bias, group-limited top-k, routed scaling",),
+        notes="DeepseekV3ForCausalLM's classes (modeling_deepseek_v3) under model_type sarvam_mla"),
+    # BitNet b1.58: Llama's decoder with an RMSNorm on the attention output before o_proj (attn_sub_norm)
+    # and a gated ReLU² MLP with an RMSNorm before down_proj (ffn_sub_norm); the checkpoints' projections
+    # are ternary BitLinear / AutoBitLinear layers (weights and activations quantised in their own forward)
+    "bitnet": ArchSpec("dense", mlp=MlpSpec(kind="own"), attention=("projection biases (attention_bias) where set",),
+                       model_code=("the MLP down_proj(ffn_sub_norm(relu2(gate_proj(x)) * up_proj(x))): a norm "
+                                   "between the gated product and down_proj, which hasten's gated kernels do not take",
+                                   "the projections: BitLinear / AutoBitLinear where the checkpoint's quantization "
+                                   "config converts them (activation and weight quantisation in their own forward)"),
+                       notes="the sub-norms (attn_sub_norm, ffn_sub_norm) are RMSNorm modules of the model's class: "
+                             "on hasten's kernel like the pre-norms; the attention output is normed before o_proj "
+                             "by the model's own attention module; a quantised LM head (not plain nn.Linear) keeps "
+                             "transformers' loss"),
     # helper-i anchor
     # helper-j anchor
     # helper-k anchor

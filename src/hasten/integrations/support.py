@@ -30,7 +30,8 @@ _NORMS = {"rms": "hasten RMSNorm", "layer": "torch's fused LayerNorm (float32, n
           "torch": "the model's own LayerNorm (already one torch kernel)",
           "own": "the model's own norm code (a form hasten's kernels do not take)"}
 _MLPS = {"swiglu": "hasten SwiGLU", "geglu_tanh": "hasten GeGLU (tanh GELU)",
-         "ungated": "the model's own activation between its projections (no gate to fuse)"}
+         "ungated": "the model's own activation between its projections (no gate to fuse)",
+         "own": "the model's own MLP code (a form hasten's kernels do not take)"}
 
 
 def auto_model_class(config):
@@ -61,7 +62,7 @@ def describe(model: nn.Module) -> list[Piece]:
     pieces.append(Piece("norm", "ok" if spec.norm.fused else "info",
                         f"{norm}, {where}" + (", q/k norms too" if spec.norm.qk_norm else "")))
     mlp = _MLPS[spec.mlp.kind] + (" on one gate_up_proj" if spec.mlp.fused_gate_up else "")
-    pieces.append(Piece("mlp", "ok" if spec.mlp.kind != "ungated" else "info",
+    pieces.append(Piece("mlp", "ok" if spec.mlp.kind not in ("ungated", "own") else "info",
                         mlp if spec.family == "dense" else f"{mlp} where a dense MLP or shared expert exists"))
     layout = "interleaved pairs" if spec.rotary.interleaved else "halves (rotate_half)"
     if spec.rotary.own:

@@ -1135,7 +1135,9 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
                                    f"`{spec.norm.eps_attribute}` in this model)")
     mlp_name = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU"}.get(spec.mlp.kind)
     if kernels.swiglu and mlp_name is None:
-        handle.inactive.append("fused MLP (an ungated MLP: the model's own activation runs between its projections)")
+        handle.inactive.append("fused MLP (an ungated MLP: the model's own activation runs between its projections)"
+                               if spec.mlp.kind == "ungated" else
+                               "fused MLP (the model's own MLP code runs: a form hasten's kernels do not take)")
     elif kernels.swiglu:
         undo, count, refused = install_fused_mlp(target, spec.mlp, text)
         handle._undo_steps.append(undo)
