@@ -408,6 +408,19 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     # helper-i anchor
     # helper-j anchor
     # helper-k anchor
+    # LongCat-Flash: 2 decoder layers (4 MLA sublayers: q/k heads of 16 + 8, value heads of 8), 4 SwiGLU
+    # experts and 2 zero-computation (identity) experts, 2 per token, softmax router with a correction bias
+    # and routed scaling 2.5; head_dim is the rotary width (qk_rope_head_dim), as deepseek_v3's case
+    Entry("longcat_flash", dict(num_hidden_layers=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                qk_nope_head_dim=16, v_head_dim=8, num_key_value_heads=4, head_dim=8,
+                                n_routed_experts=4, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=16,
+                                routed_scaling_factor=2.5), "hasten",
+          feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases),
+    # DiffLlama: two attention calls per layer, the learned lambda (its 1-D factors moved by build()). Off: the
+    # first lambda factor zeroed (lambda_1 = exp(0) = 1)
+    Entry("diffllama", dict(), "hasten",
+          tensor_feature_off=lambda model: [m.lambda_q1.data.zero_() for m in model.modules()
+                                            if isinstance(getattr(m, "lambda_q1", None), torch.Tensor)]),
     # helper-l anchor
     Entry("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
           feature_off=dict(layer_types=FULL_3)),

@@ -736,6 +736,37 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # helper-i anchor
     # helper-j anchor
     # helper-k anchor
+    # LongCat-Flash (Meituan): each decoder layer holds two attention sublayers (DeepSeek-V3's MLA with a
+    # low-rank query and LoRA scales on the normed latents, interleaved rotary on the rope part) and two
+    # dense SwiGLU MLPs, plus a shortcut MoE on the first sublayer's post-attention norm, added at the end;
+    # its experts include zero-computation (identity) experts, outside transformers' experts interface
+    "longcat_flash": ArchSpec("moe", rotary=dataclasses.replace(_DEEPSEEK_ROTARY, note=(
+                                  "interleaved pairs on the rope part of each query/key head (qk_rope_head_dim), "
+                                  "through the model's own apply_rotary_pos_emb_interleave")),
+                              attention=(_MLA,),
+                              model_code=("low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) "
+                                          "projections with their RMSNorms, scaled by sqrt(hidden / rank) "
+                                          "(mla_scale_q_lora, mla_scale_kv_lora)",
+                                          "two attention and two MLP sublayers per decoder layer, the shortcut MoE "
+                                          "added to the second sublayer's output",
+                                          "router: softmax scores, top-k of scores plus a correction bias, "
+                                          "routed_scaling_factor",
+                                          "the experts with their zero-computation (identity) experts"),
+                              experts="LongcatFlashExperts routes tokens to zero_expert_num identity experts beside "
+                                      "the SwiGLU ones (ids past n_routed_experts: the input times its weight) "
+                                      "and loops over the hit experts itself: not transformers' experts interface",
+                              notes="the dense sublayer MLPs (mlps) are SwiGLU MLPs on hasten's kernel; the "
+                                    "checkpoints' multi-token prediction layer (mtp.*) is not built"),
+    # DiffLlama: Llama's layer with differential attention, (softmax(Q1 K1^T) - lambda softmax(Q2 K2^T)) V,
+    # computed by its module as two plain attention calls on the same q/k (one per half of the value
+    # heads), then the learned lambda, a weightless RMSNorm (nn.RMSNorm) per head pair and (1 - lambda_init)
+    "diffllama": ArchSpec("dense",
+                          attention=("differential attention: two plain attention calls on the same queries and "
+                                     "keys (value heads split in halves), each on hasten's varlen kernels",),
+                          model_code=("the differential combination: the second call's output times the learned "
+                                      "lambda (lambda_q1/k1/q2/k2, lambda_init) subtracted from the first's",
+                                      "the weightless per-head-pair RMSNorm (torch's nn.RMSNorm, groupnorm) and the "
+                                      "(1 - lambda_init) scale")),
     # helper-l anchor
 }
 
