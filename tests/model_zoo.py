@@ -407,6 +407,39 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("bitnet", dict(hidden_act="relu2", attention_bias=True), "hasten", feature_off=dict(hidden_act="silu")),
     # helper-i anchor
     # helper-j anchor
+    # Apertus 1.5 text: apertus's case (llama3 scaling from 8 positions, q/k norms, xIELU) with an input
+    # vocabulary of 260 and the LM head pruned to the first 211 ids (the samples' ids lie below)
+    Entry("apertus1p5_text", dict(vocab_size=260, output_vocab_size=VOCAB,
+                                  rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0,
+                                                       original_max_position_embeddings=8, low_freq_factor=1.0,
+                                                       high_freq_factor=4.0)), "hasten",
+          feature_off=dict(rope_parameters=dict(rope_type="default", rope_theta=12000000.0)),
+          notes="the pruned head cannot be switched off at the same gradient shapes; the llama3 scaling is"),
+    # Cohere Compass text: windows of 5 on layers 0 and 2 with mrope (sections 2/3/3), the full layer
+    # NoPE (its rope_parameters None), logit scale 0.5
+    Entry("cohere_compass_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, logit_scale=0.5,
+                                      rope_parameters=dict(sliding_attention=dict(MROPE, mrope_section=[2, 3, 3]),
+                                                           full_attention=None)), "hasten",
+          feature_off=dict(sliding_window=4096)),
+    # Aria text: 4 experts of 16 (stored transposed), top-2 renormalised over the chosen logits, two shared
+    # experts (a SwiGLU MLP of 32), projection biases
+    Entry("aria_text", dict(moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2, intermediate_size=16,
+                            attention_bias=True), "hasten", feature_off=dict(moe_topk=1)),
+    # Inkling / Inkling2 text: short causal convolutions on k, v and both residual branches of every layer
+    # (state along the sequence; no varlen form in hasten) and a relative position bias from the hidden
+    # states (position_bias, a score term hasten's attention does not compute), with positions counted
+    # along the row: packed batches refused. Windows of 5 on layers 0 and 2 (hybrid_sliding)
+    Entry("inkling_text", dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                               sliding_window_size=WINDOW, d_rel=4, rel_extent=8,
+                               layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                               mlp_layer_types=["dense", "sparse", "sparse"], moe_intermediate_size=16,
+                               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, conv_kernel_size=3,
+                               sconv_kernel_size=3), "refused"),
+    Entry("inkling2_text", dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                                sliding_window_size=WINDOW, d_rel=4, rel_extent=8, unpadded_vocab_size=VOCAB,
+                                layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], moe_intermediate_size=16,
+                                n_routed_experts=4, num_experts_per_tok=2, conv_kernel_size=3,
+                                n_layers_per_attn_res_block=2, log_scaling_n_floor=8), "refused"),
     # helper-k anchor
     # LongCat-Flash: 2 decoder layers (4 MLA sublayers: q/k heads of 16 + 8, value heads of 8), 4 SwiGLU
     # experts and 2 zero-computation (identity) experts, 2 per token, softmax router with a correction bias

@@ -735,6 +735,42 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                              "transformers' loss"),
     # helper-i anchor
     # helper-j anchor
+    # Apertus 1.5's text model (Apertus1p5TextForCausalLM): Apertus's decoder unchanged (q/k RMSNorms per
+    # head, ungated xIELU MLP, llama3 rotary scaling) with a vocabulary extended by visual and audio codes
+    # and an LM head optionally pruned to its text prefix (output_vocab_size rows): the fused loss reads
+    # the head's own weight, so its width is the head's, as transformers' loss (vocab_size=out_features)
+    "apertus1p5_text": ArchSpec("dense", norm=NormSpec(qk_norm=True), mlp=MlpSpec(kind="ungated"),
+                                model_code=("the ungated MLP down_proj(xielu(up_proj(x))) with the activation's "
+                                            "learned alpha_p, alpha_n",),
+                                notes="Apertus's classes; pre-norms named attention_layernorm and "
+                                      "feedforward_layernorm; q/k RMSNorms per head before the rotary; the LM head "
+                                      "may be narrower than the input vocabulary (output_vocab_size): labels must "
+                                      "lie below its width, as in transformers"),
+    # Cohere Compass's text model (CohereCompassForCausalLM, North): Cohere 2's layer (LayerNorm without
+    # bias, attention and MLP in parallel on one norm, windows on the layers layer_types marks, logit
+    # scale) but Qwen3-VL's text rotary: rotate_half halves (not Cohere's interleaved pairs), mrope
+    # sections interleaved along the frequencies, a rotary per layer type (None: that type NoPE)
+    "cohere_compass_text": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
+                                    rotary=RotarySpec(note="multimodal rotary (mrope, sections interleaved along "
+                                                           "the frequencies) with a base per layer type "
+                                                           "(rope_parameters by layer type; a type without one gets "
+                                                           "no rotary): the model builds cos/sin, for text from the "
+                                                           "token positions"),
+                                    logits=LogitSpec(scale_key="logit_scale"),
+                                    attention=(_LAYER_WINDOWS,),
+                                    model_code=("attention and MLP in parallel on one norm",
+                                                "the deepstack visual features its text model adds to the first "
+                                                "layers (image batches of the wrapper only)")),
+    # Aria's text model (AriaTextForCausalLM): Llama's attention (optional projection biases) and pre-norms,
+    # MoE on every layer: a router picking the top-k logits and weighting by their softmax, experts stored
+    # transposed ((E, in, out): is_transposed) with SiLU always, shared experts (a SwiGLU MLP of
+    # moe_num_shared_experts * intermediate_size) added in full
+    "aria_text": ArchSpec("moe", attention=("projection biases (attention_bias)",),
+                          model_code=("router: top-k of the logits, softmax over the k chosen",
+                                      "the shared experts, added in full (no gate)"),
+                          notes="the shared experts are a SwiGLU MLP on hasten's kernel where hidden_act is silu; "
+                                "the routed experts' weights are (E, in, out), which the fused path reads as "
+                                "stored"),
     # helper-k anchor
     # LongCat-Flash (Meituan): each decoder layer holds two attention sublayers (DeepSeek-V3's MLA with a
     # low-rank query and LoRA scales on the normed latents, interleaved rotary on the rope part) and two
