@@ -414,6 +414,10 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("opt", dict(ffn_dim=96, num_key_value_heads=4, word_embed_proj_dim=32, dropout=0.0, layerdrop=0.0),
           "hasten", tensor_setup=_frozen_key_biases,
           tensor_feature_off=lambda model: model.model.decoder.embed_positions.weight.data.zero_()),
+    # BioGPT: learned positions (offset 2), the embedding scale sqrt(hidden); off: no embedding scale
+    Entry("biogpt", dict(num_key_value_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                         activation_dropout=0.0, layerdrop=0.0, scale_embedding=True), "hasten", tensor_setup=_frozen_key_biases,
+          feature_off=dict(scale_embedding=False)),
     # helper-j anchor
     # helper-k anchor
     # helper-l anchor

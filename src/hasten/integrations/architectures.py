@@ -53,6 +53,9 @@ class ArchSpec:
     # `_supports_attention_backend` off (which would refuse packed batches): why that is safe, and
     # what reaches the attention call (StableLM: position_ids only); empty: the class's mark decides
     attention_interface: str = ""
+    # with `attention_interface`: the model's layers pass its attention every keyword argument (the batch's
+    # packing metadata included, built once per batch), not position_ids alone (BioGPT; StableLM: False)
+    attention_kwargs_reach: bool = False
     notes: str = ""
 
 
@@ -759,6 +762,22 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                 "norms before or after attention and MLP (do_layer_norm_before)",
                                 "project_in / project_out where word_embed_proj_dim is set",
                                 "the ungated MLP fc2(act(fc1(x))) with biases")),
+    # BioGPT: pre-norm GPT-2-style decoder, learned absolute positions (offset 2) from position_ids, the
+    # embedding scaled by sqrt(hidden) (scale_embedding); its class leaves `_supports_attention_backend`
+    # off although its attention calls transformers' attention interface with every keyword argument
+    "biogpt": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                       rotary=RotarySpec(own=True, note="none: learned absolute position embeddings (offset 2) "
+                                                        "indexed by position_ids, which restart at each packed "
+                                                        "sample"),
+                       attention=("projection biases",),
+                       model_code=("embedding scale sqrt(hidden) where scale_embedding is set",
+                                   "learned absolute position embeddings (offset 2)",
+                                   "the ungated MLP fc2(act(fc1(x))) with biases"),
+                       attention_interface=(
+                           "BioGptAttention calls transformers' attention interface (ALL_ATTENTION_FUNCTIONS) and its "
+                           "model and decoder layers pass it position_ids and every other keyword argument (the "
+                           "batch's packing metadata included), as the models that set the mark do"),
+                       attention_kwargs_reach=True),
     # helper-j anchor
     # helper-k anchor
     # helper-l anchor
