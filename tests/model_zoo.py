@@ -130,6 +130,15 @@ _random_correction_biases = _random_buffer("e_score_correction_bias", "routers' 
 _random_expert_biases = _random_buffer("expert_bias", "LFM2-MoE's expert biases off zero")
 
 
+def _frozen_key_biases(model: torch.nn.Module) -> None:
+    """Without rotary a key bias adds the same q . b_k to every score of a query row, which the softmax
+    cancels: its gradient is zero but for rounding (about 1e-9 here), which relative errors cannot
+    compare. Frozen in the reference and the patched copy alike (OPT, BioGPT: separate k_proj biases)."""
+    for name, param in model.named_parameters():
+        if name.endswith("k_proj.bias"):
+            param.requires_grad_(False)
+
+
 def _zaya_routing(model: torch.nn.Module) -> None:
     """ZAYA's router (a down projection, then ZayaRouterMLP: RMSNorm, two GELU layers, the logits)
     adds balancing biases (a buffer: zero, and -1 on its skip expert, which top-1 of probabilities
@@ -406,6 +415,31 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     # q/k/v/o biases; unquantised nn.Linear projections (from_config: no quantization config)
     Entry("bitnet", dict(hidden_act="relu2", attention_bias=True), "hasten", feature_off=dict(hidden_act="silu")),
     # helper-i anchor
+    # GPT-2-era decoders: dropouts off (their configs default them on), ungated MLPs, all heads K/V heads
+    # (num_key_value_heads=4: none has GQA; GPTBigCode's multi_query gives one K/V head). GPT-2: the query
+    # scale divided by layer_idx + 1 on; its learned positions restart per packed sample
+    Entry("gpt2", dict(n_inner=96, num_key_value_heads=4, activation_function="gelu_new", resid_pdrop=0.0,
+                       embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_by_inverse_layer_idx=True,
+                       reorder_and_upcast_attn=True), "hasten",
+          feature_off=dict(scale_attn_by_inverse_layer_idx=False)),
+    # GPTBigCode: multi-query attention (one K/V head for 4 query heads); off: the query scale
+    # (multi_query off changes c_attn's shape)
+    Entry("gpt_bigcode", dict(n_inner=96, num_key_value_heads=4, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                              attn_pdrop=0.0), "hasten", feature_off=dict(scale_attn_weights=False)),
+    # GPT-J and CodeGen: half of each head rotates (rotary_dim 8 of 16), interleaved pairs; off: all of it
+    Entry("gptj", dict(n_inner=96, num_key_value_heads=4, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                       attn_pdrop=0.0), "hasten", feature_off=dict(rotary_dim=16)),
+    Entry("codegen", dict(n_inner=96, num_key_value_heads=4, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0), "hasten", feature_off=dict(rotary_dim=16)),
+    # OPT: learned positions (offset 2) from position_ids, biases, project_in/out (word_embed_proj_dim 32);
+    # off: the position embeddings zeroed (positions counted along the packed row would show)
+    Entry("opt", dict(ffn_dim=96, num_key_value_heads=4, word_embed_proj_dim=32, dropout=0.0, layerdrop=0.0),
+          "hasten", tensor_setup=_frozen_key_biases,
+          tensor_feature_off=lambda model: model.model.decoder.embed_positions.weight.data.zero_()),
+    # BioGPT: learned positions (offset 2), the embedding scale sqrt(hidden); off: no embedding scale
+    Entry("biogpt", dict(num_key_value_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                         activation_dropout=0.0, layerdrop=0.0, scale_embedding=True), "hasten", tensor_setup=_frozen_key_biases,
+          feature_off=dict(scale_embedding=False)),
     # helper-j anchor
     # Apertus 1.5 text: apertus's case (llama3 scaling from 8 positions, q/k norms, xIELU) with an input
     # vocabulary of 260 and the LM head pruned to the first 211 ids (the samples' ids lie below)

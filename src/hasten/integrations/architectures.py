@@ -53,6 +53,9 @@ class ArchSpec:
     # `_supports_attention_backend` off (which would refuse packed batches): why that is safe, and
     # what reaches the attention call (StableLM: position_ids only); empty: the class's mark decides
     attention_interface: str = ""
+    # with `attention_interface`: the model's layers pass its attention every keyword argument (the batch's
+    # packing metadata included, built once per batch), not position_ids alone (BioGPT; StableLM: False)
+    attention_kwargs_reach: bool = False
     notes: str = ""
 
 
@@ -734,6 +737,81 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                              "by the model's own attention module; a quantised LM head (not plain nn.Linear) keeps "
                              "transformers' loss"),
     # helper-i anchor
+    # --- GPT-2-era decoders: nn.LayerNorm with bias (torch's own kernel), ungated MLPs with biases,
+    # learned absolute positions or GPT-J's sinusoid rotary inside the attention; hasten's gains are its
+    # varlen attention on packed batches and the fused loss --------------------------------------------
+    # GPT-2: learned absolute positions (wpe) read from position_ids (per packed sample: the collator's),
+    # one Conv1D c_attn; the query scale (scale_attn_weights, scale_attn_by_inverse_layer_idx) reaches
+    # the attention call as `scaling`
+    "gpt2": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                     rotary=RotarySpec(own=True, note="none: learned absolute position embeddings (wpe) indexed by "
+                                                      "position_ids, which restart at each packed sample"),
+                     attention=("the query scale: 1/sqrt(head_dim) where scale_attn_weights, divided by layer_idx + 1 "
+                                "where scale_attn_by_inverse_layer_idx (passed as `scaling`)", "projection biases"),
+                     model_code=("learned absolute position embeddings (wpe)", "Conv1D c_attn / c_proj projections",
+                                 "the ungated MLP c_proj(act(c_fc(x))) with biases"),
+                     notes="reorder_and_upcast_attn only changes transformers' eager path (float32 scores, the same "
+                           "softmax); hasten's varlen kernels compute the scores in float32 too"),
+    # GPTBigCode (SantaCoder, StarCoder 1): GPT-2's layout with multi-query attention (multi_query: one
+    # K/V head), learned absolute positions from position_ids
+    "gpt_bigcode": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"),
+                            mlp=MlpSpec(kind="ungated"),
+                            rotary=RotarySpec(own=True, note="none: learned absolute position embeddings (wpe) "
+                                                             "indexed by position_ids, which restart at each packed "
+                                                             "sample"),
+                            attention=("multi-query attention (multi_query: one K/V head)",
+                                       "the query scale 1/sqrt(head_dim) where scale_attn_weights", "projection biases"),
+                            model_code=("learned absolute position embeddings (wpe)", "fused c_attn projection",
+                                        "the ungated MLP c_proj(act(c_fc(x))) with biases")),
+    # GPT-J: attention and MLP in parallel on one norm, rotary on interleaved pairs (rotate_every_two) of
+    # the first rotary_dim of each head from a sinusoid table indexed by position_ids; its
+    # apply_rotary_pos_emb(x, sin, cos) takes sin first and half-width tables, so the rotary stays its own
+    "gptj": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                     rotary=RotarySpec(own=True, note="interleaved pairs on the first rotary_dim of each head, in the "
+                                                      "model's attention (apply_rotary_pos_emb(x, sin, cos) on "
+                                                      "half-width sin/cos from a table indexed by position_ids)"),
+                     model_code=("attention and MLP in parallel on one norm",
+                                 "the ungated MLP fc_out(act(fc_in(x))) with biases"),
+                     notes="the LM head has a bias, which hasten's fused loss adds"),
+    # CodeGen: GPT-J's layer with one qkv_proj laid out over 4 model-parallel shards [q | v | k] each,
+    # the rotary (interleaved pairs, rotary_dim) in float32 in the model's attention
+    "codegen": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                        rotary=RotarySpec(own=True, note="interleaved pairs on the first rotary_dim of each head, in "
+                                                         "the model's attention (apply_rotary_pos_emb(x, sin, cos) on "
+                                                         "half-width float32 sin/cos indexed by position_ids)"),
+                        model_code=("fused qkv_proj over 4 model-parallel shards, [q | v | k] per shard",
+                                    "attention and MLP in parallel on one norm",
+                                    "the ungated MLP fc_out(act(fc_in(x))) with biases"),
+                        notes="the LM head has a bias, which hasten's fused loss adds"),
+    # OPT: learned absolute positions with an offset of 2, read from position_ids when the batch has them
+    # (from the attention_mask's cumsum only without); the query scaled before the call (scaling=1.0);
+    # pre-norm or post-norm (do_layer_norm_before: OPT-350m's post), project_in/out where
+    # word_embed_proj_dim differs from hidden_size
+    "opt": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                    rotary=RotarySpec(own=True, note="none: learned absolute position embeddings (offset 2) indexed "
+                                                     "by position_ids, which restart at each packed sample"),
+                    attention=("projection biases (enable_bias)",),
+                    model_code=("learned absolute position embeddings (offset 2)",
+                                "the query scaled by 1/sqrt(head_dim) after q_proj, before the attention call",
+                                "norms before or after attention and MLP (do_layer_norm_before)",
+                                "project_in / project_out where word_embed_proj_dim is set",
+                                "the ungated MLP fc2(act(fc1(x))) with biases")),
+    # BioGPT: pre-norm GPT-2-style decoder, learned absolute positions (offset 2) from position_ids, the
+    # embedding scaled by sqrt(hidden) (scale_embedding); its class leaves `_supports_attention_backend`
+    # off although its attention calls transformers' attention interface with every keyword argument
+    "biogpt": ArchSpec("dense", norm=NormSpec(kind="torch", class_suffix="LayerNorm"), mlp=MlpSpec(kind="ungated"),
+                       rotary=RotarySpec(own=True, note="none: learned absolute position embeddings (offset 2) "
+                                                        "indexed by position_ids, which restart at each packed "
+                                                        "sample"),
+                       attention=("projection biases",),
+                       model_code=("embedding scale sqrt(hidden) where scale_embedding is set",
+                                   "learned absolute position embeddings (offset 2)",
+                                   "the ungated MLP fc2(act(fc1(x))) with biases"),
+                       attention_interface=(
+                           "BioGptAttention calls transformers' attention interface (ALL_ATTENTION_FUNCTIONS) and its "
+                           "model and decoder layers pass it position_ids and every other keyword argument (the "
+                           "batch's packing metadata included), as the models that set the mark do"),
+                       attention_kwargs_reach=True),
     # helper-j anchor
     # Apertus 1.5's text model (Apertus1p5TextForCausalLM): Apertus's decoder unchanged (q/k RMSNorms per
     # head, ungated xIELU MLP, llama3 rotary scaling) with a vocabulary extended by visual and audio codes

@@ -821,7 +821,7 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
 
     handle._undo_steps.append(undo)
     handle.active.append("varlen attention (packed sequences, no mask)")
-    if spec is not None and spec.attention_interface:  # the metadata does not reach its attention calls
+    if spec is not None and spec.attention_interface and not spec.attention_kwargs_reach:  # metadata does not reach
         handle.active.append("metadata derived per layer (the model's decoder layers pass its attention "
                              "position_ids only)")
     else:

@@ -46,6 +46,18 @@ def _decoder_attribute(model: nn.Module) -> str | None:
     return None
 
 
+def _head_attribute(model: nn.Module) -> str:
+    """The attribute that holds the LM head: `lm_head` in most *ForCausalLM classes, else the child
+    module the class names as its output embeddings (BioGPT's `output_projection`)."""
+    if isinstance(getattr(model, "lm_head", None), nn.Module):
+        return "lm_head"
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    return next((name for name, child in model.named_children() if head is not None and child is head), "lm_head")
+
+
 def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap: float | None | str = _FROM_CONFIG,
                                 logit_scale: float = 1.0):
     """Replace `model.forward` for training with labels; returns a function that undoes it.
@@ -56,19 +68,21 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap
     is applied to the hidden states before the LM head, which is the same product for a head
     without bias (one rounding of the scaled hidden state in its dtype; exact for powers of two)."""
     decoder = _decoder_attribute(model)
-    for attribute in (decoder or "model", "lm_head"):
+    head_name = _head_attribute(model)
+    for attribute in (decoder or "model", head_name):
         if not isinstance(getattr(model, attribute, None), nn.Module):
             raise FusedLossUnsupported(f"{type(model).__name__} has no `{attribute}` module (not a transformers "
                                        "*ForCausalLM layout)")
-    if not isinstance(model.lm_head, nn.Linear):
-        raise FusedLossUnsupported(f"the LM head is a {type(model.lm_head).__name__}, not a plain nn.Linear "
+    head = getattr(model, head_name)
+    if not isinstance(head, nn.Linear):
+        raise FusedLossUnsupported(f"the LM head is a {type(head).__name__}, not a plain nn.Linear "
                                    "(wrapped by PEFT or quantized); the fused loss reads its weight directly")
-    if type(model.lm_head).forward is not nn.Linear.forward:
+    if type(head).forward is not nn.Linear.forward:
         # a subclass with its own forward computes something beyond x @ W^T + b (Dory's head scales
         # its logits by a learned vector), which reading the weight would drop
-        raise FusedLossUnsupported(f"the LM head is a {type(model.lm_head).__name__} with a forward of its own, not "
+        raise FusedLossUnsupported(f"the LM head is a {type(head).__name__} with a forward of its own, not "
                                    "a plain nn.Linear; the fused loss reads its weight directly and would skip it")
-    if logit_scale != 1.0 and model.lm_head.bias is not None:
+    if logit_scale != 1.0 and head.bias is not None:
         raise FusedLossUnsupported(f"a logit scale ({logit_scale:g}) with an LM head bias: the fused loss scales the "
                                    "hidden states, which scales the bias too")
     original = model.forward
@@ -99,7 +113,8 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap
         if logit_scale != 1.0:
             hidden = hidden * logit_scale
         targets = _shifted_targets(labels, kwargs.get("shift_labels"))
-        loss = linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device), bias=self.lm_head.bias,
+        lm_head = getattr(self, head_name)
+        loss = linear_cross_entropy(hidden, lm_head.weight, targets.to(hidden.device), bias=lm_head.bias,
                                     num_items_in_batch=kwargs.get("num_items_in_batch"),
                                     ignore_index=IGNORE_INDEX, softcap=softcap, chunk_tokens=chunk_tokens)
         if output_class is None:
