@@ -10,7 +10,10 @@
 #     llama4 ministral3 granite_swa hyperclovax youtu gpt_neox phi stablelm hy_v3 mimo_v2_flash \
 #     laguna granitemoe_swa lfm2_moe lfm3 lara_mini qwen4_exp mistral3 qwen3_moe gpt_oss \
 #     deepseek_v2 phi3 phimoe jais2 nanochat hrm_text mellum kolibri1 flint minicpm3 axk1 \
-#     gemma4_unified jetmoe dbrx zaya axk2 deepseek_v32 deepseek_v4
+#     gemma4_unified jetmoe dbrx zaya axk2 deepseek_v32 deepseek_v4 llama exaone iquestcoder glm4_moe \
+#     sarvam_moe deepseek_v3 sarvam_mla bitnet gpt2 gpt_bigcode gptj codegen opt biogpt apertus \
+#     apertus1p5 cohere_compass aria longcat_flash diffllama
+# (types mapped to another type's classes, sarvam_moe to glm4_moe's, need that folder named too)
 # (a type left out of the bundle fails to import in that call). A cold machine compiles and autotunes
 # fla's Triton and TileLang kernels once per head shape: at fac8d45 the GPU tests took 145 s cold on
 # 5.17, over 240 s cold on 5.24 (grouped value heads, another shape) and 51 s warm.
