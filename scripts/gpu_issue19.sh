@@ -12,7 +12,7 @@
 #     deepseek_v2 phi3 phimoe jais2 nanochat hrm_text mellum kolibri1 flint minicpm3 axk1 \
 #     gemma4_unified jetmoe dbrx zaya axk2 deepseek_v32 deepseek_v4 llama exaone iquestcoder glm4_moe \
 #     sarvam_moe deepseek_v3 sarvam_mla bitnet gpt2 gpt_bigcode gptj codegen opt biogpt apertus \
-#     apertus1p5 cohere_compass aria longcat_flash diffllama
+#     apertus1p5 cohere_compass aria longcat_flash diffllama kimi_linear
 # (types mapped to another type's classes, sarvam_moe to glm4_moe's, need that folder named too)
 # (a type left out of the bundle fails to import in that call). A cold machine compiles and autotunes
 # fla's Triton and TileLang kernels once per head shape: at fac8d45 the GPU tests took 145 s cold on

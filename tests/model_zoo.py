@@ -109,6 +109,19 @@ def _slow_decay(model: torch.nn.Module) -> None:
             module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(0.05, 1.0, generator=gen).log())
 
 
+def _slow_kda_decay(model: torch.nn.Module) -> None:
+    """Kimi delta attention's decay is exp(-A * softplus(f + dt_bias)) per token and key channel;
+    transformers draws A up to 16 and the zoo moves dt_bias by 0.3: a state forgotten fast barely
+    shows across a packed sample's boundary. A in (0.05, 1) and softplus(dt_bias) in (0.01, 0.1)
+    keep it for tens of tokens, as a trained model's slow channels do."""
+    gen = torch.Generator().manual_seed(4)
+    for module in model.modules():
+        if type(module).__name__.endswith("ForgetGate"):
+            module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(0.05, 1.0, generator=gen).log())
+            dt = torch.empty(module.dt_bias.shape).uniform_(0.01, 0.1, generator=gen)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
 def _random_buffer(name: str, why: str):
     """A tensor_setup setting the router buffer `name` off the zero the model initialises it to, so
     that it changes the expert choice (the 1-D parameters moved in build() do not include buffers)."""
@@ -128,6 +141,12 @@ def _random_buffer(name: str, why: str):
 _random_correction_biases = _random_buffer("e_score_correction_bias", "routers' score correction biases off zero")
 # LFM2-MoE's router adds an expert bias to its sigmoid scores before the top-k
 _random_expert_biases = _random_buffer("expert_bias", "LFM2-MoE's expert biases off zero")
+
+
+def _kimi_linear_setup(model: torch.nn.Module) -> None:
+    """Kimi Linear: a slow KDA decay and the routers' correction biases off zero."""
+    _slow_kda_decay(model)
+    _random_correction_biases(model)
 
 
 def _frozen_key_biases(model: torch.nn.Module) -> None:
@@ -414,6 +433,16 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     # BitNet: sub-norms on the attention output and the gated product, ReLU² gate (the MLP the model's own),
     # q/k/v/o biases; unquantised nn.Linear projections (from_config: no quantization config)
     Entry("bitnet", dict(hidden_act="relu2", attention_bias=True), "hasten", feature_off=dict(hidden_act="silu")),
+    # Kimi Linear: two Kimi delta attention layers (2 heads of 16, slow per-channel decay) around an MLA
+    # layer without rotary (q/k heads of 16 + 8, value heads of 8, a low-rank query, projection biases);
+    # a dense first layer, then the sigmoid group-limited router, a shared expert
+    Entry("kimi_linear", dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
+                              linear_conv_kernel_dim=4, linear_head_dim=16, linear_num_heads=2, kv_lora_rank=16,
+                              q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+                              num_key_value_heads=4, head_dim=8, attention_bias=True, num_local_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2,
+                              topk_group=1, routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"]),
+          "hasten", feature_off=dict(linear_conv_kernel_dim=1), tensor_setup=_kimi_linear_setup),
     # helper-i anchor
     # GPT-2-era decoders: dropouts off (their configs default them on), ungated MLPs, all heads K/V heads
     # (num_key_value_heads=4: none has GQA; GPTBigCode's multi_query gives one K/V head). GPT-2: the query

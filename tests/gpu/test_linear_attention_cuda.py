@@ -1,5 +1,6 @@
 """hasten.stateful on the GPU (issue 19): flash-linear-attention's varlen kernels behind the packed
-forms of the short convolution and the gated delta rule, and whole hybrid models on packed rows.
+forms of the short convolution, the gated delta rule and Kimi delta attention, and whole hybrid
+models on packed rows.
 
 1. The kernels: a packed row (samples of 1, 2, 63 and 500+ tokens) through hasten's replacement in
    bf16 against transformers' torch function run one sample at a time in float32, output and every
@@ -21,13 +22,14 @@ import torch.nn.functional as F
 from hasten.observability import fallback_counts
 from hasten.packing.meta import LINEAR_META
 from hasten.stateful import LinearMeta, fla_problem
-from hasten.stateful.varlen import varlen_causal_conv1d, varlen_chunk_gated_delta_rule
+from hasten.stateful.varlen import varlen_causal_conv1d, varlen_chunk_gated_delta_rule, varlen_chunk_kda
 from tests.gpu.test_model_parity_cuda import check_packed_parity
 
 ISOLATION_LENGTHS = (1, 2, 63, 517, 7, 300)
 # many boundaries: a state carried across them touches a large share of the tokens (the negative control)
 BOUNDARY_LENGTHS = (1, 2, 5, 9, 3, 17, 4, 8, 1, 11, 6, 2, 30, 7, 12, 63, 3, 40)
-HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3", "lara_mini")
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3", "lara_mini",
+           "kimi_linear")
 NOISE_FACTOR = 3.0
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and fla_problem(0) is not None,
@@ -76,6 +78,38 @@ def test_gated_delta_rule_kernel_against_each_sample_alone():
                             **{LINEAR_META: meta})
         else:
             out = _per_sample(lambda q, k, v, g, b: torch_rule(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True),
+                              meta, inputs)
+        return [out, *torch.autograd.grad(out, inputs, grad_out.to(out.dtype))]
+
+    want, noise, got = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for name, g, n, w in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), got, noise, want):
+        assert _rel(g, w) <= NOISE_FACTOR * _rel(n, w) + 2e-3, (name, _rel(g, w), _rel(n, w))
+    assert "stateful_per_sample" not in fallback_counts()
+
+
+def test_kimi_delta_attention_kernel_against_each_sample_alone():
+    """fla's chunk_kda behind kimi_linear's chunk_kimi_delta_attention, called as its layer calls it:
+    a decay per key channel (g: (B, T, H, K), float32 as the model's forget gate returns it), beta
+    after its sigmoid, the q/k L2 norm in the kernel, the default scale."""
+    torch_kda = inspect.unwrap(importlib.import_module(
+        "transformers.models.kimi_linear.modeling_kimi_linear").chunk_kimi_delta_attention)
+    packed = varlen_chunk_kda(torch_kda)
+    meta = _meta(ISOLATION_LENGTHS)
+    tokens = sum(ISOLATION_LENGTHS)
+    gen = torch.Generator().manual_seed(2)
+    # 2 heads of 16, the zoo's Kimi Linear layers (fla compiles once per head shape)
+    base = [torch.randn(1, tokens, 2, 16, generator=gen), torch.randn(1, tokens, 2, 16, generator=gen),
+            torch.randn(1, tokens, 2, 16, generator=gen),
+            -F.softplus(torch.randn(1, tokens, 2, 16, generator=gen)) * 0.3, torch.rand(1, tokens, 2, generator=gen)]
+    grad_out = torch.randn(1, tokens, 2, 16, generator=gen).cuda()
+
+    def run(dtype, hasten_path):
+        inputs = [t.to("cuda", torch.float32 if i == 3 else dtype).requires_grad_() for i, t in enumerate(base)]
+        if hasten_path:
+            out, _ = packed(*inputs[:3], g=inputs[3], beta=inputs[4], initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=True, **{LINEAR_META: meta})
+        else:
+            out = _per_sample(lambda q, k, v, g, b: torch_kda(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True),
                               meta, inputs)
         return [out, *torch.autograd.grad(out, inputs, grad_out.to(out.dtype))]
 

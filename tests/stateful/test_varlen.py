@@ -1,9 +1,11 @@
-"""hasten.stateful on the CPU: the packed forms of the convolution and the gated delta rule, the
-batch's LinearMeta, the guard that every stateful layer got the batch's boundaries, and undo.
+"""hasten.stateful on the CPU: the packed forms of the convolution, the gated delta rule and Kimi
+delta attention, the batch's LinearMeta, the guard that every stateful layer got the batch's
+boundaries, and undo.
 
 The parity of whole hybrid models (packed row against each sample alone, float32) is in
 tests/integrations/test_model_parity.py (qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid,
-lfm2, lfm2_moe, lfm3, lara_mini); the GPU run of the same with flash-linear-attention's kernels in tests/gpu."""
+lfm2, lfm2_moe, lfm3, lara_mini, kimi_linear); the GPU run of the same with flash-linear-attention's
+kernels in tests/gpu."""
 
 import gc
 import sys
@@ -16,7 +18,7 @@ from hasten.integrations.transformers import PackedBatchRefused
 from hasten.packing.meta import LINEAR_META
 from hasten.stateful import LinearMeta, fla_problem
 from hasten.stateful.patch import REPLACED, release_dropped
-from hasten.stateful.varlen import varlen_causal_conv1d, varlen_chunk_gated_delta_rule
+from hasten.stateful.varlen import varlen_causal_conv1d, varlen_chunk_gated_delta_rule, varlen_chunk_kda
 from tests import model_zoo as zoo
 
 LENGTHS = (1, 2, 63, 70, 5)  # one- and two-token samples, and samples past the delta rule's 64-token chunk
@@ -80,6 +82,38 @@ def test_packed_delta_rule_starts_each_sample_from_a_zero_state():
     with pytest.raises(ValueError, match="zero state"):  # a recurrent state never meets a packed batch
         packed(q, k, v, g=g, beta=beta, initial_state=torch.zeros(1, 4, 8, 8), output_final_state=False,
                **{LINEAR_META: _meta()})
+
+
+def test_packed_kimi_delta_attention_starts_each_sample_from_a_zero_state():
+    """kimi_linear's chunk_kimi_delta_attention (a decay per key channel), called as its layer calls
+    it: q, k, v positional, g, beta and the rest by keyword, the layer's kwargs along."""
+    original = _modeling("kimi_linear").chunk_kimi_delta_attention
+    packed = varlen_chunk_kda(original)
+    gen = torch.Generator().manual_seed(2)
+    tokens = sum(LENGTHS)
+    q, k, v = (torch.randn(1, tokens, 2, 8, generator=gen) for _ in range(3))
+    g = -0.1 * torch.nn.functional.softplus(torch.randn(1, tokens, 2, 8, generator=gen))  # slow, per channel
+    beta = torch.rand(1, tokens, 2, generator=gen)
+    meta = _meta()
+    out, state = packed(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=True, **{LINEAR_META: meta, "cu_seq_lens_q": meta.cu_seqlens})
+    assert state is None and meta.calls == 1
+    want = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                               use_qk_l2norm_in_kernel=True)[0] for s, e in meta.bounds()], dim=1)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    mixed = original(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]  # state carried across samples
+    assert (mixed - want).abs().max() > 1e-2
+    # no LinearMeta (a padded batch, generation): the model's own function, unchanged
+    torch.testing.assert_close(packed(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0], mixed, rtol=0, atol=0)
+    # several packed rows are one sequence list: two rows of 71 tokens, the padded tail a sequence of its own
+    wide = [torch.cat((t, t[:, :1]), dim=1) for t in (q, k, v, g, beta)]
+    meta = LinearMeta.build(torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32), tokens + 1)
+    rows = [t.reshape(2, (tokens + 1) // 2, *t.shape[2:]) for t in wide]
+    got, _ = packed(*rows[:3], g=rows[3], beta=rows[4], use_qk_l2norm_in_kernel=True, **{LINEAR_META: meta})
+    torch.testing.assert_close(got.reshape(1, tokens + 1, *got.shape[2:])[:, :tokens], want, rtol=0, atol=0)
+    for state_args in (dict(initial_state=torch.zeros(1, 2, 8, 8)), dict(output_final_state=True)):
+        with pytest.raises(ValueError, match="zero state"):  # a recurrent state never meets a packed batch
+            packed(q, k, v, g=g, beta=beta, **state_args, **{LINEAR_META: _meta()})
 
 
 def test_without_fla_the_problem_names_the_install():
@@ -146,7 +180,7 @@ def test_padded_batches_and_undo_leave_the_model_its_own():
     assert (modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule) == own
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "lfm2_moe", "lfm3", "lara_mini"])
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "lfm2_moe", "lfm3", "lara_mini", "kimi_linear"])
 def test_several_packed_rows_each_sample_alone(name):
     """hasten.PackingCollator packs into several rows when the samples need them (the shorter rows
     end in a padding segment, a sequence of its own): the rows are one varlen sequence list."""

@@ -736,6 +736,23 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                              "on hasten's kernel like the pre-norms; the attention output is normed before o_proj "
                              "by the model's own attention module; a quantised LM head (not plain nn.Linear) keeps "
                              "transformers' loss"),
+    # Kimi Linear: Kimi Delta Attention layers (a short convolution over q/k/v, then the gated delta rule
+    # with a decay per key channel, chunk_kimi_delta_attention) between multi-head latent attention
+    # layers without rotary (NoPE); DeepSeek-V3's router and experts, shared experts, dense first layers
+    "kimi_linear": ArchSpec("moe",
+                            rotary=RotarySpec(own=True, note="none: its latent attention rotates nothing (NoPE); the "
+                                                             "qk_rope_head_dim part of each key head is one shared, "
+                                                             "unrotated head"),
+                            attention=(_MLA, "projection biases (attention_bias) where set"),
+                            model_code=("the Kimi delta attention layers' projections, forget gate (a decay per key "
+                                        "channel from A_log and dt_bias), beta gate and gated RMSNorm (the model's own "
+                                        "code around the varlen convolution and delta rule)",
+                                        "low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) "
+                                        "projections with their RMSNorms",
+                                        "sigmoid router with a correction bias, group-limited top-k, routed scaling",
+                                        "shared experts", "dense first layers (mlp_layer_types)"),
+                            stateful=StatefulSpec(layers=(("DeltaAttention", ("causal_conv1d_fn",
+                                                                              "chunk_kimi_delta_attention")),))),
     # helper-i anchor
     # --- GPT-2-era decoders: nn.LayerNorm with bias (torch's own kernel), ungated MLPs with biases,
     # learned absolute positions or GPT-J's sinusoid rotary inside the attention; hasten's gains are its

@@ -1,17 +1,19 @@
 """Packed (varlen) forms of the functions that carry state along the sequence in transformers'
-hybrid models: the short causal convolution and the chunked gated delta rule (Gated DeltaNet).
+hybrid models: the short causal convolution, the chunked gated delta rule (Gated DeltaNet) and
+Kimi Delta Attention (KDA: the gated delta rule with a decay per key channel).
 
 transformers' modeling files (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid, lfm2...) call these
 as module-level functions, `causal_conv1d_fn(x, weight, bias, activation=..., **kwargs)` and
-`torch_chunk_gated_delta_rule(q, k, v, g=..., beta=..., ..., cu_seqlens=..., **kwargs)`, passing
+`torch_chunk_gated_delta_rule(q, k, v, g=..., beta=..., ..., cu_seqlens=..., **kwargs)` (kimi_linear:
+`chunk_kimi_delta_attention(q, k, v, g=..., beta=..., ..., **kwargs)`), passing
 the layer's keyword arguments along. hasten's packing hook adds one `LinearMeta` per packed batch
 to those arguments (`LINEAR_META`); the replacements below (installed by stateful/patch.py) then
 compute each packed sample as if it were alone -- its convolution window and its recurrent state
 start at zero at the sample's first token -- and call the model's own function unchanged when no
 LinearMeta is there (padded batches, generation, another model).
 
-On CUDA the kernels are flash-linear-attention's (fla-core): `causal_conv1d` and
-`chunk_gated_delta_rule` with `cu_seqlens` (Triton). Elsewhere (the CPU, CI) the model's own
+On CUDA the kernels are flash-linear-attention's (fla-core): `causal_conv1d`,
+`chunk_gated_delta_rule` and `chunk_kda` with `cu_seqlens` (Triton). Elsewhere (the CPU, CI) the model's own
 function runs once per sample: exact by construction, and the reference the GPU path is tested
 against.
 """
@@ -175,8 +177,66 @@ def varlen_chunk_gated_delta_rule(original):
     return chunk_gated_delta_rule
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_kda_problem() -> str | None:
+    """Why fla has no chunked KDA kernel here (None: it has `fla.ops.kda.chunk_kda`)."""
+    try:
+        from fla.ops.kda import chunk_kda  # noqa: F401
+    except Exception as exc:
+        return f"flash-linear-attention has no importable fla.ops.kda ({type(exc).__name__}: {exc}); {FLA_INSTALL}"
+    return None
+
+
+def varlen_chunk_kda(original):
+    """`chunk_kimi_delta_attention` of a modeling file (Kimi Delta Attention: the gated delta rule with a
+    decay per key channel; q, k, v: (rows, L, H, K); g: (rows, L, H, K), the decay in log space; beta:
+    (rows, L, H)), computed per packed sample, each from a zero state, when the call carries a
+    LinearMeta. Returns (out (rows, L, H, V), None): a packed batch keeps no final state.
+
+    On CUDA fla's `chunk_kda` with exactly what transformers' call passes (the precomputed decay
+    g, the post-sigmoid beta, `use_qk_l2norm_in_kernel`, the default scale 1/sqrt(K): fla's gate,
+    beta-sigmoid and lower-bound options stay off) and the batch's cu_seqlens."""
+
+    @functools.wraps(original)
+    def chunk_kimi_delta_attention(query, key, value, g, beta, *args, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, **kwargs):
+        meta = _meta_of(kwargs)
+        if meta is None:
+            return original(query, key, value, g, beta, *args, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            **kwargs)
+        if args or initial_state is not None or output_final_state:
+            raise ValueError("hasten: a packed batch reached Kimi delta attention with a recurrent state or a chunk "
+                             "size argument; packed training starts every sample from a zero state and keeps none")
+        meta.calls += 1
+        rows, length = query.shape[:2]
+        # the packed rows as one sequence of rows * L tokens: (rows, L, ...) -> (1, rows * L, ...)
+        q, k, v, g, beta = (t.reshape(1, rows * length, *t.shape[2:]) for t in (query, key, value, g, beta))
+        problem = (fla_problem(query.device.index) or _fla_kda_problem()) if query.is_cuda else "not on CUDA"
+        if problem is None:
+            from fla.ops.kda import chunk_kda
+
+            out, _ = chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                               cu_seqlens=meta.cu_seqlens, cu_seqlens_cpu=meta.cu_seqlens_cpu)
+            out = out.to(query.dtype)
+        else:
+            if query.is_cuda:  # correct but slow: said once, counted
+                from hasten.observability import record_fallback
+
+                record_fallback("stateful_per_sample", "chunk_kimi_delta_attention runs once per packed sample on "
+                                f"{query.device}: {problem}")
+            out = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for s, e in meta.bounds()],
+                            dim=1)
+        return out.reshape(rows, length, *out.shape[2:]), None
+
+    chunk_kimi_delta_attention.__hasten_original__ = original
+    return chunk_kimi_delta_attention
+
+
 # the modeling files' function names and hasten's packed form of each
 REPLACEMENTS = {
     "causal_conv1d_fn": varlen_causal_conv1d,
     "torch_chunk_gated_delta_rule": varlen_chunk_gated_delta_rule,
+    "chunk_kimi_delta_attention": varlen_chunk_kda,
 }
