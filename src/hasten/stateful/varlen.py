@@ -95,13 +95,13 @@ FLA_ACTIVATIONS = (None, "silu", "swish")  # the convolution activations fla's k
 
 # --- the replacements ------------------------------------------------------------------------------
 
-def _per_sample_on_cuda(tensor: torch.Tensor, function: str) -> None:
+def _per_sample_on_cuda(tensor: torch.Tensor, function: str, problem: str | None = None) -> None:
     """The per-sample loop is the CPU's path; on CUDA it is correct but slow: say so, once, counted."""
     if tensor.is_cuda:
         from hasten.observability import record_fallback
 
         record_fallback("stateful_per_sample", f"{function} runs once per packed sample on {tensor.device}: "
-                        f"{fla_problem(tensor.device.index) or 'fla has no kernel for this activation'}")
+                        f"{problem or fla_problem(tensor.device.index) or 'fla has no kernel for this activation'}")
 
 
 def _meta_of(kwargs: dict) -> LinearMeta | None:
@@ -141,97 +141,78 @@ def varlen_causal_conv1d(original):
     return causal_conv1d_fn
 
 
-def varlen_chunk_gated_delta_rule(original):
-    """`torch_chunk_gated_delta_rule` of a modeling file (q, k: (rows, L, H, K); v: (rows, L, HV, V);
-    g, beta: (rows, L, HV)), computed per packed sample, each from a zero state, when the call
-    carries a LinearMeta. Returns (out (rows, L, HV, V), None): a packed batch keeps no final state."""
+def _fla_gated_delta_rule():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    @functools.wraps(original)
-    def chunk_gated_delta_rule(query, key, value, g, beta, *args, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-        meta = _meta_of(kwargs)
-        if meta is None:
-            return original(query, key, value, g, beta, *args, initial_state=initial_state,
-                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                            cu_seqlens=cu_seqlens, **kwargs)
-        if args or initial_state is not None or output_final_state:
-            raise ValueError("hasten: a packed batch reached the gated delta rule with a recurrent state or a chunk "
-                             "size argument; packed training starts every sample from a zero state and keeps none")
-        meta.calls += 1
-        rows, length = query.shape[:2]
-        # the packed rows as one sequence of rows * L tokens: (rows, L, ...) -> (1, rows * L, ...)
-        q, k, v, g, beta = (t.reshape(1, rows * length, *t.shape[2:]) for t in (query, key, value, g, beta))
-        if query.is_cuda and fla_problem(query.device.index) is None:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-
-            out, _ = fla_chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                               cu_seqlens=meta.cu_seqlens, cu_seqlens_cpu=meta.cu_seqlens_cpu)
-        else:
-            _per_sample_on_cuda(query, "torch_chunk_gated_delta_rule")
-            out = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for s, e in meta.bounds()],
-                            dim=1)
-        return out.reshape(rows, length, *out.shape[2:]), None
-
-    chunk_gated_delta_rule.__hasten_original__ = original
     return chunk_gated_delta_rule
+
+
+def _fla_kda():
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda
 
 
 @functools.lru_cache(maxsize=None)
 def _fla_kda_problem() -> str | None:
     """Why fla has no chunked KDA kernel here (None: it has `fla.ops.kda.chunk_kda`)."""
     try:
-        from fla.ops.kda import chunk_kda  # noqa: F401
+        _fla_kda()
     except Exception as exc:
         return f"flash-linear-attention has no importable fla.ops.kda ({type(exc).__name__}: {exc}); {FLA_INSTALL}"
     return None
 
 
-def varlen_chunk_kda(original):
-    """`chunk_kimi_delta_attention` of a modeling file (Kimi Delta Attention: the gated delta rule with a
-    decay per key channel; q, k, v: (rows, L, H, K); g: (rows, L, H, K), the decay in log space; beta:
-    (rows, L, H)), computed per packed sample, each from a zero state, when the call carries a
-    LinearMeta. Returns (out (rows, L, H, V), None): a packed batch keeps no final state.
-
-    On CUDA fla's `chunk_kda` with exactly what transformers' call passes (the precomputed decay
-    g, the post-sigmoid beta, `use_qk_l2norm_in_kernel`, the default scale 1/sqrt(K): fla's gate,
-    beta-sigmoid and lower-bound options stay off) and the batch's cu_seqlens."""
+def _varlen_delta_rule(original, function: str, fla_kernel, fla_missing=lambda: None):
+    """`function` of a modeling file, a chunked delta rule (q, k: (rows, L, H, K); v: (rows, L, HV, V);
+    g: (rows, L, HV) a decay per token, or (rows, L, HV, K) one per key channel, in log space; beta:
+    (rows, L, HV)), computed per packed sample, each from a zero state, when the call carries a
+    LinearMeta. Returns (out (rows, L, HV, V), None): a packed batch keeps no final state. On CUDA
+    `fla_kernel()` with exactly what transformers' call passes (the decay and beta as computed by
+    the layer, `use_qk_l2norm_in_kernel`, the default scale 1/sqrt(K)) and the batch's cu_seqlens;
+    elsewhere the model's own function once per sample."""
 
     @functools.wraps(original)
-    def chunk_kimi_delta_attention(query, key, value, g, beta, *args, initial_state=None, output_final_state=False,
-                                   use_qk_l2norm_in_kernel=False, **kwargs):
+    def delta_rule(query, key, value, g, beta, *args, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, **kwargs):
         meta = _meta_of(kwargs)
         if meta is None:
             return original(query, key, value, g, beta, *args, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             **kwargs)
         if args or initial_state is not None or output_final_state:
-            raise ValueError("hasten: a packed batch reached Kimi delta attention with a recurrent state or a chunk "
-                             "size argument; packed training starts every sample from a zero state and keeps none")
+            raise ValueError(f"hasten: a packed batch reached {function} with a recurrent state or a chunk size "
+                             "argument; packed training starts every sample from a zero state and keeps none")
         meta.calls += 1
         rows, length = query.shape[:2]
         # the packed rows as one sequence of rows * L tokens: (rows, L, ...) -> (1, rows * L, ...)
         q, k, v, g, beta = (t.reshape(1, rows * length, *t.shape[2:]) for t in (query, key, value, g, beta))
-        problem = (fla_problem(query.device.index) or _fla_kda_problem()) if query.is_cuda else "not on CUDA"
+        problem = (fla_problem(query.device.index) or fla_missing()) if query.is_cuda else "not on CUDA"
         if problem is None:
-            from fla.ops.kda import chunk_kda
-
-            out, _ = chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                               cu_seqlens=meta.cu_seqlens, cu_seqlens_cpu=meta.cu_seqlens_cpu)
+            out, _ = fla_kernel()(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                  cu_seqlens=meta.cu_seqlens, cu_seqlens_cpu=meta.cu_seqlens_cpu)
             out = out.to(query.dtype)
         else:
-            if query.is_cuda:  # correct but slow: said once, counted
-                from hasten.observability import record_fallback
-
-                record_fallback("stateful_per_sample", "chunk_kimi_delta_attention runs once per packed sample on "
-                                f"{query.device}: {problem}")
+            _per_sample_on_cuda(query, function, problem)
             out = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for s, e in meta.bounds()],
                             dim=1)
         return out.reshape(rows, length, *out.shape[2:]), None
 
-    chunk_kimi_delta_attention.__hasten_original__ = original
-    return chunk_kimi_delta_attention
+    delta_rule.__hasten_original__ = original
+    return delta_rule
+
+
+def varlen_chunk_gated_delta_rule(original):
+    """`torch_chunk_gated_delta_rule` (Gated DeltaNet: a decay per token) in its packed form."""
+    return _varlen_delta_rule(original, "torch_chunk_gated_delta_rule", _fla_gated_delta_rule)
+
+
+def varlen_chunk_kda(original):
+    """`chunk_kimi_delta_attention` (kimi_linear's Kimi Delta Attention: a decay per key channel) in its
+    packed form; on CUDA fla's `chunk_kda` with its in-kernel gate, beta sigmoid and lower bound off
+    (the layer has applied them)."""
+    return _varlen_delta_rule(original, "chunk_kimi_delta_attention", _fla_kda, _fla_kda_problem)
 
 
 # the modeling files' function names and hasten's packed form of each
