@@ -469,6 +469,15 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("biogpt", dict(num_key_value_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                          activation_dropout=0.0, layerdrop=0.0, scale_embedding=True), "hasten", tensor_setup=_frozen_key_biases,
           feature_off=dict(scale_embedding=False)),
+    # Gemma 3n text: windows shorter than the samples, a small final softcap, the Gaussian top-k sparsity on
+    # the first layer's MLP, the last (sliding) layer reusing the first layer's K/V, AltUp with 4 streams,
+    # Laurel and per-layer inputs (1-D parameters moved off zero: AltUp's output scale feeds the per-layer path)
+    Entry("gemma3n_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=2.0,
+                               num_kv_shared_layers=1, activation_sparsity_pattern=[0.95, 0.0, 0.0],
+                               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, laurel_rank=8,
+                               altup_num_inputs=4), "hasten",
+          feature_off=dict(activation_sparsity_pattern=[0.0, 0.0, 0.0]),
+          notes="Gemma3nForCausalLM; the config refuses final_logit_softcapping=None (off: the sparsity)"),
     # helper-j anchor
     # Apertus 1.5 text: apertus's case (llama3 scaling from 8 positions, q/k norms, xIELU) with an input
     # vocabulary of 260 and the LM head pruned to the first 211 ids (the samples' ids lie below)

@@ -829,6 +829,33 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                            "model and decoder layers pass it position_ids and every other keyword argument (the "
                            "batch's packing metadata included), as the models that set the mark do"),
                        attention_kwargs_reach=True),
+    # Gemma 3n's text model (Gemma3nForCausalLM): pre and post norms (RMSNorm, weight without the + 1,
+    # eps), q/k norms per head, windows on the layers layer_types marks, Gemma 4's single-tensor rotary,
+    # K/V shared across the last layers, final softcap; around them AltUp (altup_num_inputs residual
+    # streams predicted and corrected per token), Laurel (a low-rank residual branch), per-layer input
+    # embeddings, and a GeGLU MLP with a Gaussian top-k cut-off on the first layers' gate
+    # (activation_sparsity_pattern): not hasten's GeGLU kernel there, so the MLP stays the model's own
+    "gemma3n_text": ArchSpec("dense", norm=NormSpec(eps_attribute="eps", placement="pre_post", qk_norm=True),
+                             mlp=MlpSpec(kind="own"), logits=_SOFTCAP,
+                             rotary=RotarySpec(single_tensor=True, note="rotary on (B, L, heads, D) before the head "
+                                               "transpose; two rotary bases (local and global layers), chosen per "
+                                               "layer by the model"),
+                             attention=(_LAYER_WINDOWS, "the query scale 1 (the q/k norms in its place)"),
+                             model_code=("embedding scale sqrt(hidden)",
+                                         "per-layer input embeddings (embed_tokens_per_layer, "
+                                         "per_layer_model_projection, each layer's gate and projection)",
+                                         "AltUp: altup_num_inputs residual streams, magnitude-matched projections, "
+                                         "per-token router, prediction and correction coefficients",
+                                         "Laurel: a low-rank residual branch with its RMSNorm",
+                                         "the GeGLU MLP with its Gaussian top-k activation sparsity (per token, "
+                                         "from the gate's mean and std) on the layers activation_sparsity_pattern "
+                                         "marks",
+                                         "K/V shared across the last layers (num_kv_shared_layers)",
+                                         "a value norm without weight (with_scale=False)"),
+                             notes="the MLP stays the model's on every layer: the sparse layers' gate is cut off "
+                                   "before the GELU, which hasten's GeGLU kernel does not compute; a K/V-sharing "
+                                   "layer reads the packed row's K/V of the last earlier layer of its type and "
+                                   "attends with the same packed boundaries and its own window"),
     # helper-j anchor
     # Apertus 1.5's text model (Apertus1p5TextForCausalLM): Apertus's decoder unchanged (q/k RMSNorms per
     # head, ungated xIELU MLP, llama3 rotary scaling) with a vocabulary extended by visual and audio codes
