@@ -753,6 +753,63 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                         "shared experts", "dense first layers (mlp_layer_types)"),
                             stateful=StatefulSpec(layers=(("DeltaAttention", ("causal_conv1d_fn",
                                                                               "chunk_kimi_delta_attention")),))),
+    # --- LLaVA-style and other vision-language wrappers on a registered text model, text packed ---
+    # Each builds its text model with AutoModel.from_config(text_config) and puts its own lm_head on the
+    # text model's last hidden states (no logit scale or softcap: the loss takes the head's logits as
+    # they are); image features are scattered into the embeddings at image tokens only when
+    # pixel_values come, and nothing else touches a text-only batch. The text model's type is the
+    # checkpoint's (Llama, Mistral, Qwen2, Qwen3 in the published ones): the entry declares their
+    # common pieces (RMSNorm, SwiGLU gate/up/down, rotate_half rotary), and each class is still run
+    # against hasten's kernel at accelerate(), so a text model of another form keeps its own code
+    # LLaVA 1.5 (LlavaForConditionalGeneration): a CLIP tower, a two-layer GELU projector; Llama text
+    "llava": ArchSpec("dense", attention=(_WINDOWS, "projection biases where the text config sets them"),
+                      model_code=("the CLIP vision tower and its projector (image batches only)",),
+                      vision=(_LLAVA_VISION := "text-only packed batches on hasten's attention; a packed batch with "
+                              "images (pixel_values) is refused: image tokens attend to each other both ways. "
+                              "Images train padded (training.packed_sequence: false)"),
+                      notes="the text model is the checkpoint's text_config type (Llama; Mistral, Qwen2 in "
+                            "others): its pieces run on hasten's kernels where they pass the probes"),
+    # LLaVA-NeXT (LlavaNextForConditionalGeneration): LLaVA with any-resolution tiles and an image_newline
+    # vector (image batches only); Llama or Mistral text (llava-v1.6-mistral: a sliding window)
+    "llava_next": ArchSpec("dense", attention=(_WINDOWS, "projection biases where the text config sets them"),
+                           model_code=("the CLIP vision tower, its projector, any-resolution tiling and "
+                                       "image_newline (image batches only)",),
+                           vision=_LLAVA_VISION,
+                           notes="the text model is the checkpoint's text_config type (Llama, Mistral)"),
+    # LLaVA-OneVision (LlavaOnevisionForConditionalGeneration): a SigLIP tower, any-resolution tiles and
+    # pooled video frames (image/video batches only); Qwen2 text (q/k/v biases, windows where set)
+    "llava_onevision": ArchSpec("dense", attention=(_WINDOWS, "qkv bias"),
+                                model_code=("the SigLIP vision tower, its projector, any-resolution tiling, "
+                                            "image_newline and video pooling (image/video batches only)",),
+                                vision=_LLAVA_VISION.replace("images (pixel_values)",
+                                                             "images or videos (pixel_values, pixel_values_videos)"),
+                                notes="the text model is the checkpoint's text_config type (Qwen2)"),
+    # InternVL 3 / 3.5 (InternVLForConditionalGeneration): InternViT, pixel shuffle and an MLP projector;
+    # Qwen2 (InternVL3) or Qwen3 (InternVL3.5) text
+    "internvl": ArchSpec("dense", attention=(_WINDOWS, "qkv bias (Qwen2 text)"),
+                         model_code=("the InternViT vision tower, pixel shuffle and the projector (image batches "
+                                     "only)",), vision=_LLAVA_VISION,
+                         notes="the text model is the checkpoint's text_config type (Qwen2; Qwen3, whose q/k "
+                               "RMSNorms per head are patched with its other norms; InternVL3.5-GPT-OSS's gpt_oss "
+                               "text is untested here)"),
+    # Idefics3 (Idefics3ForConditionalGeneration): a SigLIP-style tower, pixel-shuffle connector and an
+    # inputs merger (image batches only); Llama text. Its model makes a DynamicCache where
+    # config.use_cache is on (its default): the cache only stores the layer's own keys and values
+    "idefics3": ArchSpec("dense", attention=(_WINDOWS, "projection biases where the text config sets them"),
+                         model_code=("the vision tower, its pixel-shuffle connector and the inputs merger (image "
+                                     "batches only)",), vision=_LLAVA_VISION,
+                         notes="the text model is the checkpoint's text_config type (Llama)"),
+    # SmolVLM / SmolVLM2 (SmolVLMForConditionalGeneration): Idefics3's layout, Llama text (SmolLM2)
+    "smolvlm": ArchSpec("dense", attention=(_WINDOWS, "projection biases where the text config sets them"),
+                        model_code=("the vision tower, its pixel-shuffle connector and the image merge (image "
+                                    "batches only)",), vision=_LLAVA_VISION,
+                        notes="the text model is the checkpoint's text_config type (Llama)"),
+    # LightOnOCR (LightOnOcrForConditionalGeneration): a Pixtral tower, an RMSNorm and patch-merger
+    # projector (image batches only, not patched: hasten patches the text model); Qwen3 text
+    "lighton_ocr": ArchSpec("dense", norm=NormSpec(qk_norm=True), attention=(_WINDOWS,),
+                            model_code=("the Pixtral vision tower and its projector (RMSNorm, patch merger, two "
+                                        "linears; image batches only)",), vision=_LLAVA_VISION,
+                            notes="the text model is the checkpoint's text_config type (Qwen3: q/k norms per head)"),
     # helper-i anchor
     # --- GPT-2-era decoders: nn.LayerNorm with bias (torch's own kernel), ungated MLPs with biases,
     # learned absolute positions or GPT-J's sinusoid rotary inside the attention; hasten's gains are its
