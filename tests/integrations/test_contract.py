@@ -282,6 +282,33 @@ def test_gemma3_multimodal_trains_text_packed_and_refuses_packed_images():
     assert model.config.vision_config._attn_implementation == vision_before
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_non_causal_modules_under_a_causal_mask_are_refused_packed(implementation):
+    """PaliGemma (outside the table) builds its Gemma attention modules non-causal while its text
+    model's mask is causal: alone, under sdpa the model drops the mask and attends both ways
+    (measured: the packed causal row's gradients 1.41 from it), under eager it keeps it. hasten
+    cannot tell which to reproduce, so a packed batch is refused whichever is loaded; padded
+    batches stay the model's own."""
+    from transformers import AutoModelForImageTextToText
+
+    from hasten.integrations.transformers import PackedBatchRefused
+    from tests import model_zoo as zoo
+
+    entry = zoo.Entry("paligemma", dict(text_config=dict(model_type="gemma"), projection_dim=64,
+                                        vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                                                           intermediate_size=64, num_hidden_layers=1,
+                                                           num_attention_heads=2, image_size=32, patch_size=16)),
+                      "refused", attn_implementation=implementation)
+    model = zoo.build(entry, auto_class=AutoModelForImageTextToText)
+    handle = hasten.accelerate(model)
+    try:
+        with pytest.raises(PackedBatchRefused, match="is built non-causal"):
+            model(**zoo.packed_batch(zoo.samples()))
+        model(**zoo.padded_batch(zoo.samples())).loss.backward()  # padded: the model's own attention
+    finally:
+        handle.undo()
+
+
 def test_prefix_lm_token_types_are_refused_under_hasten_attention():
     """HRM-Text (prefix_lm): the tokens token_type_ids mark attend to each other both ways, which
     hasten's varlen attention does not compute. Its mask reading samples rows of the first batch

@@ -281,6 +281,7 @@ class _ForwardState:
     # dense mode, packed batch: the sample index of every token, (rows, L); None otherwise
     sample_ids: torch.Tensor | None = None
     masks: list = field(default_factory=list)  # dense mode: the masks hasten built in this forward
+    causal_masks: list = field(default_factory=list)  # those of them whose mask function hides later keys
     # a hybrid model's packed batch: its LinearMeta and how many stateful calls the forward must make
     linear: tuple[LinearMeta, int] | None = None
 
@@ -334,7 +335,30 @@ def hasten_dense_attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                  "hasten did not build for the batch, so nothing would keep its samples apart. Train "
                                  "this model with padded batches (training.packed_sequence: false) and please report "
                                  "the model type.")
+    if (state is not None and state.sample_ids is not None and getattr(module, "is_causal", True) is False
+            and kwargs.get("is_causal") is not True and any(attention_mask is m for m in state.causal_masks)):
+        # PaliGemma (use_bidirectional_attention on its Gemma text model): modules built non-causal, a
+        # causal mask from the text model; alone, sdpa drops that mask and attends both ways, eager
+        # keeps it: the model's own result depends on its attention implementation
+        raise PackedBatchRefused(f"hasten: {type(module).__name__} is built non-causal (is_causal False) but its "
+                                 "model's mask is causal, so what the model computes alone depends on its attention "
+                                 "implementation (sdpa without a mask attends both ways, eager keeps the mask); "
+                                 "hasten cannot tell which a packed batch must reproduce. Train this model with "
+                                 "padded batches (training.packed_sequence: false) and please report the model "
+                                 "type.")
     return original(module, query, key, value, attention_mask, **kwargs)
+
+
+def _hides_later_keys(mask_function) -> bool:
+    """Whether the model's mask function keeps a query from the key after it (a causal mask; a
+    bidirectional one lets it see it). False when it cannot be evaluated alone."""
+    if mask_function is None:
+        return False
+    zero, one = torch.tensor(0), torch.tensor(1)
+    try:
+        return not bool(mask_function(zero, zero, zero, one))
+    except Exception:  # noqa: BLE001 - a mask function that needs more than indices (padding): not judged
+        return False
 
 
 def _dense_mask(base):
@@ -359,6 +383,8 @@ def _dense_mask(base):
         kwargs["allow_is_causal_skip"] = False  # sdpa would otherwise return None for "plain causal"
         mask = base(*args, mask_function=masking_utils.and_masks(mask_function, same_sample), **kwargs)
         state.masks.append(mask)
+        if _hides_later_keys(mask_function):
+            state.causal_masks.append(mask)
         return mask
 
     return hasten_dense_mask
