@@ -101,11 +101,19 @@ class LogitSpec:
     softcap_key  config key of tanh softcapping, cap * tanh(logits / cap) (Gemma 2/3)
     scale_key    config key of a logit scale (Cohere `logit_scale` multiplies, Granite
                  `logits_scaling` divides: `scale_divides`)
+    unapplied_keys  config keys of logit transforms the text config sets but the model's forward
+                 does not apply (a multimodal wrapper whose head is lm_head alone: Aya Vision's
+                 text config keeps Cohere 2's logit_scale): the fused loss applies none of them
     """
 
     softcap_key: str | None = None
     scale_key: str | None = None
     scale_divides: bool = False
+    unapplied_keys: tuple[str, ...] = ()
+
+    def accounted_keys(self) -> set[str]:
+        """The logit-transform config keys this spec accounts for: applied or known unapplied."""
+        return {key for key in (self.softcap_key, self.scale_key) if key} | set(self.unapplied_keys)
 
     def scale(self, config) -> float:
         """The factor the logits are multiplied by (1.0: none)."""

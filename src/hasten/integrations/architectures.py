@@ -950,6 +950,62 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                           notes="the shared experts are a SwiGLU MLP on hasten's kernel where hidden_act is silu; "
                                 "the routed experts' weights are (E, in, out), which the fused path reads as "
                                 "stored"),
+    # Aya Vision (AyaVisionForConditionalGeneration): Cohere 2's text model (LayerNorm without bias,
+    # attention and MLP in parallel on one norm, interleaved rotary, windows on the layers layer_types
+    # marks, NoPE on the others), a SigLIP tower; its head is lm_head alone: the text config's
+    # logit_scale, which Cohere2ForCausalLM applies, the wrapper does not (unapplied_keys)
+    "aya_vision": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
+                           rotary=RotarySpec(interleaved=True), logits=LogitSpec(unapplied_keys=("logit_scale",)),
+                           attention=(_LAYER_WINDOWS,),
+                           model_code=("attention and MLP in parallel on one norm",
+                                       "the SigLIP vision tower, its pixel-shuffle downsampling and SwiGLU projector"),
+                           vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                   "(pixel_values) is refused: image tokens attend to each other both ways. Images "
+                                   "train padded (training.packed_sequence: false)"),
+                           notes="the wrapper's logits are lm_head(hidden) without the text config's logit_scale"),
+    # Command A Vision (Cohere2VisionForConditionalGeneration): aya_vision's layout (Cohere 2 text, a
+    # SigLIP tower), its head likewise lm_head alone (no logit_scale)
+    "cohere2_vision": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
+                               rotary=RotarySpec(interleaved=True), logits=LogitSpec(unapplied_keys=("logit_scale",)),
+                               attention=(_LAYER_WINDOWS,),
+                               model_code=("attention and MLP in parallel on one norm",
+                                           "the SigLIP vision tower, its pixel-shuffle downsampling and SwiGLU "
+                                           "projector"),
+                               vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                       "(pixel_values) is refused: image tokens attend to each other both ways. "
+                                       "Images train padded (training.packed_sequence: false)"),
+                               notes="the wrapper's logits are lm_head(hidden) without the text config's "
+                                     "logit_scale"),
+    # Kimi K2.5 (Kimi_K25ForConditionalGeneration): DeepSeek-V3's text model (MLA, sigmoid group-limited
+    # router with a correction bias, shared experts, dense first layers), a MoonViT tower; image and
+    # video placeholder ids are embedded as id 0 (the same packed or not)
+    "kimi_k25": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,),
+                         model_code=_DEEPSEEK_CODE + ("sigmoid router with a correction bias, group-limited top-k, "
+                                                      "routed scaling",
+                                                      "the MoonViT vision tower and its patch-merging projector"),
+                         vision=_QWEN_VL_VISION),
+    # EXAONE 4.5 (Exaone4_5_ForConditionalGeneration): EXAONE 4's text model (norms after attention and
+    # MLP, q/k norms per head, windows on the layers layer_types marks, NoPE on the full layers where
+    # a window is set), a Qwen2.5-VL-style windowed tower; text positions are the token positions (1-D)
+    "exaone4_5": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True), attention=(_LAYER_WINDOWS,),
+                          model_code=("the windowed vision tower and its merger",), vision=_QWEN_VL_VISION),
+    # GLM-4.6V (Glm46VForConditionalGeneration): GLM-4.1V's text model (glm4v_text: glm4v's entry), mrope
+    "glm46v": ArchSpec("dense", norm=NormSpec(placement="pre_post"), mlp=MlpSpec(fused_gate_up=True),
+                       rotary=RotarySpec(interleaved=True, partial=True, note=_MROPE.note),
+                       attention=("qkv bias",), model_code=("the vision tower and its merger",),
+                       vision=_QWEN_VL_VISION, notes="post-attention and post-MLP norms beside the pre-norms"),
+    # LFM2-VL (Lfm2VlForConditionalGeneration): LFM2's text model (short convolutions between attention
+    # layers, q/k norms, SwiGLU w1/w3/w2), a SigLIP 2 tower; the wrapper passes its keyword arguments down
+    # to the text model's layers, so hasten.stateful's packing metadata reaches the convolutions
+    "lfm2_vl": ArchSpec("dense", norm=NormSpec(qk_norm=True),
+                        mlp=MlpSpec(projections=("w1", "w3", "w2"), fixed_activation=True),
+                        model_code=("the short convolutions' projections and gates (the model's own code around "
+                                    "the varlen convolution)",
+                                    "the SigLIP 2 vision tower, its pixel-unshuffle and projector"),
+                        stateful=_SHORT_CONV,
+                        vision=("text-only packed batches on hasten's attention and varlen convolutions; a packed "
+                                "batch with images (pixel_values) is refused: image tokens attend to each other "
+                                "both ways. Images train padded (training.packed_sequence: false)")),
     # helper-k anchor
     # LongCat-Flash (Meituan): each decoder layer holds two attention sublayers (DeepSeek-V3's MLA with a
     # low-rank query and LoRA scales on the normed latents, interleaved rotary on the rope part) and two

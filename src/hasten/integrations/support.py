@@ -145,7 +145,7 @@ def _attention(model: nn.Module, declared: tuple[str, ...]) -> Piece:
 
 
 def _loss(model: nn.Module, spec) -> Piece:
-    declared = {key for key in (spec.logits.softcap_key, spec.logits.scale_key) if key}
+    declared = spec.logits.accounted_keys()
     undeclared = [line for key, line in logit_transforms(model).items() if key not in declared]
     if undeclared:
         return Piece("loss", "warn", "transformers' loss (logits materialised): " + "; ".join(undeclared)

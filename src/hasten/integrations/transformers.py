@@ -1078,7 +1078,7 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
         return
     text = text_config(model)
     # a logit transform the model's config sets that its table entry does not declare
-    declared = {key for key in (spec.logits.softcap_key, spec.logits.scale_key) if key}
+    declared = spec.logits.accounted_keys()
     missing = [line for key, line in logit_transforms(model).items() if key not in declared]
     if missing:
         reason = "; ".join(missing) + f" (not in the '{model_type}' table entry)"
