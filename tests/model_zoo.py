@@ -526,6 +526,29 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("diffllama", dict(), "hasten",
           tensor_feature_off=lambda model: [m.lambda_q1.data.zero_() for m in model.modules()
                                             if isinstance(getattr(m, "lambda_q1", None), torch.Tensor)]),
+    # HunYuanOCR's wrapper on text-only packed batches: q/k norms after the rotary, xdrope over 4 axes
+    # (2 frequencies each), the NTK-alpha base (off: alpha 1, the plain base), q/k/v/o biases, a tiny tower
+    Entry("hunyuan_vl", dict(text_config=dict(attention_bias=True,
+                                              rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=10.0,
+                                                                   factor=1.0, mrope_section=[2, 2, 2, 2])),
+                             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, out_hidden_size=64, text_hidden_size=64,
+                                                patch_size=16)), "hasten",
+          feature_off=dict(text_config=dict(attention_bias=True,
+                                            rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                 mrope_section=[2, 2, 2, 2]))),
+          notes="HunYuanVLForConditionalGeneration; a packed batch with images is refused"),
+    # Granite 4 Vision's wrapper: granite's multipliers and logits_scaling 4 in the text config (off: 1), a
+    # tiny CLIP tower with one deepstack and four spatial Q-Former projectors (never run by text batches)
+    Entry("granite4_vision", dict(text_config=dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                   attention_multiplier=0.3, logits_scaling=4.0, attention_bias=True),
+                                  vision_config=dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=2, image_size=32, patch_size=8),
+                                  qformer_config=dict(intermediate_size=64), deepstack_layer_map=[[0, 1]],
+                                  downsample_rate="1/2", spatial_target_layers=[0, 1, 2, 2]), "hasten",
+          feature_off=dict(text_config=dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                            attention_multiplier=0.3, logits_scaling=1.0, attention_bias=True)),
+          notes="Granite4VisionForConditionalGeneration; a packed batch with images is refused"),
     # helper-l anchor
     Entry("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
           feature_off=dict(layer_types=FULL_3)),

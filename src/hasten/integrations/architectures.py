@@ -925,6 +925,38 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                       "lambda (lambda_q1/k1/q2/k2, lambda_init) subtracted from the first's",
                                       "the weightless per-head-pair RMSNorm (torch's nn.RMSNorm, groupnorm) and the "
                                       "(1 - lambda_init) scale")),
+    # HunYuanOCR (HunYuanVLForConditionalGeneration): HunYuan-Dense's text decoder (pre-norm RMSNorm, SwiGLU,
+    # q/k RMSNorms per head after the rotary) with xdrope (mrope: sections of the rotary over 4 axes; for
+    # text all axes are the token positions, the standard rotary) and NTK-alpha rotary scaling (the
+    # checkpoints' "dynamic" with a fixed alpha: static frequencies); a plain LM head
+    "hunyuan_vl": ArchSpec("dense", norm=NormSpec(qk_norm=True),
+                           rotary=RotarySpec(note="multimodal rotary (xdrope/mrope over the axes mrope_section "
+                                                  "lists, NTK-alpha base): the model builds cos/sin, for text from "
+                                                  "the token positions"),
+                           attention=("projection biases (attention_bias)",),
+                           model_code=("q/k RMSNorms per head applied after the rotary, as HunYuan-Dense",
+                                       "the vision tower and its patch merger"),
+                           vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                   "(pixel_values) is refused: the image tokens' rotary positions (width, height, "
+                                   "image index) are built over the whole row. Images train padded "
+                                   "(training.packed_sequence: false)"),
+                           notes="hunyuan_vl_text has no causal-LM class of its own: only the wrapper is keyed"),
+    # Granite 4 Vision (Granite4VisionForConditionalGeneration): Granite's text decoder (embedding, residual and
+    # attention multipliers; logits divided by the text config's logits_scaling in the wrapper's forward) with
+    # deepstack visual features added to chosen layers (image batches only), a CLIP tower and window Q-Formers
+    "granite4_vision": ArchSpec("dense", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
+                                attention=("the query scale attention_multiplier", "projection biases "
+                                           "(attention_bias)"),
+                                model_code=("embedding_multiplier", "residual_multiplier",
+                                            "the CLIP vision tower, its window Q-Former projectors and the deepstack "
+                                            "features they add to the layers deepstack_layer_map names (image "
+                                            "batches only)"),
+                                vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                        "(pixel_values) is refused. Images train padded "
+                                        "(training.packed_sequence: false)"),
+                                notes="granite4_vision_text has no causal-LM class of its own: only the wrapper is "
+                                      "keyed; the fused loss divides by text_config.logits_scaling, as the "
+                                      "wrapper's forward does"),
     # helper-l anchor
 }
 
