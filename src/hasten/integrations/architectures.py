@@ -957,6 +957,49 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                 notes="granite4_vision_text has no causal-LM class of its own: only the wrapper is "
                                       "keyed; the fused loss divides by text_config.logits_scaling, as the "
                                       "wrapper's forward does"),
+    # Step 3.7 (Step3p7ForConditionalGeneration; text model step3p5): Gemma-style norms (weight + 1, float32),
+    # q/k norms per head before a partial rotary (a base and fraction per layer type), windows on the layers
+    # layer_types marks (their own head count), query scale query_pre_attn_scalar, a sigmoid output gate per
+    # head; MoE with a sigmoid router (correction bias, renormalised top-k, routed scaling) and a shared
+    # expert. Its MLPs and experts clamp the gate and up product where swiglu_limits(_shared) set a bound
+    # (published: layers 43-44), which hasten's kernels do not and a probe on random inputs might not see
+    "step3p7": ArchSpec("moe", norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True), mlp=MlpSpec(kind="own"),
+                        rotary=RotarySpec(partial=True, note="a base and a rotated fraction per layer type, "
+                                          "built by the model"),
+                        attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar",
+                                   "the sliding layers' own head count (num_sliding_attention_heads)",
+                                   "projection biases (attention_bias)"),
+                        model_code=("the attention output gated per head by sigmoid(g_proj(x))",
+                                    "sigmoid router with a correction bias, top-k scores renormalised, "
+                                    "moe_router_scaling_factor",
+                                    "the dense and shared-expert SwiGLU MLPs with their optional clamps "
+                                    "(swiglu_limits_shared)", "dense first layers (mlp_layer_types)",
+                                    "the vision tower and its projector"),
+                        experts="Step3p7Experts clamps gate and up to +-swiglu_limits[layer] where set and loops "
+                                "over the hit experts itself (not transformers' experts interface); a probe on "
+                                "random inputs could pass a bound it never reaches",
+                        vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                "(pixel_values) is refused. Images train padded (training.packed_sequence: false)"),
+                        notes="step3p5 has no causal-LM class of its own: only the wrapper is keyed; "
+                              "use_bidirectional_attention (off in the published config) is refused by the "
+                              "contract; the checkpoints' multi-token prediction layers are not built"),
+    # ERNIE 4.5 VL MoE (Ernie4_5_VLMoeForConditionalGeneration): ERNIE 4.5's decoder (RMSNorm, SwiGLU, biases
+    # where use_bias) with a 3-D rotary on interleaved pairs (its rotary module re-interleaves cos/sin itself,
+    # so the module's apply_rotary_pos_emb takes them whole, as glm4v's) and modality-isolated MoE: text tokens
+    # go to the text experts, image/video tokens (moe_mm_token_type_ids) to the vision experts, both
+    # transformers' experts interface; a softmax router with a correction bias, renormalised top-k
+    "ernie4_5_vl_moe": ArchSpec("moe", rotary=RotarySpec(interleaved=True, note="3-D rotary (h/w/t frequency "
+                                                         "sections): the model builds cos/sin, for text from the "
+                                                         "token positions"),
+                                attention=("projection biases (use_bias)",),
+                                model_code=("softmax router in float32 with a correction bias (moe_statics), top-k "
+                                            "renormalised (moe_norm_min)",
+                                            "text and vision experts chosen per token by moe_mm_token_type_ids",
+                                            "shared experts", "dense layers (mlp_layer_types)",
+                                            "the vision tower and its variable-resolution resampler"),
+                                vision=_QWEN_VL_VISION,
+                                notes="ernie4_5_vl_moe_text has no causal-LM class of its own: only the wrapper is "
+                                      "keyed; a text-only batch runs the text experts alone"),
     # helper-l anchor
 }
 
