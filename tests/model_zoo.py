@@ -583,6 +583,18 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
               for m in model.modules() if type(m).__name__.endswith("MoeStatics")],
           tensor_feature_off=_zero_biases,
           notes="Ernie4_5_VLMoeForConditionalGeneration; a packed batch with images or videos is refused"),
+    # Mistral 4: MLA as deepseek_v3's case (q/k heads of 8 + 8: the rotated half, value heads of 8, interleaved) with
+    # yarn from 8 positions (mscale^2 in the query scale), Llama 4's query scale stepping every 8 positions
+    # at the published beta 0.1 (off: beta 0), a dense first layer, 4 experts (2 per token) in 2 groups, a
+    # shared expert, routed scaling 2.5
+    *[Entry("mistral4", dict(mla, rope_parameters=dict(rope, llama_4_scaling_beta=0.1)), "hasten",
+            feature_off=dict(mla, rope_parameters=dict(rope, llama_4_scaling_beta=0.0)))
+      for mla, rope in [(dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                              n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+                              first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                              rope_interleave=True, num_key_value_heads=4),
+                         dict(rope_type="yarn", rope_theta=10000.0, factor=64.0, original_max_position_embeddings=8,
+                              beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0))]],
     # helper-l anchor
     Entry("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
           feature_off=dict(layer_types=FULL_3)),

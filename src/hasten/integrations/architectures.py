@@ -1000,6 +1000,19 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                 vision=_QWEN_VL_VISION,
                                 notes="ernie4_5_vl_moe_text has no causal-LM class of its own: only the wrapper is "
                                       "keyed; a text-only batch runs the text experts alone"),
+    # Mistral 4 (Mistral4ForCausalLM): DeepSeek-V3's layout (multi-head latent attention with a low-rank query,
+    # the rotary on the rope part of each head, interleaved where rope_interleave) with yarn rotary, the yarn
+    # mscale^2 in the query scale, Llama 4's position-dependent query scale 1 + beta * log(1 + floor(pos /
+    # orig_max)) from position_ids (per packed sample: the collator's), and a softmax router (group-limited
+    # top-k, renormalised, routed scaling) over transformers' experts interface plus shared experts
+    "mistral4": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA, "the query scale qk_head_dim^-0.5 times "
+                                                                   "the yarn mscale^2 (mscale_all_dim)"),
+                         model_code=_DEEPSEEK_CODE + (
+                             "softmax router, group-limited top-k, renormalised (norm_topk_prob), routed scaling",
+                             "the query scale 1 + llama_4_scaling_beta * log(1 + floor(position / "
+                             "original_max_position_embeddings)), from each sample's own positions"),
+                         notes="yarn rotary scaling in the model's rotary module (cos/sin) on the rope part of each "
+                               "head (partial_rotary_factor = qk_rope_head_dim / head_dim)"),
     # helper-l anchor
 }
 
