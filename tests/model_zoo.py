@@ -623,6 +623,75 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("diffllama", dict(), "hasten",
           tensor_feature_off=lambda model: [m.lambda_q1.data.zero_() for m in model.modules()
                                             if isinstance(getattr(m, "lambda_q1", None), torch.Tensor)]),
+    # HunYuanOCR's wrapper on text-only packed batches: q/k norms after the rotary, xdrope over 4 axes
+    # (2 frequencies each), the NTK-alpha base (off: alpha 1, the plain base), q/k/v/o biases, a tiny tower
+    Entry("hunyuan_vl", dict(text_config=dict(attention_bias=True,
+                                              rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=10.0,
+                                                                   factor=1.0, mrope_section=[2, 2, 2, 2])),
+                             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, out_hidden_size=64, text_hidden_size=64,
+                                                patch_size=16)), "hasten",
+          feature_off=dict(text_config=dict(attention_bias=True,
+                                            rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                 mrope_section=[2, 2, 2, 2]))),
+          notes="HunYuanVLForConditionalGeneration; a packed batch with images is refused"),
+    # Granite 4 Vision's wrapper: granite's multipliers and logits_scaling 4 in the text config (off: 1), a
+    # tiny CLIP tower with one deepstack and four spatial Q-Former projectors (never run by text batches)
+    Entry("granite4_vision", dict(text_config=dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                   attention_multiplier=0.3, logits_scaling=4.0, attention_bias=True),
+                                  vision_config=dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=2, image_size=32, patch_size=8),
+                                  qformer_config=dict(intermediate_size=64), deepstack_layer_map=[[0, 1]],
+                                  downsample_rate="1/2", spatial_target_layers=[0, 1, 2, 2]), "hasten",
+          feature_off=dict(text_config=dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                            attention_multiplier=0.3, logits_scaling=1.0, attention_bias=True)),
+          notes="Granite4VisionForConditionalGeneration; a packed batch with images is refused"),
+    # Step 3.7's wrapper: windows of 5 on layers 0 and 2 with 2 heads (4 on the full layer), half of each
+    # sliding head rotating at base 10000, the full layer's whole head at 500, query scale 1/sqrt(24), a
+    # dense first layer, 4 experts (2 per token) with routed scaling 2.5 and a shared expert. Off: windows of 512
+    Entry("step3p7", dict(text_config=dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                           share_expert_dim=32, sliding_window=WINDOW, layer_types=SLIDING_3,
+                                           mlp_layer_types=["dense", "sparse", "sparse"],
+                                           num_sliding_attention_heads=2, query_pre_attn_scalar=24,
+                                           moe_router_scaling_factor=2.5, rope_theta=[10000.0, 500.0, 10000.0],
+                                           partial_rotary_factors=[0.5, 1.0, 0.5]),
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14, mlp_ratio=2.0)),
+          "hasten",
+          feature_off=dict(text_config=dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                            share_expert_dim=32, sliding_window=512, layer_types=SLIDING_3,
+                                            mlp_layer_types=["dense", "sparse", "sparse"],
+                                            num_sliding_attention_heads=2, query_pre_attn_scalar=24,
+                                            moe_router_scaling_factor=2.5, rope_theta=[10000.0, 500.0, 10000.0],
+                                            partial_rotary_factors=[0.5, 1.0, 0.5])),
+          tensor_setup=_random_correction_biases,
+          notes="Step3p7ForConditionalGeneration; a packed batch with images is refused"),
+    # ERNIE 4.5 VL MoE's wrapper: 3-D rotary sections of 2/2/4 frequencies, biases on, a dense first layer,
+    # 4 text experts (2 per token, size 16) beside 4 vision experts (size 8), a shared expert, random
+    # correction biases (a 2-D parameter the build leaves at zero). Off: the projection biases zeroed
+    Entry("ernie4_5_vl_moe", dict(text_config=dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=[16, 8],
+                                                   moe_num_shared_experts=1, use_bias=True,
+                                                   mlp_layer_types=["dense", "sparse", "sparse"],
+                                                   rope_parameters=dict(MROPE, mrope_section=[2, 2, 4])),
+                                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                     patch_size=14)), "hasten",
+          tensor_setup=lambda model: [m.e_score_correction_bias.data.copy_(
+              0.1 * torch.randn(m.e_score_correction_bias.shape, generator=torch.Generator().manual_seed(3)))
+              for m in model.modules() if type(m).__name__.endswith("MoeStatics")],
+          tensor_feature_off=_zero_biases,
+          notes="Ernie4_5_VLMoeForConditionalGeneration; a packed batch with images or videos is refused"),
+    # Mistral 4: MLA as deepseek_v3's case (q/k heads of 8 + 8: the rotated half, value heads of 8, interleaved) with
+    # yarn from 8 positions (mscale^2 in the query scale), Llama 4's query scale stepping every 8 positions
+    # at the published beta 0.1 (off: beta 0), a dense first layer, 4 experts (2 per token) in 2 groups, a
+    # shared expert, routed scaling 2.5
+    *[Entry("mistral4", dict(mla, rope_parameters=dict(rope, llama_4_scaling_beta=0.1)), "hasten",
+            feature_off=dict(mla, rope_parameters=dict(rope, llama_4_scaling_beta=0.0)))
+      for mla, rope in [(dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                              n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+                              first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                              rope_interleave=True, num_key_value_heads=4),
+                         dict(rope_type="yarn", rope_theta=10000.0, factor=64.0, original_max_position_embeddings=8,
+                              beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0))]],
     # helper-l anchor
     Entry("olmo3", dict(sliding_window=WINDOW, layer_types=SLIDING_3), "hasten",
           feature_off=dict(layer_types=FULL_3)),

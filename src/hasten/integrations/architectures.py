@@ -1038,6 +1038,94 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                       "lambda (lambda_q1/k1/q2/k2, lambda_init) subtracted from the first's",
                                       "the weightless per-head-pair RMSNorm (torch's nn.RMSNorm, groupnorm) and the "
                                       "(1 - lambda_init) scale")),
+    # HunYuanOCR (HunYuanVLForConditionalGeneration): HunYuan-Dense's text decoder (pre-norm RMSNorm, SwiGLU,
+    # q/k RMSNorms per head after the rotary) with xdrope (mrope: sections of the rotary over 4 axes; for
+    # text all axes are the token positions, the standard rotary) and NTK-alpha rotary scaling (the
+    # checkpoints' "dynamic" with a fixed alpha: static frequencies); a plain LM head
+    "hunyuan_vl": ArchSpec("dense", norm=NormSpec(qk_norm=True),
+                           rotary=RotarySpec(note="multimodal rotary (xdrope/mrope over the axes mrope_section "
+                                                  "lists, NTK-alpha base): the model builds cos/sin, for text from "
+                                                  "the token positions"),
+                           attention=("projection biases (attention_bias)",),
+                           model_code=("q/k RMSNorms per head applied after the rotary, as HunYuan-Dense",
+                                       "the vision tower and its patch merger"),
+                           vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                   "(pixel_values) is refused: the image tokens' rotary positions (width, height, "
+                                   "image index) are built over the whole row. Images train padded "
+                                   "(training.packed_sequence: false)"),
+                           notes="hunyuan_vl_text has no causal-LM class of its own: only the wrapper is keyed"),
+    # Granite 4 Vision (Granite4VisionForConditionalGeneration): Granite's text decoder (embedding, residual and
+    # attention multipliers; logits divided by the text config's logits_scaling in the wrapper's forward) with
+    # deepstack visual features added to chosen layers (image batches only), a CLIP tower and window Q-Formers
+    "granite4_vision": ArchSpec("dense", logits=LogitSpec(scale_key="logits_scaling", scale_divides=True),
+                                attention=("the query scale attention_multiplier", "projection biases "
+                                           "(attention_bias)"),
+                                model_code=("embedding_multiplier", "residual_multiplier",
+                                            "the CLIP vision tower, its window Q-Former projectors and the deepstack "
+                                            "features they add to the layers deepstack_layer_map names (image "
+                                            "batches only)"),
+                                vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                        "(pixel_values) is refused. Images train padded "
+                                        "(training.packed_sequence: false)"),
+                                notes="granite4_vision_text has no causal-LM class of its own: only the wrapper is "
+                                      "keyed; the fused loss divides by text_config.logits_scaling, as the "
+                                      "wrapper's forward does"),
+    # Step 3.7 (Step3p7ForConditionalGeneration; text model step3p5): Gemma-style norms (weight + 1, float32),
+    # q/k norms per head before a partial rotary (a base and fraction per layer type), windows on the layers
+    # layer_types marks (their own head count), query scale query_pre_attn_scalar, a sigmoid output gate per
+    # head; MoE with a sigmoid router (correction bias, renormalised top-k, routed scaling) and a shared
+    # expert. Its MLPs and experts clamp the gate and up product where swiglu_limits(_shared) set a bound
+    # (published: layers 43-44), which hasten's kernels do not and a probe on random inputs might not see
+    "step3p7": ArchSpec("moe", norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True), mlp=MlpSpec(kind="own"),
+                        rotary=RotarySpec(partial=True, note="a base and a rotated fraction per layer type, "
+                                          "built by the model"),
+                        attention=(_LAYER_WINDOWS, "the query scale query_pre_attn_scalar",
+                                   "the sliding layers' own head count (num_sliding_attention_heads)",
+                                   "projection biases (attention_bias)"),
+                        model_code=("the attention output gated per head by sigmoid(g_proj(x))",
+                                    "sigmoid router with a correction bias, top-k scores renormalised, "
+                                    "moe_router_scaling_factor",
+                                    "the dense and shared-expert SwiGLU MLPs with their optional clamps "
+                                    "(swiglu_limits_shared)", "dense first layers (mlp_layer_types)",
+                                    "the vision tower and its projector"),
+                        experts="Step3p7Experts clamps gate and up to +-swiglu_limits[layer] where set and loops "
+                                "over the hit experts itself (not transformers' experts interface); a probe on "
+                                "random inputs could pass a bound it never reaches",
+                        vision=("text-only packed batches on hasten's attention; a packed batch with images "
+                                "(pixel_values) is refused. Images train padded (training.packed_sequence: false)"),
+                        notes="step3p5 has no causal-LM class of its own: only the wrapper is keyed; "
+                              "use_bidirectional_attention (off in the published config) is refused by the "
+                              "contract; the checkpoints' multi-token prediction layers are not built"),
+    # ERNIE 4.5 VL MoE (Ernie4_5_VLMoeForConditionalGeneration): ERNIE 4.5's decoder (RMSNorm, SwiGLU, biases
+    # where use_bias) with a 3-D rotary on interleaved pairs (its rotary module re-interleaves cos/sin itself,
+    # so the module's apply_rotary_pos_emb takes them whole, as glm4v's) and modality-isolated MoE: text tokens
+    # go to the text experts, image/video tokens (moe_mm_token_type_ids) to the vision experts, both
+    # transformers' experts interface; a softmax router with a correction bias, renormalised top-k
+    "ernie4_5_vl_moe": ArchSpec("moe", rotary=RotarySpec(interleaved=True, note="3-D rotary (h/w/t frequency "
+                                                         "sections): the model builds cos/sin, for text from the "
+                                                         "token positions"),
+                                attention=("projection biases (use_bias)",),
+                                model_code=("softmax router in float32 with a correction bias (moe_statics), top-k "
+                                            "renormalised (moe_norm_min)",
+                                            "text and vision experts chosen per token by moe_mm_token_type_ids",
+                                            "shared experts", "dense layers (mlp_layer_types)",
+                                            "the vision tower and its variable-resolution resampler"),
+                                vision=_QWEN_VL_VISION,
+                                notes="ernie4_5_vl_moe_text has no causal-LM class of its own: only the wrapper is "
+                                      "keyed; a text-only batch runs the text experts alone"),
+    # Mistral 4 (Mistral4ForCausalLM): DeepSeek-V3's layout (multi-head latent attention with a low-rank query,
+    # the rotary on the rope part of each head, interleaved where rope_interleave) with yarn rotary, the yarn
+    # mscale^2 in the query scale, Llama 4's position-dependent query scale 1 + beta * log(1 + floor(pos /
+    # orig_max)) from position_ids (per packed sample: the collator's), and a softmax router (group-limited
+    # top-k, renormalised, routed scaling) over transformers' experts interface plus shared experts
+    "mistral4": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA, "the query scale qk_head_dim^-0.5 times "
+                                                                   "the yarn mscale^2 (mscale_all_dim)"),
+                         model_code=_DEEPSEEK_CODE + (
+                             "softmax router, group-limited top-k, renormalised (norm_topk_prob), routed scaling",
+                             "the query scale 1 + llama_4_scaling_beta * log(1 + floor(position / "
+                             "original_max_position_embeddings)), from each sample's own positions"),
+                         notes="yarn rotary scaling in the model's rotary module (cos/sin) on the rope part of each "
+                               "head (partial_rotary_factor = qk_rope_head_dim / head_dim)"),
     # helper-l anchor
 }
 
