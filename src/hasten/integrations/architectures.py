@@ -103,6 +103,10 @@ _MROPE = RotarySpec(note="multimodal rotary (mrope): the model builds cos/sin fr
 _QWEN_VL_VISION = ("text-only packed batches on hasten's attention; a packed batch with images or videos "
                    "(pixel_values, pixel_values_videos) is refused: image tokens attend to each other both ways and "
                    "carry their own positions. Images train padded (training.packed_sequence: false)")
+# a wrapper whose image tokens attend to each other both ways (LLaVA, Mistral 3, Aya Vision...)
+_IMAGES_VISION = ("text-only packed batches on hasten's attention; a packed batch with images (pixel_values) is "
+                  "refused: image tokens attend to each other both ways. Images train padded "
+                  "(training.packed_sequence: false)")
 
 # Llama 4's text model: chunked attention on its layers with rotary, none on the others (with
 # attention temperature tuning there); its MoE computes every expert on every token
@@ -130,6 +134,18 @@ _QWEN3_NEXT = ArchSpec("moe", norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True
                        attention=("the attention output gate (sigmoid), in the model's own attention module",),
                        model_code=_GDN_CODE + ("the shared expert and its sigmoid gate",),
                        stateful=_GATED_DELTANET)
+
+# Aya Vision and Command A Vision: Cohere 2's text model (LayerNorm without bias, attention and MLP in
+# parallel on one norm, interleaved rotary, windows on the layers layer_types marks, NoPE on the
+# others), a SigLIP tower; the head is lm_head alone: the text config's logit_scale, which
+# Cohere2ForCausalLM applies, these wrappers do not (unapplied_keys)
+_AYA_VISION = ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
+                       rotary=RotarySpec(interleaved=True), logits=LogitSpec(unapplied_keys=("logit_scale",)),
+                       attention=(_LAYER_WINDOWS,),
+                       model_code=("attention and MLP in parallel on one norm",
+                                   "the SigLIP vision tower, its pixel-shuffle downsampling and SwiGLU projector"),
+                       vision=_IMAGES_VISION,
+                       notes="the wrapper's logits are lm_head(hidden) without the text config's logit_scale")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- dense: Llama-style pre-norm decoders ------------------------------------------------
@@ -183,9 +199,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Mistral 3 (Mistral-Small-3.x, Mistral3ForConditionalGeneration): Mistral's text model, a Pixtral tower
     "mistral3": ArchSpec("dense", attention=(_WINDOWS,), model_code=("the Pixtral vision tower, its patch merger and "
                                                                      "projector",),
-                         vision=("text-only packed batches on hasten's attention; a packed batch with images "
-                                 "(pixel_values) is refused: image tokens attend to each other both ways. Images "
-                                 "train padded (training.packed_sequence: false)")),
+                         vision=_IMAGES_VISION),
     # --- post-norm decoders (norms after attention and MLP) ---------------------------------
     "olmo2": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True),
                       notes="q/k norms over the whole projection, before the head split"),
@@ -764,9 +778,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # LLaVA 1.5 (LlavaForConditionalGeneration): a CLIP tower, a two-layer GELU projector; Llama text
     "llava": ArchSpec("dense", attention=(_WINDOWS, "projection biases where the text config sets them"),
                       model_code=("the CLIP vision tower and its projector (image batches only)",),
-                      vision=(_LLAVA_VISION := "text-only packed batches on hasten's attention; a packed batch with "
-                              "images (pixel_values) is refused: image tokens attend to each other both ways. "
-                              "Images train padded (training.packed_sequence: false)"),
+                      vision=_IMAGES_VISION,
                       notes="the text model is the checkpoint's text_config type (Llama; Mistral, Qwen2 in "
                             "others): its pieces run on hasten's kernels where they pass the probes"),
     # LLaVA-NeXT (LlavaNextForConditionalGeneration): LLaVA with any-resolution tiles and an image_newline
@@ -774,21 +786,21 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "llava_next": ArchSpec("dense", attention=(_WINDOWS, "projection biases where the text config sets them"),
                            model_code=("the CLIP vision tower, its projector, any-resolution tiling and "
                                        "image_newline (image batches only)",),
-                           vision=_LLAVA_VISION,
+                           vision=_IMAGES_VISION,
                            notes="the text model is the checkpoint's text_config type (Llama, Mistral)"),
     # LLaVA-OneVision (LlavaOnevisionForConditionalGeneration): a SigLIP tower, any-resolution tiles and
     # pooled video frames (image/video batches only); Qwen2 text (q/k/v biases, windows where set)
     "llava_onevision": ArchSpec("dense", attention=(_WINDOWS, "qkv bias"),
                                 model_code=("the SigLIP vision tower, its projector, any-resolution tiling, "
                                             "image_newline and video pooling (image/video batches only)",),
-                                vision=_LLAVA_VISION.replace("images (pixel_values)",
+                                vision=_IMAGES_VISION.replace("images (pixel_values)",
                                                              "images or videos (pixel_values, pixel_values_videos)"),
                                 notes="the text model is the checkpoint's text_config type (Qwen2)"),
     # InternVL 3 / 3.5 (InternVLForConditionalGeneration): InternViT, pixel shuffle and an MLP projector;
     # Qwen2 (InternVL3) or Qwen3 (InternVL3.5) text
     "internvl": ArchSpec("dense", attention=(_WINDOWS, "qkv bias (Qwen2 text)"),
                          model_code=("the InternViT vision tower, pixel shuffle and the projector (image batches "
-                                     "only)",), vision=_LLAVA_VISION,
+                                     "only)",), vision=_IMAGES_VISION,
                          notes="the text model is the checkpoint's text_config type (Qwen2; Qwen3, whose q/k "
                                "RMSNorms per head are patched with its other norms; InternVL3.5-GPT-OSS's gpt_oss "
                                "text is untested here)"),
@@ -797,18 +809,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # config.use_cache is on (its default): the cache only stores the layer's own keys and values
     "idefics3": ArchSpec("dense", attention=(_WINDOWS, "projection biases where the text config sets them"),
                          model_code=("the vision tower, its pixel-shuffle connector and the inputs merger (image "
-                                     "batches only)",), vision=_LLAVA_VISION,
+                                     "batches only)",), vision=_IMAGES_VISION,
                          notes="the text model is the checkpoint's text_config type (Llama)"),
     # SmolVLM / SmolVLM2 (SmolVLMForConditionalGeneration): Idefics3's layout, Llama text (SmolLM2)
     "smolvlm": ArchSpec("dense", attention=(_WINDOWS, "projection biases where the text config sets them"),
                         model_code=("the vision tower, its pixel-shuffle connector and the image merge (image "
-                                    "batches only)",), vision=_LLAVA_VISION,
+                                    "batches only)",), vision=_IMAGES_VISION,
                         notes="the text model is the checkpoint's text_config type (Llama)"),
     # LightOnOCR (LightOnOcrForConditionalGeneration): a Pixtral tower, an RMSNorm and patch-merger
     # projector (image batches only, not patched: hasten patches the text model); Qwen3 text
     "lighton_ocr": ArchSpec("dense", norm=NormSpec(qk_norm=True), attention=(_WINDOWS,),
                             model_code=("the Pixtral vision tower and its projector (RMSNorm, patch merger, two "
-                                        "linears; image batches only)",), vision=_LLAVA_VISION,
+                                        "linears; image batches only)",), vision=_IMAGES_VISION,
                             notes="the text model is the checkpoint's text_config type (Qwen3: q/k norms per head)"),
     # helper-i anchor
     # --- GPT-2-era decoders: nn.LayerNorm with bias (torch's own kernel), ungated MLPs with biases,
@@ -950,32 +962,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                           notes="the shared experts are a SwiGLU MLP on hasten's kernel where hidden_act is silu; "
                                 "the routed experts' weights are (E, in, out), which the fused path reads as "
                                 "stored"),
-    # Aya Vision (AyaVisionForConditionalGeneration): Cohere 2's text model (LayerNorm without bias,
-    # attention and MLP in parallel on one norm, interleaved rotary, windows on the layers layer_types
-    # marks, NoPE on the others), a SigLIP tower; its head is lm_head alone: the text config's
-    # logit_scale, which Cohere2ForCausalLM applies, the wrapper does not (unapplied_keys)
-    "aya_vision": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
-                           rotary=RotarySpec(interleaved=True), logits=LogitSpec(unapplied_keys=("logit_scale",)),
-                           attention=(_LAYER_WINDOWS,),
-                           model_code=("attention and MLP in parallel on one norm",
-                                       "the SigLIP vision tower, its pixel-shuffle downsampling and SwiGLU projector"),
-                           vision=("text-only packed batches on hasten's attention; a packed batch with images "
-                                   "(pixel_values) is refused: image tokens attend to each other both ways. Images "
-                                   "train padded (training.packed_sequence: false)"),
-                           notes="the wrapper's logits are lm_head(hidden) without the text config's logit_scale"),
-    # Command A Vision (Cohere2VisionForConditionalGeneration): aya_vision's layout (Cohere 2 text, a
-    # SigLIP tower), its head likewise lm_head alone (no logit_scale)
-    "cohere2_vision": ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
-                               rotary=RotarySpec(interleaved=True), logits=LogitSpec(unapplied_keys=("logit_scale",)),
-                               attention=(_LAYER_WINDOWS,),
-                               model_code=("attention and MLP in parallel on one norm",
-                                           "the SigLIP vision tower, its pixel-shuffle downsampling and SwiGLU "
-                                           "projector"),
-                               vision=("text-only packed batches on hasten's attention; a packed batch with images "
-                                       "(pixel_values) is refused: image tokens attend to each other both ways. "
-                                       "Images train padded (training.packed_sequence: false)"),
-                               notes="the wrapper's logits are lm_head(hidden) without the text config's "
-                                     "logit_scale"),
+    # Aya Vision (AyaVisionForConditionalGeneration) and Command A Vision
+    # (Cohere2VisionForConditionalGeneration): see _AYA_VISION
+    "aya_vision": _AYA_VISION,
+    "cohere2_vision": _AYA_VISION,
     # Kimi K2.5 (Kimi_K25ForConditionalGeneration): DeepSeek-V3's text model (MLA, sigmoid group-limited
     # router with a correction bias, shared experts, dense first layers), a MoonViT tower; image and
     # video placeholder ids are embedded as id 0 (the same packed or not)
