@@ -57,6 +57,29 @@ def _per_sample(function, meta, tensors, **kwargs):
     return torch.cat([p[0] if isinstance(p, tuple) else p for p in pieces], dim=1)
 
 
+def _check_delta_rule_kernel(packed, torch_function, meta, base, grad_out, float32_inputs=(), **call):
+    """A delta rule's packed form on fla's kernel (bf16) against the model's torch function per sample:
+    the output and the gradients of q, k, v, g and beta within NOISE_FACTOR of the torch function's
+    own bf16 distance from its float32 run. `base`: the CPU inputs (q, k, v, g, beta); those at
+    `float32_inputs` stay float32 (KDA's decay, as its forget gate returns it)."""
+
+    def run(dtype, hasten_path):
+        inputs = [t.to("cuda", torch.float32 if i in float32_inputs else dtype).requires_grad_()
+                  for i, t in enumerate(base)]
+        if hasten_path:
+            out, _ = packed(*inputs[:3], g=inputs[3], beta=inputs[4], use_qk_l2norm_in_kernel=True,
+                            **call, **{LINEAR_META: meta})
+        else:
+            out = _per_sample(lambda q, k, v, g, b: torch_function(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True),
+                              meta, inputs)
+        return [out, *torch.autograd.grad(out, inputs, grad_out.to("cuda", out.dtype))]
+
+    want, noise, got = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for name, g, n, w in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), got, noise, want):
+        assert _rel(g, w) <= NOISE_FACTOR * _rel(n, w) + 2e-3, (name, _rel(g, w), _rel(n, w))
+    assert "stateful_per_sample" not in fallback_counts()
+
+
 def test_gated_delta_rule_kernel_against_each_sample_alone():
     _, torch_rule = _torch_functions()
     packed = varlen_chunk_gated_delta_rule(torch_rule)
@@ -69,22 +92,8 @@ def test_gated_delta_rule_kernel_against_each_sample_alone():
     base = [torch.randn(1, tokens, 4, 16, generator=gen), torch.randn(1, tokens, 4, 16, generator=gen),
             torch.randn(1, tokens, 4, 16, generator=gen), -F.softplus(torch.randn(1, tokens, 4, generator=gen)) * 0.3,
             torch.rand(1, tokens, 4, generator=gen)]
-    grad_out = torch.randn(1, tokens, 4, 16, generator=gen).cuda()
-
-    def run(dtype, hasten_path):
-        inputs = [t.to("cuda", dtype).requires_grad_() for t in base]
-        if hasten_path:
-            out, _ = packed(*inputs[:3], g=inputs[3], beta=inputs[4], use_qk_l2norm_in_kernel=True,
-                            **{LINEAR_META: meta})
-        else:
-            out = _per_sample(lambda q, k, v, g, b: torch_rule(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True),
-                              meta, inputs)
-        return [out, *torch.autograd.grad(out, inputs, grad_out.to(out.dtype))]
-
-    want, noise, got = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
-    for name, g, n, w in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), got, noise, want):
-        assert _rel(g, w) <= NOISE_FACTOR * _rel(n, w) + 2e-3, (name, _rel(g, w), _rel(n, w))
-    assert "stateful_per_sample" not in fallback_counts()
+    grad_out = torch.randn(1, tokens, 4, 16, generator=gen)
+    _check_delta_rule_kernel(packed, torch_rule, meta, base, grad_out)
 
 
 def test_kimi_delta_attention_kernel_against_each_sample_alone():
@@ -101,22 +110,9 @@ def test_kimi_delta_attention_kernel_against_each_sample_alone():
     base = [torch.randn(1, tokens, 2, 16, generator=gen), torch.randn(1, tokens, 2, 16, generator=gen),
             torch.randn(1, tokens, 2, 16, generator=gen),
             -F.softplus(torch.randn(1, tokens, 2, 16, generator=gen)) * 0.3, torch.rand(1, tokens, 2, generator=gen)]
-    grad_out = torch.randn(1, tokens, 2, 16, generator=gen).cuda()
-
-    def run(dtype, hasten_path):
-        inputs = [t.to("cuda", torch.float32 if i == 3 else dtype).requires_grad_() for i, t in enumerate(base)]
-        if hasten_path:
-            out, _ = packed(*inputs[:3], g=inputs[3], beta=inputs[4], initial_state=None, output_final_state=False,
-                            use_qk_l2norm_in_kernel=True, **{LINEAR_META: meta})
-        else:
-            out = _per_sample(lambda q, k, v, g, b: torch_kda(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True),
-                              meta, inputs)
-        return [out, *torch.autograd.grad(out, inputs, grad_out.to(out.dtype))]
-
-    want, noise, got = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
-    for name, g, n, w in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), got, noise, want):
-        assert _rel(g, w) <= NOISE_FACTOR * _rel(n, w) + 2e-3, (name, _rel(g, w), _rel(n, w))
-    assert "stateful_per_sample" not in fallback_counts()
+    grad_out = torch.randn(1, tokens, 2, 16, generator=gen)
+    _check_delta_rule_kernel(packed, torch_kda, meta, base, grad_out, float32_inputs=(3,),
+                             initial_state=None, output_final_state=False)
 
 
 def test_short_convolution_kernel_against_each_sample_alone():

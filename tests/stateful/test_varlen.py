@@ -60,6 +60,14 @@ def test_packed_convolution_is_each_sample_alone_and_differs_from_the_unpacked_r
     torch.testing.assert_close(packed(x, weight, None, activation="silu"), mixed, rtol=0, atol=0)
 
 
+def _alone_and_mixed(original, meta, q, k, v, g, beta):
+    """A delta rule's output with each packed sample alone (what the packed form must give), and
+    over the whole row as one sequence (the state carried across samples)."""
+    alone = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                                use_qk_l2norm_in_kernel=True)[0] for s, e in meta.bounds()], dim=1)
+    return alone, original(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+
 def test_packed_delta_rule_starts_each_sample_from_a_zero_state():
     original = _modeling("qwen3_next").torch_chunk_gated_delta_rule
     packed = varlen_chunk_gated_delta_rule(original)
@@ -74,10 +82,8 @@ def test_packed_delta_rule_starts_each_sample_from_a_zero_state():
     out, state = packed(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=True, cu_seqlens=meta.cu_seqlens, **{LINEAR_META: meta})
     assert state is None and meta.calls == 1
-    want = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
-                               use_qk_l2norm_in_kernel=True)[0] for s, e in meta.bounds()], dim=1)
+    want, mixed = _alone_and_mixed(original, meta, q, k, v, g, beta)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    mixed = original(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]  # state carried across samples
     assert (mixed - want).abs().max() > 1e-2
     with pytest.raises(ValueError, match="zero state"):  # a recurrent state never meets a packed batch
         packed(q, k, v, g=g, beta=beta, initial_state=torch.zeros(1, 4, 8, 8), output_final_state=False,
@@ -98,10 +104,8 @@ def test_packed_kimi_delta_attention_starts_each_sample_from_a_zero_state():
     out, state = packed(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=True, **{LINEAR_META: meta, "cu_seq_lens_q": meta.cu_seqlens})
     assert state is None and meta.calls == 1
-    want = torch.cat([original(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
-                               use_qk_l2norm_in_kernel=True)[0] for s, e in meta.bounds()], dim=1)
+    want, mixed = _alone_and_mixed(original, meta, q, k, v, g, beta)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    mixed = original(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]  # state carried across samples
     assert (mixed - want).abs().max() > 1e-2
     # no LinearMeta (a padded batch, generation): the model's own function, unchanged
     torch.testing.assert_close(packed(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0], mixed, rtol=0, atol=0)

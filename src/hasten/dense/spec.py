@@ -63,6 +63,11 @@ class MlpSpec:
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     fixed_activation: bool = False
 
+    @property
+    def fused(self) -> bool:
+        """Whether hasten's gated kernels take this MLP ("ungated" and "own" stay the model's code)."""
+        return self.kind in ("swiglu", "geglu_tanh")
+
 
 @dataclass(frozen=True)
 class RotarySpec:

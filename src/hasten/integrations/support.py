@@ -62,7 +62,7 @@ def describe(model: nn.Module) -> list[Piece]:
     pieces.append(Piece("norm", "ok" if spec.norm.fused else "info",
                         f"{norm}, {where}" + (", q/k norms too" if spec.norm.qk_norm else "")))
     mlp = _MLPS[spec.mlp.kind] + (" on one gate_up_proj" if spec.mlp.fused_gate_up else "")
-    pieces.append(Piece("mlp", "ok" if spec.mlp.kind not in ("ungated", "own") else "info",
+    pieces.append(Piece("mlp", "ok" if spec.mlp.fused else "info",
                         mlp if spec.family == "dense" else f"{mlp} where a dense MLP or shared expert exists"))
     layout = "interleaved pairs" if spec.rotary.interleaved else "halves (rotate_half)"
     if spec.rotary.own:

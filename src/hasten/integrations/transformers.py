@@ -281,7 +281,7 @@ class _ForwardState:
     # dense mode, packed batch: the sample index of every token, (rows, L); None otherwise
     sample_ids: torch.Tensor | None = None
     masks: list = field(default_factory=list)  # dense mode: the masks hasten built in this forward
-    causal_masks: list = field(default_factory=list)  # those of them whose mask function hides later keys
+    mask_functions: list = field(default_factory=list)  # dense mode: the model's mask function of each mask
     # a hybrid model's packed batch: its LinearMeta and how many stateful calls the forward must make
     linear: tuple[LinearMeta, int] | None = None
 
@@ -330,13 +330,15 @@ def hasten_dense_attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                  "under hasten's packed mask would drop it. Train this model with padded batches "
                                  "(training.packed_sequence: false), where its attention stays transformers'.")
     state = _current_forward()
-    if state is not None and state.sample_ids is not None and not any(attention_mask is m for m in state.masks):
+    built = None if state is None or state.sample_ids is None else next(
+        (i for i, m in enumerate(state.masks) if attention_mask is m), -1)  # None: not a packed batch
+    if built == -1:
         raise PackedBatchRefused(f"hasten: {type(module).__name__} of a packed batch received an attention mask that "
                                  "hasten did not build for the batch, so nothing would keep its samples apart. Train "
                                  "this model with padded batches (training.packed_sequence: false) and please report "
                                  "the model type.")
-    if (state is not None and state.sample_ids is not None and getattr(module, "is_causal", True) is False
-            and kwargs.get("is_causal") is not True and any(attention_mask is m for m in state.causal_masks)):
+    if (built is not None and getattr(module, "is_causal", True) is False and kwargs.get("is_causal") is not True
+            and _hides_later_keys(state.mask_functions[built])):  # judged only for modules built non-causal
         # PaliGemma (use_bidirectional_attention on its Gemma text model): modules built non-causal, a
         # causal mask from the text model; alone, sdpa drops that mask and attends both ways, eager
         # keeps it: the model's own result depends on its attention implementation
@@ -383,8 +385,7 @@ def _dense_mask(base):
         kwargs["allow_is_causal_skip"] = False  # sdpa would otherwise return None for "plain causal"
         mask = base(*args, mask_function=masking_utils.and_masks(mask_function, same_sample), **kwargs)
         state.masks.append(mask)
-        if _hides_later_keys(mask_function):
-            state.causal_masks.append(mask)
+        state.mask_functions.append(mask_function)
         return mask
 
     return hasten_dense_mask
