@@ -102,8 +102,8 @@ def try_length(model, optimizer, tokens: int, variant: str) -> tuple[float, floa
 
 
 def preflight_forecast(model, handle, optimizer, sizes=(16384, 32768)):
-    """hasten.memory.preflight's forecast for this model and machine, from two probe steps (the
-    optimizer's state not yet made is counted as AdamW's two tensors per adapter weight): its
+    """hasten.memory.preflight's forecast for this model and machine, from probe steps at `sizes`
+    (the optimizer's state not yet made is counted as AdamW's two tensors per adapter weight): its
     largest_tokens() is the length it states, host_layers_kept(L) the split a length L needs."""
     from hasten.memory import preflight
 
@@ -122,6 +122,16 @@ def preflight_forecast(model, handle, optimizer, sizes=(16384, 32768)):
                               host_layers=handle.offload.host_layers if handle.offload is not None else 0)
 
 
+def forecast_check(forecast, weights: int, tokens: int, kept: int, measured_gib: float) -> dict:
+    """The preflight's forecast of a step's peak (the weights and adapters allocated before it, plus
+    MemoryForecast.device_bytes: AdamW's state, activations per token, the constant, and the kept
+    layers' checkpoints) against the peak measured at that length. Above 1.0 the forecast was too
+    low there, so a maximum stated from it promises more than the GPU holds."""
+    forecast_gib = (weights + forecast.device_bytes(tokens, kept)) / 2**30
+    return {"tokens": tokens, "kept": kept, "forecast_gib": round(forecast_gib, 2), "measured_gib": round(measured_gib, 2),
+            "measured_over_forecast": round(measured_gib / forecast_gib, 3)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf_lengths", default=HF_LENGTHS)
@@ -131,6 +141,8 @@ def main() -> int:
     parser.add_argument("--offload_lengths", default="131072,196608,262144,393216",
                         help="the lengths hasten_offload tries")
     parser.add_argument("--tile_tokens", type=int, default=16384, help="hasten_offload's MLP tile")
+    parser.add_argument("--probe_lengths", default="16384,32768",
+                        help="the preflight's probe steps (one sequence each) for hasten_offload's statement")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     run_id = common.new_run_id()
@@ -141,9 +153,11 @@ def main() -> int:
         trained, tried, capped = None, [], ""
         ladder = {"hf_grad_ckpt": args.hf_lengths, "hasten": args.hasten_lengths, "hasten_offload": args.offload_lengths}
         lengths = [int(x) for x in ladder[variant].split(",") if x.strip()]  # empty: the preflight's statement only
-        stated, forecast, kept = None, None, 0
+        stated, forecast, kept, checks = None, None, 0, []
         if variant == "hasten_offload":  # the memory preflight's forecast: what this machine would take
-            forecast = preflight_forecast(model, handle, optimizer)
+            weights = torch.cuda.memory_allocated()  # before any optimizer state: the forecast counts that
+            forecast = preflight_forecast(model, handle, optimizer,
+                                          [int(x) for x in args.probe_lengths.split(",") if x.strip()])
             stated = forecast.largest_tokens()
             print(f"{variant:>14} preflight: the largest sequence that fits is about {stated:,} tokens "
                   f"({forecast.per_token / 1024:.0f} KiB a token on the GPU, {forecast.host_per_token / 1024:.0f} "
@@ -165,6 +179,10 @@ def main() -> int:
             print(f"{variant:>14} {tokens:>7} tokens: " + ("out of memory" if result is None
                                                            else f"{result[0]:.2f} s, peak {result[1]:.1f} GiB"),
                   flush=True)
+            if result is not None and forecast is not None:  # the statement is only as good as this
+                checks.append(forecast_check(forecast, weights, tokens, kept, result[1]))
+                print(f"{variant:>14} {tokens:>7} tokens: the preflight forecast {checks[-1]['forecast_gib']:.1f} GiB, "
+                      f"measured {result[1]:.1f} GiB ({checks[-1]['measured_over_forecast']:.2f}x)", flush=True)
             if result is None:
                 break
             trained = (tokens, *result)
@@ -177,7 +195,13 @@ def main() -> int:
                      "host_syncs_per_step": None, "correct": trained is not None,
                      "notes": f"longest trained {trained[0] if trained else 0} tokens; tried {tried}{capped}",
                      "max_tokens": trained[0] if trained else 0, "run_id": run_id,
-                     **({"preflight_max_tokens": stated} if stated is not None else {}),
+                     **({"preflight_max_tokens": stated, "preflight_probes": args.probe_lengths,
+                         "preflight_checks": checks,
+                         # the stated maximum holds only where no trained length peaked above its forecast
+                         # (None: no length trained to judge it by)
+                         "preflight_max_trusted": (all(c["measured_over_forecast"] <= 1.0 for c in checks)
+                                                   if checks else None)}
+                        if stated is not None else {}),
                      **({"offload": offload} if offload else {})})
         if handle is not None:
             handle.undo()

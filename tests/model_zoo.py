@@ -15,6 +15,7 @@ unpatched model).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -433,11 +434,13 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     # BitNet: sub-norms on the attention output and the gated product, ReLU² gate (the MLP the model's own),
     # q/k/v/o biases; unquantised nn.Linear projections (from_config: no quantization config)
     Entry("bitnet", dict(hidden_act="relu2", attention_bias=True), "hasten", feature_off=dict(hidden_act="silu")),
-    # Kimi Linear: two Kimi delta attention layers (2 heads of 16, slow per-channel decay) around an MLA
+    # Kimi Linear: two Kimi delta attention layers (2 heads of 64, slow per-channel decay) around an MLA
+    # (heads of 64, not 16: at 16, fla 0.6.0's TileLang backward of the varlen KDA chunk failed to
+    # compile on the H200, 'Get different layout for s_dv_pre', at 5a4a550; the model has 128)
     # layer without rotary (q/k heads of 16 + 8, value heads of 8, a low-rank query, projection biases);
     # a dense first layer, then the sigmoid group-limited router, a shared expert
     Entry("kimi_linear", dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
-                              linear_conv_kernel_dim=4, linear_head_dim=16, linear_num_heads=2, kv_lora_rank=16,
+                              linear_conv_kernel_dim=4, linear_head_dim=64, linear_num_heads=2, kv_lora_rank=16,
                               q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
                               num_key_value_heads=4, head_dim=8, attention_bias=True, num_local_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2,
@@ -969,3 +972,23 @@ def padded_batch(batch_samples: list[dict], device=None) -> dict:
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+def cast_as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """model.to(dtype) as from_pretrained(dtype=...) leaves a checkpoint: the parameters and buffers
+    its class keeps in float32 stay float32 (`_keep_in_fp32_modules_strict` under bf16 and fp16,
+    `_keep_in_fp32_modules` under fp16 only, matched as transformers matches them: a regular
+    expression searched in the name). These are what users train: DeepSeek-V3's and GLM-4.5's
+    router weight and correction bias, Flint's sinks, Kimi Linear's dt_bias. Casting them with the
+    rest would test a model nobody loads, and would break classes that compute with them in float32
+    (Inkling2's router takes F.linear of float32 states and its weight)."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    model.to(dtype)
+    if names:
+        keep = re.compile("|".join(f"(?:{name.replace('*', '.*')})" for name in sorted(names)))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and keep.search(name):
+                tensor.data = tensor.data.float()
+    return model

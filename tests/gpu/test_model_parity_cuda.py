@@ -120,8 +120,9 @@ def check_packed_parity(name: str, lengths, report: bool = True) -> dict:
     entry = zoo.ENTRIES[name]
     batch_samples = zoo.samples(lengths=lengths)
     reference = zoo.build(entry).to("cuda")
-    plain_bf16 = zoo.clone(reference).to(torch.bfloat16)
-    patched = zoo.clone(reference).to(torch.bfloat16)
+    # bf16 as from_pretrained(dtype=torch.bfloat16) loads it: its float32 pieces (routers, sinks) kept
+    plain_bf16 = zoo.cast_as_loaded(zoo.clone(reference), torch.bfloat16)
+    patched = zoo.cast_as_loaded(zoo.clone(reference), torch.bfloat16)
     with _torch_stateful_functions(reference):
         want_loss, want = zoo.per_sample_reference(reference, batch_samples, device="cuda")
         noise_loss, noise = zoo.per_sample_reference(plain_bf16, batch_samples, device="cuda")
