@@ -435,10 +435,10 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     # q/k/v/o biases; unquantised nn.Linear projections (from_config: no quantization config)
     Entry("bitnet", dict(hidden_act="relu2", attention_bias=True), "hasten", feature_off=dict(hidden_act="silu")),
     # Kimi Linear: two Kimi delta attention layers (2 heads of 64, slow per-channel decay) around an MLA
-    # (heads of 64, not 16: at 16, fla 0.6.0's TileLang backward of the varlen KDA chunk failed to
-    # compile on the H200, 'Get different layout for s_dv_pre', at 5a4a550; the model has 128)
     # layer without rotary (q/k heads of 16 + 8, value heads of 8, a low-rank query, projection biases);
     # a dense first layer, then the sigmoid group-limited router, a shared expert
+    # (heads of 64, not 16: at 16, fla 0.6.0's TileLang backward of the varlen KDA chunk failed to
+    # compile on the H200, 'Get different layout for s_dv_pre', at 5a4a550; the model has 128)
     Entry("kimi_linear", dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
                               linear_conv_kernel_dim=4, linear_head_dim=64, linear_num_heads=2, kv_lora_rank=16,
                               q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
