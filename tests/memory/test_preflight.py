@@ -17,10 +17,11 @@ def test_the_line_through_the_probes():
         fit_line([])
 
 
-def test_small_batches_are_probed_at_their_size_large_ones_at_two_fractions():
+def test_small_batches_are_probed_at_their_size_large_ones_at_a_quarter_and_a_half():
     assert probe_sizes(4096) == [4096]
-    assert probe_sizes(393216) == [49152, 98304]
+    assert probe_sizes(393216) == [98304, 196608]
     assert probe_sizes(16384) == [4096, 8192]
+    assert probe_sizes(20000) == [5000, 10000]
 
 
 def test_a_batch_that_fits_passes_and_one_that_does_not_names_the_largest():
