@@ -2,9 +2,12 @@
 //   swiglu / swiglu_backward        one (rows, 2 * inner) tensor [gate | up] (MoE experts)
 //   silu_mul / silu_mul_backward,   gate and up as two (..., inner) tensors of one shape (dense
 //   gelu_tanh_mul / _backward       MLPs); both pairs take the same arguments: one check, by op name
+//   clamped_swiglu / _backward      one (rows, 2 * inner) tensor, gate and up interleaved (gpt-oss)
 #pragma once
 
 #include <torch/types.h>
+
+#include <cmath>
 
 #include "hasten/checks.h"
 
@@ -23,6 +26,24 @@ inline void check_swiglu_backward_args(const at::Tensor& grad_act, const at::Ten
               "hasten::swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
               shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
   check_same_device(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
+}
+
+// gpt-oss's clamped SwiGLU: the same (rows, 2 * inner) shape as swiglu's, interleaved; alpha and
+// limit finite, limit positive (transformers' swiglu_limit 7.0, alpha 1.702)
+inline void check_clamped_swiglu_args(const char* op, const at::Tensor& gate_up, double alpha, double limit) {
+  check_swiglu_args(op, gate_up);
+  TORCH_CHECK(std::isfinite(alpha) && std::isfinite(limit) && limit > 0, "hasten::", op,
+              ": `alpha` must be finite and `limit` finite and positive, got alpha=", alpha, ", limit=", limit);
+}
+
+inline void check_clamped_swiglu_backward_args(const at::Tensor& grad_act, const at::Tensor& gate_up, double alpha,
+                                               double limit) {
+  check_clamped_swiglu_args("clamped_swiglu_backward", gate_up, alpha, limit);
+  check_same_dtype(gate_up, grad_act, "clamped_swiglu_backward", "gate_up", "grad_act");
+  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == gate_up.size(0) && grad_act.size(1) * 2 == gate_up.size(1),
+              "hasten::clamped_swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
+              shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
+  check_same_device(gate_up, grad_act, "clamped_swiglu_backward", "gate_up", "grad_act");
 }
 
 inline void check_gated_mul_args(const char* op, const at::Tensor& gate, const at::Tensor& up) {

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -91,6 +92,69 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gat
   return out;
 }
 
+// gpt-oss's clamped SwiGLU on interleaved (gate, up) pairs (kernels/swiglu.cuh has the formulas).
+template <typename A>
+struct ClampedGate {
+  A g, u, s, glu;
+  bool gate_passes, up_passes;
+};
+
+template <typename A>
+ClampedGate<A> clamped_gate(A gate, A up, A alpha, A limit) {
+  ClampedGate<A> c;
+  c.gate_passes = gate <= limit;
+  c.up_passes = up >= -limit && up <= limit;
+  c.g = std::min(gate, limit);
+  c.u = std::min(std::max(up, -limit), limit);
+  c.s = A(1) / (A(1) + std::exp(-(c.g * alpha)));
+  c.glu = c.g * c.s;
+  return c;
+}
+
+at::Tensor clamped_swiglu_cpu(const at::Tensor& gate_up, double alpha, double limit) {
+  check_clamped_swiglu_args("clamped_swiglu", gate_up, alpha, limit);
+  const auto x = gate_up.contiguous();
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  auto out = at::empty({rows, inner}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "clamped_swiglu_cpu", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* act = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < inner; ++c) {
+        const auto g = clamped_gate<A>(static_cast<A>(in[r * 2 * inner + 2 * c]),
+                                       static_cast<A>(in[r * 2 * inner + 2 * c + 1]), A(alpha), A(limit));
+        act[r * inner + c] = static_cast<scalar_t>((g.u + A(1)) * g.glu);
+      }
+  });
+  return out;
+}
+
+at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gate_up, double alpha,
+                                       double limit) {
+  check_clamped_swiglu_backward_args(grad_act, gate_up, alpha, limit);
+  const auto x = gate_up.contiguous();
+  const auto d = grad_act.contiguous();
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "clamped_swiglu_backward_cpu", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    const scalar_t* grad = d.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < inner; ++c) {
+        const int64_t at = r * 2 * inner + 2 * c;
+        const auto g = clamped_gate<A>(static_cast<A>(in[at]), static_cast<A>(in[at + 1]), A(alpha), A(limit));
+        const A df = static_cast<A>(grad[r * inner + c]);
+        const A slope = g.s + g.g * g.s * (A(1) - g.s) * A(alpha);
+        o[at] = static_cast<scalar_t>(g.gate_passes ? df * (g.u + A(1)) * slope : A(0));
+        o[at + 1] = static_cast<scalar_t>(g.up_passes ? df * g.glu : A(0));
+      }
+  });
+  return out;
+}
+
 // gate and up (..., inner) of one shape, read as contiguous rows of `inner`.
 template <GateActivation F>
 at::Tensor gated_mul_cpu(const char* op, const at::Tensor& gate, const at::Tensor& up) {
@@ -145,6 +209,8 @@ TORCH_LIBRARY_IMPL(hasten, CPU, m) {
   m.impl("silu_mul_backward", &silu_mul_backward_cpu);
   m.impl("gelu_tanh_mul", &gelu_tanh_mul_cpu);
   m.impl("gelu_tanh_mul_backward", &gelu_tanh_mul_backward_cpu);
+  m.impl("clamped_swiglu", &clamped_swiglu_cpu);
+  m.impl("clamped_swiglu_backward", &clamped_swiglu_backward_cpu);
 }
 
 }  // namespace hasten

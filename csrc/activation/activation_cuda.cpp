@@ -48,6 +48,36 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& ga
   return out;
 }
 
+// gpt-oss's clamped SwiGLU on interleaved (gate, up) pairs of one (R, 2I) tensor.
+at::Tensor clamped_swiglu_cuda(const at::Tensor& gate_up, double alpha, double limit) {
+  check_device(gate_up, "clamped_swiglu", "gate_up", c10::DeviceType::CUDA);
+  check_clamped_swiglu_args("clamped_swiglu", gate_up, alpha, limit);
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto x = gate_up.contiguous();
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  auto out = at::empty({rows, inner}, x.options());
+  kernels::ClampedSwigluParams p{x.data_ptr(), nullptr, out.data_ptr(), rows, inner, static_cast<float>(alpha),
+                                 static_cast<float>(limit), element_type(x, "clamped_swiglu")};
+  check_launch(kernels::launch_clamped_swiglu_forward(p, c10::cuda::getCurrentCUDAStream()), "clamped_swiglu");
+  return out;
+}
+
+at::Tensor clamped_swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& gate_up, double alpha,
+                                        double limit) {
+  check_device(gate_up, "clamped_swiglu_backward", "gate_up", c10::DeviceType::CUDA);
+  check_clamped_swiglu_backward_args(grad_act, gate_up, alpha, limit);
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto x = gate_up.contiguous();
+  const auto d = grad_act.contiguous();
+  auto out = at::empty_like(x);
+  kernels::ClampedSwigluParams p{x.data_ptr(), d.data_ptr(), out.data_ptr(), x.size(0), x.size(1) / 2,
+                                 static_cast<float>(alpha), static_cast<float>(limit),
+                                 element_type(x, "clamped_swiglu_backward")};
+  check_launch(kernels::launch_clamped_swiglu_backward(p, c10::cuda::getCurrentCUDAStream()),
+               "clamped_swiglu_backward");
+  return out;
+}
+
 // gate and up (..., inner) of one shape, as contiguous rows of `inner`: act = f(gate) * up.
 at::Tensor gated_mul_cuda(const char* op, GateActivation activation, const at::Tensor& gate, const at::Tensor& up) {
   check_device(gate, op, "gate", c10::DeviceType::CUDA);
@@ -104,6 +134,8 @@ TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
   m.impl("silu_mul_backward", &silu_mul_backward_cuda);
   m.impl("gelu_tanh_mul", &gelu_tanh_mul_cuda);
   m.impl("gelu_tanh_mul_backward", &gelu_tanh_mul_backward_cuda);
+  m.impl("clamped_swiglu", &clamped_swiglu_cuda);
+  m.impl("clamped_swiglu_backward", &clamped_swiglu_backward_cuda);
 }
 
 }  // namespace hasten

@@ -31,5 +31,22 @@ cudaError_t launch_swiglu_forward(const SwigluParams& params, cudaStream_t strea
 // d_gate = d_act * up * f'(gate), d_up = d_act * f(gate)
 cudaError_t launch_swiglu_backward(const SwigluParams& params, cudaStream_t stream);
 
+// gpt-oss's experts: one (R, 2I) tensor with gate and up interleaved (gate = column 2c, up =
+// column 2c + 1), clamped, the up half shifted by one:
+//   g = min(gate, limit), u = clamp(up, -limit, limit), act = (u + 1) * (g * sigmoid(alpha * g))
+// backward (torch's clamp passes the gradient where the bound holds, equality included):
+//   d_up   = d_act * g * sigmoid(alpha g)                                 where -limit <= up <= limit
+//   d_gate = d_act * (u + 1) * (s + alpha g s (1 - s)), s = sigmoid(alpha g)  where gate <= limit
+struct ClampedSwigluParams {
+  const void* gate_up;   // (R, 2I) contiguous, interleaved
+  const void* grad_act;  // (R, I) contiguous, backward only (else nullptr)
+  void* out;             // forward: act (R, I); backward: d_gate_up (R, 2I), interleaved as gate_up
+  int64_t rows, inner;   // R, I
+  float alpha, limit;
+  ElementType type;
+};
+cudaError_t launch_clamped_swiglu_forward(const ClampedSwigluParams& params, cudaStream_t stream);
+cudaError_t launch_clamped_swiglu_backward(const ClampedSwigluParams& params, cudaStream_t stream);
+
 }  // namespace kernels
 }  // namespace hasten

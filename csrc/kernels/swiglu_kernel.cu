@@ -118,7 +118,131 @@ cudaError_t launch(const SwigluParams& p, bool backward, cudaStream_t stream) {
   });
 }
 
+// N consecutive elements starting at element chunk * N: one 16- or 8-byte access where the launch
+// checked the alignment for it (the vector path), else element by element.
+template <typename T, int N, bool kWide>
+__device__ __forceinline__ void load_elements(const T* row, int64_t chunk, T (&out)[N]) {
+  if constexpr (kWide && N * sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(out) = reinterpret_cast<const uint4*>(row)[chunk];
+  } else if constexpr (kWide && N * sizeof(T) == 8) {
+    *reinterpret_cast<uint2*>(out) = reinterpret_cast<const uint2*>(row)[chunk];
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = row[chunk * N + i];
+  }
+}
+
+template <typename T, int N, bool kWide>
+__device__ __forceinline__ void store_elements(T* row, int64_t chunk, const T (&in)[N]) {
+  if constexpr (kWide && N * sizeof(T) == 16) {
+    reinterpret_cast<uint4*>(row)[chunk] = *reinterpret_cast<const uint4*>(in);
+  } else if constexpr (kWide && N * sizeof(T) == 8) {
+    reinterpret_cast<uint2*>(row)[chunk] = *reinterpret_cast<const uint2*>(in);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) row[chunk * N + i] = in[i];
+  }
+}
+
+// gpt-oss's clamped SwiGLU (swiglu.cuh): a thread takes V consecutive elements of a gate_up row,
+// V / 2 (gate, up) pairs, and writes V / 2 activations (forward) or V gradients in the same
+// interleaved places (backward). expf, not __expf: float32 runs must match torch's sigmoid to
+// rounding (the accelerate-time check compares them).
+struct ClampedGate {
+  float g, u, s, glu;  // min(gate, limit), clamp(up), sigmoid(alpha g), g * s
+  bool gate_passes, up_passes;
+};
+
+__device__ __forceinline__ ClampedGate clamped_gate(float gate, float up, float alpha, float limit) {
+  ClampedGate c;
+  c.gate_passes = gate <= limit;
+  c.up_passes = up >= -limit && up <= limit;
+  c.g = fminf(gate, limit);
+  c.u = fminf(fmaxf(up, -limit), limit);
+  c.s = 1.0f / (1.0f + expf(-(c.g * alpha)));
+  c.glu = c.g * c.s;
+  return c;
+}
+
+template <typename T, int V, bool kWide>
+__global__ void __launch_bounds__(kThreads) clamped_swiglu_forward_kernel(ClampedSwigluParams p) {
+  static_assert(V % 2 == 0, "whole (gate, up) pairs per thread");
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // chunk of V in the row
+  if (v * V >= 2 * p.inner) return;
+  for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+    T x[V];
+    load_elements<T, V, kWide>(static_cast<const T*>(p.gate_up) + r * 2 * p.inner, v, x);
+    T act[V / 2];
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) {
+      const ClampedGate c = clamped_gate(to_float(x[2 * i]), to_float(x[2 * i + 1]), p.alpha, p.limit);
+      act[i] = from_float<T>((c.u + 1.0f) * c.glu);
+    }
+    store_elements<T, V / 2, kWide>(static_cast<T*>(p.out) + r * p.inner, v, act);
+  }
+}
+
+template <typename T, int V, bool kWide>
+__global__ void __launch_bounds__(kThreads) clamped_swiglu_backward_kernel(ClampedSwigluParams p) {
+  static_assert(V % 2 == 0, "whole (gate, up) pairs per thread");
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (v * V >= 2 * p.inner) return;
+  for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+    T x[V], d[V / 2];
+    load_elements<T, V, kWide>(static_cast<const T*>(p.gate_up) + r * 2 * p.inner, v, x);
+    load_elements<T, V / 2, kWide>(static_cast<const T*>(p.grad_act) + r * p.inner, v, d);
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) {
+      const ClampedGate c = clamped_gate(to_float(x[2 * i]), to_float(x[2 * i + 1]), p.alpha, p.limit);
+      const float df = to_float(d[i]);
+      const float slope = c.s + c.g * c.s * (1.0f - c.s) * p.alpha;  // d(g sigmoid(alpha g)) / dg
+      x[2 * i] = from_float<T>(c.gate_passes ? df * (c.u + 1.0f) * slope : 0.0f);
+      x[2 * i + 1] = from_float<T>(c.up_passes ? df * c.glu : 0.0f);
+    }
+    store_elements<T, V, kWide>(static_cast<T*>(p.out) + r * 2 * p.inner, v, x);
+  }
+}
+
+// 16-byte chunks of gate_up (and 8-byte ones of act / d_act) where every row is aligned for them;
+// two elements (one pair) a thread otherwise.
+template <typename T>
+bool clamped_vectors_fit(const ClampedSwigluParams& p, bool backward) {
+  constexpr int kV = kVec<T>;
+  return (2 * p.inner) % kV == 0 && p.inner % (kV / 2) == 0 && aligned16(p.gate_up) && aligned16(p.out) &&
+         (!backward || aligned16(p.grad_act));
+}
+
+template <typename T>
+cudaError_t launch_clamped_with(const ClampedSwigluParams& p, bool backward, cudaStream_t stream) {
+  const bool vectors = clamped_vectors_fit<T>(p, backward);
+  const int per_thread = vectors ? kVec<T> : 2;
+  const int64_t chunks = (2 * p.inner + per_thread - 1) / per_thread;
+  const dim3 grid(static_cast<unsigned>((chunks + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(p.rows < 65535 ? p.rows : 65535));
+  if (backward) {
+    if (vectors) clamped_swiglu_backward_kernel<T, kVec<T>, true><<<grid, kThreads, 0, stream>>>(p);
+    else clamped_swiglu_backward_kernel<T, 2, false><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    if (vectors) clamped_swiglu_forward_kernel<T, kVec<T>, true><<<grid, kThreads, 0, stream>>>(p);
+    else clamped_swiglu_forward_kernel<T, 2, false><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_clamped(const ClampedSwigluParams& p, bool backward, cudaStream_t stream) {
+  if (p.rows * p.inner == 0) return cudaSuccess;
+  return HASTEN_DISPATCH_ELEMENT(p.type, { return launch_clamped_with<T>(p, backward, stream); });
+}
+
 }  // namespace
+
+cudaError_t launch_clamped_swiglu_forward(const ClampedSwigluParams& p, cudaStream_t stream) {
+  return launch_clamped(p, false, stream);
+}
+
+cudaError_t launch_clamped_swiglu_backward(const ClampedSwigluParams& p, cudaStream_t stream) {
+  return launch_clamped(p, true, stream);
+}
 
 cudaError_t launch_swiglu_forward(const SwigluParams& p, cudaStream_t stream) { return launch(p, false, stream); }
 

@@ -89,6 +89,33 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inner", [(1, 1), (3, 7), (257, 2880), (70_000, 12), (5, 4)])
+@pytest.mark.parametrize("offset", [0, 1])  # 1: a view one element off the 16-byte grid (element path)
+def test_clamped_swiglu_cuda_equals_cpu_forward_and_backward(dtype, rows, inner, offset):
+    """gpt-oss's clamped SwiGLU: the CUDA kernel against the CPU reference (float math both), both
+    clamps in play and values on the bounds; rows past the grid's 65,535 loop."""
+    from tests.ops.test_moe_ops import clamped_swiglu_reference
+
+    gen = torch.Generator().manual_seed(rows + inner)
+    flat = torch.randn(rows * 2 * inner + offset, generator=gen) * 2
+    gate_up = flat[offset:].view(rows, 2 * inner)
+    gate_up[0, 0], gate_up[0, 1] = 0.8, -0.8
+    gate_up = gate_up.to(dtype)
+    grad = (torch.randn(rows, inner, generator=gen)).to(dtype)
+    cuda_flat = torch.empty(rows * 2 * inner + offset, dtype=dtype, device="cuda")
+    cuda_gate_up = cuda_flat[offset:].view(rows, 2 * inner).copy_(gate_up)
+    act = torch.ops.hasten.clamped_swiglu(cuda_gate_up, 1.702, 0.8)
+    back = torch.ops.hasten.clamped_swiglu_backward(grad.cuda(), cuda_gate_up, 1.702, 0.8)
+    want_act = torch.ops.hasten.clamped_swiglu(gate_up, 1.702, 0.8)
+    want_back = torch.ops.hasten.clamped_swiglu_backward(grad, gate_up, 1.702, 0.8)
+    tolerance = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    assert torch.allclose(act.cpu().float(), want_act.float(), **tolerance)
+    assert torch.allclose(back.cpu().float(), want_back.float(), **tolerance)
+    if dtype == torch.float32:  # and transformers' own gate, in float32
+        assert torch.allclose(act.cpu(), clamped_swiglu_reference(gate_up, 1.702, 0.8), atol=1e-6, rtol=1e-5)
+
+
 def test_fused_block_equals_eager_block_bf16_and_syncs_nothing():
     block, config = _w3_block()
     x = torch.randn(1, 4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # (B, T, H)

@@ -101,3 +101,54 @@ def test_per_expert_fallback_op_is_the_eager_loop():
     torch.testing.assert_close(got, want)
     for g, w in zip(torch.autograd.grad(got, (x, weight), upstream), torch.autograd.grad(want, (x, weight), upstream)):
         torch.testing.assert_close(g, w)
+
+
+# gpt-oss's clamped SwiGLU: hasten's kernel only where the class's own _apply_gate is that formula
+def _gpt_oss_model(**config):
+    from tests import model_zoo as zoo
+
+    return zoo.build(zoo.ENTRIES["gpt_oss"], **config)
+
+
+def test_gpt_oss_experts_take_the_fused_clamped_gate_after_a_check():
+    from hasten.moe.experts import clamped_gate_mismatch
+
+    model = _gpt_oss_model()
+    experts = model.model.layers[0].mlp.experts
+    assert clamped_gate_mismatch(experts) is None
+    handle = hasten.accelerate(model, Config())
+    assert all(layer.mlp.experts._hasten_gate == "clamped_swiglu" for layer in model.model.layers)
+    assert any("fused clamped SwiGLU (gpt-oss" in item for item in handle.active), handle.report()
+    handle.undo()
+    assert "_hasten_gate" not in experts.__dict__
+
+
+def test_a_gate_that_is_not_gpt_oss_formula_keeps_its_own_and_says_why(monkeypatch):
+    """A look-alike (alpha and limit, another formula: no + 1 on up) is refused by the check and runs
+    its own _apply_gate, named in the report."""
+    from hasten.moe.experts import clamped_gate_mismatch
+
+    model = _gpt_oss_model()
+    cls = type(model.model.layers[0].mlp.experts)
+
+    def without_the_shift(self, gate_up):
+        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return up * (gate * torch.sigmoid(gate * self.alpha))
+
+    monkeypatch.setattr(cls, "_apply_gate", without_the_shift)
+    reason = clamped_gate_mismatch(model.model.layers[0].mlp.experts)
+    assert reason is not None and "something other than gpt-oss's clamped SwiGLU" in reason
+    handle = hasten.accelerate(model, Config())
+    assert all(layer.mlp.experts._hasten_gate == "own" for layer in model.model.layers)
+    assert any(item.startswith("fused clamped SwiGLU (") for item in handle.inactive), handle.report()
+    assert any("the model's own gated activation" in item for item in handle.active), handle.report()
+    handle.undo()
+
+
+def test_experts_without_alpha_and_limit_are_not_checked_as_gpt_oss():
+    from hasten.moe.experts import clamped_gate_mismatch
+
+    model = _gpt_oss_model()
+    experts = model.model.layers[0].mlp.experts
+    experts.alpha = None
+    assert "no numeric alpha and limit" in clamped_gate_mismatch(experts)

@@ -98,3 +98,41 @@ def test_swiglu_matches_reference_and_gradcheck(rows, inner):
 def test_swiglu_rejects_odd_width():
     with pytest.raises(RuntimeError, match="odd width"):
         torch.ops.hasten.swiglu(torch.randn(2, 3))
+
+
+def clamped_swiglu_reference(gate_up, alpha, limit):
+    """transformers' GptOssExperts._apply_gate."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@pytest.mark.parametrize("rows,inner", [(0, 3), (1, 1), (5, 7), (33, 40)])
+def test_clamped_swiglu_matches_gpt_oss_gate_with_its_gradients(rows, inner):
+    gen = torch.Generator().manual_seed(rows * 100 + inner)
+    gate_up = torch.randn(rows, 2 * inner, generator=gen, dtype=torch.float64) * 2
+    if rows:
+        gate_up[0, :4] = torch.tensor([0.8, -0.8, 0.8, 0.8])[: 2 * inner]  # on the bounds: the gradient passes
+    gate_up.requires_grad_()
+    got, want = moe_ops.clamped_swiglu(gate_up, 1.702, 0.8), clamped_swiglu_reference(gate_up, 1.702, 0.8)
+    assert torch.allclose(got, want, atol=1e-12)
+    assert (gate_up.detach().abs() > 0.8).any() or rows * inner < 8  # the clamps are in play
+    grad = torch.randn(rows, inner, generator=gen, dtype=torch.float64)
+    got_grad, want_grad = (torch.autograd.grad(y, gate_up, grad)[0] for y in (got, want))
+    assert torch.allclose(got_grad, want_grad, atol=1e-12)
+    if rows * inner:
+        inside = (gate_up.detach() * 0.3).requires_grad_()  # away from the kinks, for finite differences
+        torch.autograd.gradcheck(lambda x: moe_ops.clamped_swiglu(x, 1.702, 0.8), (inside,))
+        bf = moe_ops.clamped_swiglu(gate_up.detach().bfloat16(), 1.702, 0.8)
+        assert torch.allclose(bf.double(), clamped_swiglu_reference(gate_up.detach().bfloat16(), 1.702, 0.8).double(),
+                              atol=2e-2, rtol=2e-2)
+
+
+def test_clamped_swiglu_is_not_the_plain_swiglu_nor_unclamped():
+    """The check in hasten.moe.experts tells these apart: a gate without the clamp or the + 1 is off."""
+    gate_up = torch.randn(6, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    got = moe_ops.clamped_swiglu(gate_up, 1.702, 0.8)
+    assert not torch.allclose(got, clamped_swiglu_reference(gate_up, 1.702, 100.0), atol=1e-3)
+    gate, up = gate_up[:, ::2].clamp(max=0.8), gate_up[:, 1::2].clamp(-0.8, 0.8)
+    assert not torch.allclose(got, up * gate * torch.sigmoid(1.702 * gate), atol=1e-3)

@@ -20,9 +20,9 @@ from hasten.ops import op_names
 
 ops = torch.ops.hasten
 DIFFERENTIABLE = {"rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "varlen_attention", "linear_cross_entropy",
-                  "moe_permute", "moe_combine", "swiglu", "lora_linear"}
+                  "moe_permute", "moe_combine", "swiglu", "clamped_swiglu", "lora_linear"}
 BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
-                "moe_combine_weight_grad", "swiglu_backward", "lora_linear_backward"}
+                "moe_combine_weight_grad", "swiglu_backward", "clamped_swiglu_backward", "lora_linear_backward"}
 # integer-valued or in-place ops, with no derivative to define
 NOT_DIFFERENTIABLE = {"varlen_meta", "moe_group", "cross_entropy_rows_"}
 
@@ -92,6 +92,8 @@ def _cases(requires_grad: bool):
                                      grouping.inverse, grouping.offsets, top_k)),
         ("swiglu", (t(4, 10),)),
         ("swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False))),
+        ("clamped_swiglu", (t(4, 10), 1.702, 0.8)),
+        ("clamped_swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False), 1.702, 0.8)),
         # x (2, 3, 8), a frozen base (6, 8) with bias, rank 4 adapters; then with a dropout input
         ("lora_linear", (t(2, 3, 8), None, t(6, 8, grad=False), t(6, grad=False), t(4, 8), t(6, 4), 0.5)),
         ("lora_linear", (t(2, 3, 8), t(2, 3, 8), t(6, 8, grad=False), None, t(4, 8), t(6, 4), 2.0)),
@@ -199,6 +201,10 @@ def _bad_inputs():
         ("moe_combine_weight_grad", (f(6, 5), f(14, 5), g.inverse, g.offsets, 2)),
         ("swiglu", (f(2, 3),)),
         ("swiglu_backward", (f(2, 4), f(2, 10))),
+        ("clamped_swiglu", (f(2, 3), 1.702, 7.0)),
+        ("clamped_swiglu", (f(2, 4), 1.702, 0.0)),
+        ("clamped_swiglu", (f(2, 4), float("nan"), 7.0)),
+        ("clamped_swiglu_backward", (f(2, 3), f(2, 4), 1.702, 7.0)),
         ("lora_linear", (f(3, 8), None, f(6, 8), None, f(4, 8), f(6, 3), 1.0)),  # lora_b's rank
         ("lora_linear", (f(3, 8), None, f(6, 8, dtype=torch.bfloat16), None, f(4, 8), f(6, 4), 1.0)),
         ("lora_linear", (f(3, 8), f(3, 7), f(6, 8), None, f(4, 8), f(6, 4), 1.0)),

@@ -918,7 +918,7 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
         handle.inactive.append("training.moe.fused_grouping is false: experts left as transformers configured them")
         return
     from hasten.moe import MoeLoadStats, unsupported_reason
-    from hasten.moe.experts import describe, uses_fused_swiglu
+    from hasten.moe.experts import clamped_gate_mismatch, describe, gate_kernel, uses_fused_swiglu
 
     reasons = {reason for m in experts if (reason := unsupported_reason(m)) is not None}
     if (no_kernels := _cuda_kernels_missing(model, "moe_group", "moe_permute", "moe_combine", "swiglu")) is not None:
@@ -931,16 +931,29 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     previous = model.config._experts_implementation
     model.set_experts_implementation(EXPERTS_NAME)
     stats = MoeLoadStats()
+    gate_checks: dict[tuple, str | None] = {}  # one check per class, alpha, limit, device and width
+
+    def clamped_ok(m) -> bool:
+        key = (type(m), getattr(m, "alpha", None), getattr(m, "limit", None), m.gate_up_proj.device,
+               tuple(m.gate_up_proj.shape[-2:]))
+        if key not in gate_checks:
+            gate_checks[key] = clamped_gate_mismatch(m)
+            if gate_checks[key] is not None and hasattr(m, "alpha") and hasattr(m, "limit"):
+                handle.inactive.append(f"fused clamped SwiGLU ({gate_checks[key]}; the model's own gate runs)")
+        return gate_checks[key] is None
+
     for m in experts:
         m._hasten_moe_stats = stats
-        m._hasten_fused_swiglu = uses_fused_swiglu(m)  # read per forward: a bool, not a lookup to trace
+        # read per forward: a string, not a check to trace. gpt-oss's clamped gate takes hasten's kernel
+        # only where the class's own _apply_gate computes it exactly (checked once per class here)
+        m._hasten_gate = gate_kernel(m, checked=not uses_fused_swiglu(m) and clamped_ok(m))
         stats.track(m, m.num_experts, m.gate_up_proj.device)
 
     def undo() -> None:
         stats.untrack()
         for m in experts:
             m.__dict__.pop("_hasten_moe_stats", None)
-            m.__dict__.pop("_hasten_fused_swiglu", None)
+            m.__dict__.pop("_hasten_gate", None)
         model.set_experts_implementation(previous or "eager")
 
     handle._undo_steps.append(undo)

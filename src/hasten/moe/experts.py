@@ -70,11 +70,63 @@ def uses_fused_swiglu(experts: torch.nn.Module) -> bool:
     return act in ("silu", "swish") or isinstance(getattr(experts, "act_fn", None), torch.nn.SiLU)
 
 
+# float32 on both sides, the same formula in another order (expf against torch's sigmoid): 1e-7
+# seen; a different formula (no clamp, no + 1, another layout) is off by far more than this
+_CLAMPED_TOLERANCE = 1e-5
+
+
+def clamped_gate_mismatch(experts: torch.nn.Module) -> str | None:
+    """None where the class's own `_apply_gate` computes gpt-oss's clamped SwiGLU exactly, forward
+    and backward, with the module's `alpha` and `limit`: interleaved (gate, up) pairs,
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit). Checked in float32
+    on the module's device at its gate_up width, with values past both clamps and on the bounds, so
+    on a GPU the check runs hasten's CUDA kernel too."""
+    name = type(experts).__name__
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit)):
+        return f"{name} has no numeric alpha and limit (gpt-oss's swiglu_alpha, swiglu_limit)"
+    weight = experts.gate_up_proj
+    if weight.device.type == "meta":
+        return f"{name}'s weights are on the meta device, so its gate cannot be checked"
+    width = weight.shape[-1] if getattr(experts, "is_transposed", False) else weight.shape[-2]
+    if width % 2:
+        return f"{name}'s gate_up width {width} is odd"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, width, generator=gen) * 2 * max(abs(float(limit)), 1.0)
+    x[0, :4] = torch.tensor([float(limit), -float(limit), float(limit), float(limit)])  # on the bounds
+    x = x.to(weight.device).requires_grad_()
+    grad = torch.randn(3, width // 2, generator=gen).to(weight.device)
+    try:
+        want = type(experts)._apply_gate(experts, x)
+        (want_grad,) = torch.autograd.grad(want, x, grad)
+        got = moe_ops.clamped_swiglu(x, alpha, limit)
+        (got_grad,) = torch.autograd.grad(got, x, grad)
+    except Exception as exc:  # a gate that cannot run on a probe cannot be vouched for
+        return f"{name}'s gate could not be checked ({type(exc).__name__}: {exc})"
+    errors = [float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
+              if a.shape == b.shape else float("inf") for a, b in ((got, want), (got_grad, want_grad))]
+    if not max(errors) <= _CLAMPED_TOLERANCE:
+        return (f"{name}._apply_gate computes something other than gpt-oss's clamped SwiGLU on interleaved pairs "
+                f"(relative difference {max(errors):.1e} on random inputs, forward and backward)")
+    return None
+
+
+def gate_kernel(experts: torch.nn.Module, checked: bool = False) -> str:
+    """Which kernel computes the experts' gate: "swiglu" (transformers' default gate), "clamped_swiglu"
+    (gpt-oss's, only where `checked`: accelerate() ran clamped_gate_mismatch on this module), or
+    "own" (the class's `_apply_gate`, as transformers' grouped_mm path calls it)."""
+    if uses_fused_swiglu(experts):
+        return "swiglu"
+    return "clamped_swiglu" if checked else "own"
+
+
 def describe(experts: torch.nn.Module) -> str:
     """What the fused path runs for this experts class, for the report."""
     parts = ["one-kernel grouping", "grouped GEMM"]
-    parts.append("fused SwiGLU" if uses_fused_swiglu(experts) else
-                 f"the model's own gated activation ({type(experts).__name__}._apply_gate)")
+    gate = getattr(experts, "_hasten_gate", None) or gate_kernel(experts)
+    parts.append({"swiglu": "fused SwiGLU",
+                  "clamped_swiglu": "fused clamped SwiGLU (gpt-oss: interleaved gate and up, alpha, limit)"}.get(
+        gate, f"the model's own gated activation ({type(experts).__name__}._apply_gate)"))
     if getattr(experts, "has_bias", False):
         parts.append("expert biases")
     parts.append("deterministic combine")
@@ -261,9 +313,12 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     x = moe_ops.permute(hidden_states, g)
     row_experts = _row_experts(g, x.shape[0]) if getattr(self, "has_bias", False) else None
     gate_up = _projection(self, "gate_up_proj", x, g, row_experts)
-    fused_gate = getattr(self, "_hasten_fused_swiglu", None)  # decided at accelerate(); else here
-    if fused_gate is None:
-        fused_gate = uses_fused_swiglu(self)
-    act = moe_ops.swiglu(gate_up) if fused_gate else type(self)._apply_gate(self, gate_up)
+    gate = getattr(self, "_hasten_gate", None) or gate_kernel(self)  # decided at accelerate(); else here
+    if gate == "swiglu":
+        act = moe_ops.swiglu(gate_up)
+    elif gate == "clamped_swiglu":
+        act = moe_ops.clamped_swiglu(gate_up, self.alpha, self.limit)
+    else:
+        act = type(self)._apply_gate(self, gate_up)
     y = _projection(self, "down_proj", act, g, row_experts)
     return moe_ops.combine(y, top_k_weights.to(y.dtype), g)

@@ -106,6 +106,24 @@ def check_swiglu_backward_args(grad_act, gate_up) -> None:
     check_same_device(gate_up, grad_act, op, "gate_up", "grad_act")
 
 
+def check_clamped_swiglu_args(op: str, gate_up: torch.Tensor, alpha: float, limit: float) -> None:
+    """gpt-oss's clamped SwiGLU: swiglu's (rows, 2 * inner) shape, interleaved; alpha and limit finite,
+    limit positive."""
+    check_swiglu_args(op, gate_up)
+    check(math.isfinite(alpha) and math.isfinite(limit) and limit > 0, op,
+          lambda: f"`alpha` must be finite and `limit` finite and positive, got alpha={alpha:g}, limit={limit:g}")
+
+
+def check_clamped_swiglu_backward_args(grad_act, gate_up, alpha: float, limit: float) -> None:
+    op = "clamped_swiglu_backward"
+    check_clamped_swiglu_args(op, gate_up, alpha, limit)
+    check_same_dtype(gate_up, grad_act, op, "gate_up", "grad_act")
+    check(grad_act.dim() == 2 and grad_act.shape[0] == gate_up.shape[0] and grad_act.shape[1] * 2 == gate_up.shape[1],
+          op, lambda: f"`grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got {shape(grad_act.shape)} "
+          f"and {shape(gate_up.shape)}")
+    check_same_device(gate_up, grad_act, op, "gate_up", "grad_act")
+
+
 def check_gated_mul_args(op: str, gate, up) -> None:
     """silu_mul and gelu_tanh_mul: gate and up (..., inner) of one shape."""
     check(gate.shape == up.shape, op, lambda: f"`gate` and `up` must have one shape, got {shape(gate.shape)} and "

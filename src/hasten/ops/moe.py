@@ -47,6 +47,16 @@ def _swiglu_backward_fake(grad_act, gate_up):
     return gate_up.new_empty(gate_up.shape)
 
 
+def _clamped_swiglu_fake(gate_up, alpha, limit):
+    _checks.check_clamped_swiglu_args("clamped_swiglu", gate_up, alpha, limit)
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+def _clamped_swiglu_backward_fake(grad_act, gate_up, alpha, limit):
+    _checks.check_clamped_swiglu_backward_args(grad_act, gate_up, alpha, limit)
+    return gate_up.new_empty(gate_up.shape)
+
+
 def _inverse_of(index: torch.Tensor) -> torch.Tensor:
     """The inverse of a permutation of the S slots (permutation <-> inverse), one scatter on the
     index's device: the backward of permute needs the inverse and that of combine the permutation,
@@ -113,17 +123,30 @@ def _swiglu_backward(ctx, grad_act):
     return call_in_backward("swiglu_backward", grad_act.contiguous(), gate_up)
 
 
+def _clamped_swiglu_setup(ctx, inputs, output):
+    gate_up, ctx.alpha, ctx.limit = inputs
+    ctx.save_for_backward(gate_up)
+
+
+def _clamped_swiglu_backward(ctx, grad_act):
+    (gate_up,) = ctx.saved_tensors
+    return call_in_backward("clamped_swiglu_backward", grad_act.contiguous(), gate_up, ctx.alpha, ctx.limit), None, None
+
+
 def _register() -> None:
     """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
     lib = "hasten::"
     for name, fake in (("moe_group", _moe_group_fake), ("moe_permute", _moe_permute_fake),
                        ("moe_combine", _moe_combine_fake), ("moe_combine_weight_grad", _moe_combine_weight_grad_fake),
-                       ("swiglu", _swiglu_fake), ("swiglu_backward", _swiglu_backward_fake)):
+                       ("swiglu", _swiglu_fake), ("swiglu_backward", _swiglu_backward_fake),
+                       ("clamped_swiglu", _clamped_swiglu_fake),
+                       ("clamped_swiglu_backward", _clamped_swiglu_backward_fake)):
         torch.library.register_fake(lib + name, fake)
     register_autograd("moe_permute", _permute_backward, setup_context=_permute_setup)
     register_autograd("moe_combine", _combine_backward, setup_context=_combine_setup)
     register_autograd("swiglu", _swiglu_backward, setup_context=_swiglu_setup)
-    for op in ("moe_combine_weight_grad", "swiglu_backward"):
+    register_autograd("clamped_swiglu", _clamped_swiglu_backward, setup_context=_clamped_swiglu_setup)
+    for op in ("moe_combine_weight_grad", "swiglu_backward", "clamped_swiglu_backward"):
         no_double_backward(op)
 
 
@@ -168,3 +191,10 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[gate | up] rows (R, 2I) -> silu(gate) * up (R, I), one kernel each way."""
     load()
     return call("swiglu", gate_up)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' gate: interleaved (gate, up) pairs of (R, 2I) -> (R, I),
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); one kernel each way."""
+    load()
+    return call("clamped_swiglu", gate_up, float(alpha), float(limit))
