@@ -138,7 +138,11 @@ def test_a_gate_that_is_not_gpt_oss_formula_keeps_its_own_and_says_why(monkeypat
     monkeypatch.setattr(cls, "_apply_gate", without_the_shift)
     reason = clamped_gate_mismatch(model.model.layers[0].mlp.experts)
     assert reason is not None and "something other than gpt-oss's clamped SwiGLU" in reason
+    from hasten.observability import fallback_counts
+
+    before = fallback_counts().get("moe_clamped_gate", 0)
     handle = hasten.accelerate(model, Config())
+    assert fallback_counts().get("moe_clamped_gate", 0) == before + 1  # once per class, counted
     assert all(layer.mlp.experts._hasten_gate == "own" for layer in model.model.layers)
     assert any(item.startswith("fused clamped SwiGLU (") for item in handle.inactive), handle.report()
     assert any("the model's own gated activation" in item for item in handle.active), handle.report()
