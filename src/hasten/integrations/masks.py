@@ -19,9 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
+from hasten.packing import PackingError
+
 
 class MaskNotSupported(NotImplementedError):
     """The model's mask is not a causal band (or full): hasten's varlen attention cannot express it."""
+
+
+class MaskReadAsTensor(PackingError, AttributeError):
+    """A model's own code read hasten's band mask as a tensor (Doge's dynamic mask reads `.dtype`):
+    an AttributeError, so getattr(mask, name, default) still falls back, and a PackingError, so
+    `hasten train` stops with exit 2 and the message (train it with packed_sequence: false) rather
+    than a traceback."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class BandMask:
         # (Doge's dynamic mask: `.dtype`, `.shape`) gets this message instead of a bare AttributeError
         if name.startswith("__"):
             raise AttributeError(name)
-        raise AttributeError(f"hasten's band mask (packed attention without a dense mask) has no `{name}`: this "
+        raise MaskReadAsTensor(f"hasten's band mask (packed attention without a dense mask) has no `{name}`: this "
                              "model's own code reads its attention mask as a tensor, which hasten's varlen path does "
                              "not build. Train it with training.packed_sequence: false and please report the model "
                              "type")

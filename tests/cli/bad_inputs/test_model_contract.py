@@ -68,14 +68,14 @@ def test_model_with_unsupported_attention_trains_packed_on_its_own_attention(cap
 
 def test_gpt_oss_trains_packed_on_hasten_attention_with_its_sinks(capsys, tmp_path):
     """gpt-oss's attention sinks are computed by hasten's varlen attention (no fallback for them),
-    and its experts run on the fused path with their own clamped SwiGLU and biases."""
+    and its experts run on the fused path with the clamped SwiGLU kernel and their biases."""
     folder = _folder(tmp_path, "gpt_oss")
     outcome = run_train(capsys, tmp_path, config=_config(folder))
     assert outcome.rc == 0, outcome.err
     summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
     assert "attention_feature_not_implemented" not in summary["fallbacks"]
     assert any(item.startswith("varlen attention") for item in summary["hasten_active"])
-    assert any(item.startswith("fused MoE experts") and "GptOssExperts._apply_gate" in item and "biases" in item
+    assert any(item.startswith("fused MoE experts") and "fused clamped SwiGLU" in item and "biases" in item
                for item in summary["hasten_active"])
     outcome.assert_nothing_lost()
 
@@ -92,3 +92,23 @@ def test_a_vision_language_model_trains_on_text_packed(capsys, tmp_path):
     summary = json.loads((tmp_path / "out" / "logs" / "summary.json").read_text())
     assert any(item.startswith("varlen attention (packed") for item in summary["hasten_active"]), summary
     outcome.assert_nothing_lost()
+
+
+def test_a_model_that_reads_its_mask_as_a_tensor_stops_with_exit_2_and_the_fix(capsys, tmp_path):
+    """Doge (not in the table) computes a dynamic mask from the attention mask it is given, reading
+    it as a tensor; hasten's packed path hands it a band, not a tensor: the first step stops with
+    exit 2, naming the fix, and nothing is written as if the run had finished."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import torch
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "doge" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no doge")
+    folder = tmp_path / "doge"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("doge", **{**zoo.BASE, "vocab_size": 300})).save_pretrained(folder)
+    ByteTokenizer().save_pretrained(folder)
+    outcome = run_train(capsys, tmp_path, config=_config(folder))
+    outcome.assert_refused("reads its attention mask as a tensor", "training.packed_sequence: false")
+    assert not (tmp_path / "out" / "checkpoints").exists()
