@@ -87,16 +87,18 @@ bool vectors_fit(const SwigluParams& p, bool backward) {
   return strides && bases;
 }
 
-dim3 grid_for(const SwigluParams& p, int elements_per_chunk) {
-  const int64_t chunks = (p.inner + elements_per_chunk - 1) / elements_per_chunk;
-  const int64_t rows = p.rows < 65535 ? p.rows : 65535;
-  return dim3(static_cast<unsigned>((chunks + kThreads - 1) / kThreads), static_cast<unsigned>(rows));
+// Threads along a row's `elements` in chunks of `elements_per_chunk` (x), rows on y up to the grid's
+// limit (the kernels loop past it).
+dim3 grid_for(int64_t elements, int64_t rows, int elements_per_chunk) {
+  const int64_t chunks = (elements + elements_per_chunk - 1) / elements_per_chunk;
+  return dim3(static_cast<unsigned>((chunks + kThreads - 1) / kThreads),
+              static_cast<unsigned>(rows < 65535 ? rows : 65535));
 }
 
 template <typename T, GateActivation A>
 cudaError_t launch_with(const SwigluParams& p, bool backward, cudaStream_t stream) {
   const bool vectors = vectors_fit<T>(p, backward);
-  const dim3 grid = grid_for(p, vectors ? kVec<T> : 1);
+  const dim3 grid = grid_for(p.inner, p.rows, vectors ? kVec<T> : 1);
   if (backward) {
     if (vectors) swiglu_backward_kernel<T, kVec<T>, A><<<grid, kThreads, 0, stream>>>(p);
     else swiglu_backward_kernel<T, 1, A><<<grid, kThreads, 0, stream>>>(p);
@@ -215,10 +217,7 @@ bool clamped_vectors_fit(const ClampedSwigluParams& p, bool backward) {
 template <typename T>
 cudaError_t launch_clamped_with(const ClampedSwigluParams& p, bool backward, cudaStream_t stream) {
   const bool vectors = clamped_vectors_fit<T>(p, backward);
-  const int per_thread = vectors ? kVec<T> : 2;
-  const int64_t chunks = (2 * p.inner + per_thread - 1) / per_thread;
-  const dim3 grid(static_cast<unsigned>((chunks + kThreads - 1) / kThreads),
-                  static_cast<unsigned>(p.rows < 65535 ? p.rows : 65535));
+  const dim3 grid = grid_for(2 * p.inner, p.rows, vectors ? kVec<T> : 2);
   if (backward) {
     if (vectors) clamped_swiglu_backward_kernel<T, kVec<T>, true><<<grid, kThreads, 0, stream>>>(p);
     else clamped_swiglu_backward_kernel<T, 2, false><<<grid, kThreads, 0, stream>>>(p);
