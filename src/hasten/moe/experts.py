@@ -92,15 +92,16 @@ def clamped_gate_mismatch(experts: torch.nn.Module) -> str | None:
     if width % 2:
         return f"{name}'s gate_up width {width} is odd"
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, width, generator=gen) * 2 * max(abs(float(limit)), 1.0)
-    x[0, :4] = torch.tensor([float(limit), -float(limit), float(limit), float(limit)])  # on the bounds
-    x = x.to(weight.device).requires_grad_()
-    grad = torch.randn(3, width // 2, generator=gen).to(weight.device)
-    try:
-        want = type(experts)._apply_gate(experts, x)
-        (want_grad,) = torch.autograd.grad(want, x, grad)
-        got = moe_ops.clamped_swiglu(x, alpha, limit)
-        (got_grad,) = torch.autograd.grad(got, x, grad)
+    try:  # gradients wanted even where accelerate() runs under no_grad or inference_mode
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.randn(3, width, generator=gen) * 2 * max(abs(float(limit)), 1.0)
+            x[0, :4] = torch.tensor([float(limit), -float(limit), float(limit), float(limit)])  # on the bounds
+            x = x.to(weight.device).requires_grad_()
+            grad = torch.randn(3, width // 2, generator=gen).to(weight.device)
+            want = type(experts)._apply_gate(experts, x)
+            (want_grad,) = torch.autograd.grad(want, x, grad)
+            got = moe_ops.clamped_swiglu(x, alpha, limit)
+            (got_grad,) = torch.autograd.grad(got, x, grad)
     except Exception as exc:  # a gate that cannot run on a probe cannot be vouched for
         return f"{name}'s gate could not be checked ({type(exc).__name__}: {exc})"
     errors = [float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
