@@ -75,3 +75,22 @@ def test_the_forecast_predicts_a_longer_step(checkpoint):
         assert measured.host_bytes > 0
         assert abs(forecast.host_bytes(32768) - measured.host_bytes) <= 0.1 * measured.host_bytes
     handle.undo()
+
+
+def test_hasten_train_sets_its_forecast_against_the_first_step(tmp_path):
+    """`hasten train`'s preflight on the GPU (its glue in the loop had no GPU test): the first metrics
+    row carries the forecast against the first step's measured peak, within the 5% the log allows
+    (the refusal's arithmetic is tests/memory/test_preflight.py's)."""
+    import json
+
+    from hasten.training import loop
+
+    raw = {"model": {"default_size": "tiny"},
+           "training": {"max_tokens": 16384, "max_steps": 2, "logging_steps": 1, "memory_preflight": True,
+                        "checkpoint": {"activations": "full"}}}
+    loop.train(Config.from_dict(raw), tmp_path / "a", tmp_path / "a" / "logs", progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "a" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    check = rows[0]["preflight"]
+    print(f"\nfirst step against the forecast: {check}")
+    assert check["tokens"] <= 16384 and 0 < check["peak_over_forecast"] <= 1.05, check
+    assert all("preflight" not in row for row in rows[1:])

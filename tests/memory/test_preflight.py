@@ -111,3 +111,17 @@ def test_without_the_layer_count_the_host_bound_stays_as_it_was():
     forecast = MemoryForecast(optimizer_bytes=0, per_token=2 * 2**20, constant=0, device_limit=100 * GIB,
                               host_per_token=4 * 2**20, host_limit=40 * GIB)
     assert forecast.host_layers_kept(12 * 1024) is None and forecast.largest_tokens() == 10 * 1024
+
+
+def test_the_first_step_is_set_against_its_forecast_and_a_step_past_it_warns():
+    from hasten.memory.preflight import first_step_check, first_step_warning
+
+    forecast = MemoryForecast(optimizer_bytes=1 * GIB, per_token=2**20, constant=2 * GIB, device_limit=100 * GIB)
+    # 10 GiB allocated before; 8,192 tokens forecast 1 + 8 + 2 = 11 GiB more: 21 GiB
+    within = first_step_check(forecast, 0, 10 * GIB, 8192, int(21.5 * GIB))
+    assert within == {"tokens": 8192, "forecast_gib": 21.0, "peak_gib": 21.5, "peak_over_forecast": round(21.5 / 21, 4)}
+    assert first_step_warning(within, forecast.largest_tokens(), "an H200") is None  # 2.4%: within the slack
+    past = first_step_check(forecast, 0, 10 * GIB, 8192, 25 * GIB)
+    message = first_step_warning(past, forecast.largest_tokens(), "an H200")
+    assert message is not None and "19% above the forecast of 21.0 GiB" in message
+    assert f"about {forecast.largest_tokens():,} tokens" in message and "too high" in message

@@ -143,6 +143,32 @@ class MemoryForecast:
                 "offload: all, mlp_tile_tokens), or set training.memory_preflight: false to try anyway")
 
 
+# The first real step's peak above the forecast by more than this: the forecast was too low here
+FIRST_STEP_SLACK = 0.05
+
+
+def first_step_check(forecast: MemoryForecast, kept: int, allocated_before: int, tokens: int,
+                     peak_bytes: int) -> dict:
+    """The forecast set against the first training step that ran: `allocated_before` the bytes
+    allocated when the forecast was made (weights, adapters), `tokens` the step's largest batch,
+    `peak_bytes` its measured peak. The line is drawn through probes shorter than the batch; where
+    the peak per token grows with the length (one long sequence), this is where it shows."""
+    predicted = allocated_before + forecast.device_bytes(tokens, kept)
+    return {"tokens": tokens, "forecast_gib": round(predicted / 2**30, 3), "peak_gib": round(peak_bytes / 2**30, 3),
+            "peak_over_forecast": round(peak_bytes / predicted, 4) if predicted > 0 else None}
+
+
+def first_step_warning(check: dict, largest: int, where: str) -> str | None:
+    """A message when the first step peaked above its forecast by more than FIRST_STEP_SLACK."""
+    ratio = check["peak_over_forecast"]
+    if ratio is None or ratio <= 1 + FIRST_STEP_SLACK:
+        return None
+    return (f"hasten: memory preflight: the first step ({check['tokens']:,} tokens) peaked at {check['peak_gib']:.1f} "
+            f"GiB on {where}, {100 * (ratio - 1):.0f}% above the forecast of {check['forecast_gib']:.1f} GiB: the "
+            f"largest batch it stated (about {largest:,} tokens) is too high for this model; leave that much headroom "
+            "below it")
+
+
 def probe_sizes(max_tokens: int) -> list[int]:
     """The batch itself when small; else a quarter and a half of it. Why that close: the line is
     extrapolated from the larger probe to the batch, and the peak per token of one long sequence

@@ -260,6 +260,7 @@ class _Run:
     gpu_monitor: GpuMonitor | None = None
     losses: list[float] = field(default_factory=list)
     masked_batches: int = 0       # batches with no trainable token (all labels -100), all ranks
+    preflight: Any = None         # (forecast, kept layers, bytes allocated then): checked at the first step
     failed: bool = True           # until the run ends normally
 
     @property
@@ -453,12 +454,27 @@ def _memory_preflight(run: _Run) -> None:
                        "a %s-token batch; the last %d stay on %s (%.1f GiB there)", offload.host_layers,
                        f"{t.max_tokens:,}", kept, name, forecast.device_bytes(t.max_tokens, kept) / 2**30)
         offload.keep_on_device(kept)
+    run.preflight = (forecast, kept or 0, torch.cuda.memory_allocated(device))
     logger.info("hasten: memory preflight (%s): a %s-token batch needs about %.1f GiB beyond the weights of %.1f "
                 "GiB free%s; the largest that fits is about %s tokens", ", ".join(f"{p.tokens:,}" for p in probes),
                 f"{t.max_tokens:,}", forecast.device_bytes(t.max_tokens, kept) / 2**30, forecast.device_limit / 2**30,
                 "" if forecast.host_limit is None else
                 f", and {forecast.host_bytes(t.max_tokens, kept) / 2**30:.1f} GiB of host memory of "
                 f"{forecast.host_limit / 2**30:.1f}", f"{forecast.largest_tokens():,}")
+
+
+def _check_preflight(run: _Run, tokens: int) -> dict:
+    """The preflight's forecast against the first step's peak (hasten.memory.preflight.first_step_check);
+    a warning where the step went past it. Read from the allocator's counters: no device sync."""
+    from hasten.memory import preflight
+
+    forecast, kept, allocated = run.preflight
+    run.preflight = None
+    check = preflight.first_step_check(forecast, kept, allocated, tokens, torch.cuda.max_memory_allocated(run.device))
+    if (message := preflight.first_step_warning(check, forecast.largest_tokens(),
+                                                torch.cuda.get_device_name(run.device))) is not None:
+        logger.warning(message)
+    return check
 
 
 def _finished_steps(log_dir: Path) -> int:
@@ -560,6 +576,7 @@ def _train_loop(run: _Run, progress: bool) -> str | None:
     window_checkpoint_s = 0.0  # checkpoint writing inside the window: reported apart from the step rate
     window_syncs = 0  # host syncs of the window's first step
     sync_sites_reported = masked_reported = False
+    preflight_check = None  # the memory preflight's forecast against the first step, for its metrics row
     host_lead = HostLeadMeter(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -580,11 +597,13 @@ def _train_loop(run: _Run, progress: bool) -> str | None:
                 profiler = (profiled_step(log_dir, state.step + 1, ctx.rank, device)
                             if config.logging.profile_step == state.step + 1 else contextlib.nullcontext())
                 with profiler, syncs_probe as probed:
+                    step_tokens = 0  # the step's largest micro-batch, for the preflight's check
                     for micro in range(t.gradient_accumulation_steps):
                         (state.epoch, state.batches_in_epoch, host_batch), batch = next(batches)
                         # non-padding tokens and whether any has loss, on the host copy (no device read-back)
                         window_tokens += int(host_batch["input_ids"].numel() if t.packed_sequence
                                              else host_batch["attention_mask"].sum())
+                        step_tokens = max(step_tokens, int(host_batch["input_ids"].numel()))
                         has_targets = _has_trainable_tokens(host_batch["labels"])
                         with gradient_sync(model, ctx, last_micro_batch=micro == t.gradient_accumulation_steps - 1):
                             loss = model(**batch).loss / t.gradient_accumulation_steps
@@ -608,6 +627,8 @@ def _train_loop(run: _Run, progress: bool) -> str | None:
                                     "; ".join(sorted(set(probed.sites))))
                 state.step += 1
                 bar.update(1)
+                if run.preflight is not None:  # once: the forecast against the first step that ran
+                    preflight_check = _check_preflight(run, step_tokens)
                 # Alone, a signal stops after this step; under torchrun the ranks agree at the next logging step.
                 stopping = stop.signal_name is not None and not ctx.enabled
                 if state.step % t.logging_steps == 0 or state.step == t.max_steps or stopping:
@@ -634,6 +655,8 @@ def _train_loop(run: _Run, progress: bool) -> str | None:
                            "packing_efficiency": collator.stats.efficiency if t.packed_sequence else None,
                            "masked_batches": int(masked_all),
                            "fallbacks": fallback_counts()}
+                    if preflight_check is not None:
+                        row["preflight"], preflight_check = preflight_check, None
                     if handle.moe_stats is not None:
                         row["moe"] = handle.moe_stats.summary()
                     if handle.offload is not None:
