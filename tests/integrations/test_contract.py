@@ -706,3 +706,19 @@ def test_deepseek_v4_refuses_packed_batches_and_trains_padded_ones_exactly():
         model(**zoo.packed_batch(batch_samples))
     _assert_padded_batch_exact(model, batch_samples, want_loss, want)
     handle.undo()
+
+
+def test_a_band_keeps_part_of_its_queries_only_outside_a_packed_batch():
+    """Outside a packed batch a band built by hasten_mask can be sliced to some of its queries (Gemma
+    4's KV-shared layers in generate's prefill): transformers' own dense mask, sliced. In a packed
+    batch (no `dense`) a dense mask of the row would join its samples: the slice stays an error."""
+    from hasten.integrations.transformers import hasten_mask
+
+    band = hasten_mask(batch_size=1, q_length=6, kv_length=6, mask_function=masking_utils.causal_mask_function,
+                       device=torch.device("cpu"))
+    assert band == BandMask(True, None) and band[:, :, slice(0, None), :] is band
+    last_two = band[:, :, slice(-2, None), :]
+    assert last_two.dtype == torch.bool and last_two.shape[-2:] == (2, 6)
+    assert torch.equal(last_two[0, 0], torch.tril(torch.ones(6, 6, dtype=torch.bool))[-2:])
+    with pytest.raises(NotImplementedError, match="keeps part of the queries"):
+        BandMask(True, None)[:, :, slice(-2, None), :]

@@ -193,3 +193,21 @@ def test_bf16_as_loaded_keeps_the_float32_pieces_and_trains(name):
     assert abs(float(loss) - float(want_loss)) <= BF16_LOSS_SLACK, (float(loss), float(want_loss))
     assert set(got) == set(want) and all(bool(g.isfinite().all()) for g in got.values())
     handle.undo()
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ENTRIES))
+def test_generation_after_accelerate_equals_the_unpatched_model(name):
+    """Greedy decoding against a cache on the accelerated model (evaluation after training, TRL's
+    online methods generating with the model they train): the tokens and logits of the unpatched
+    model. Found by this test: Gemma 4's KV-shared layers slicing the mask to generate's last
+    query (hasten's band mask refused the slice), LLaVA-OneVision handing `logits_to_keep` to its
+    attention (refused as an unknown argument)."""
+    from tests.integrations.test_contract import _generation_equals_unpatched
+
+    reference = zoo.build(zoo.ENTRIES[name]).eval()
+    patched = zoo.clone(reference)
+    handle = hasten.accelerate(patched)
+    try:
+        _generation_equals_unpatched(reference, patched)
+    finally:
+        handle.undo()

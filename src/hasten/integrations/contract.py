@@ -177,6 +177,7 @@ ATTENTION_KWARGS_INERT = frozenset({
     "cache_position", "use_cache", "past_key_values", "cache",  # cache bookkeeping, updated before the call
     "num_items_in_batch", "output_hidden_states", "output_router_logits",  # read by the model, not attention
     "labels",  # the loss's: Gemma 4's wrappers pass them to their decoder, which hands its kwargs to attention
+    "logits_to_keep",  # the LM head's: LLaVA-OneVision hands generate's value on to its decoder's attention
     "seq_idx",  # read by state-space layers (packing into those is refused)
     "position_embeddings",  # rotary already applied to q and k
     "layer_idx", "target_dtype",  # flash bookkeeping

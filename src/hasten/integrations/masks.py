@@ -15,7 +15,8 @@ gets none. Reading the mask makes the window hasten applies the one the model's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,11 +45,17 @@ class BandMask:
     into such chunks, counted from the sample's first token. The attention function reads it;
     anything else that looks at it sees an object, not a tensor, and fails loudly -- except an
     index that keeps every query and key (Gemma 4 slices its masks with `[:, :, slice(0, None), :]`
-    when `logits_to_keep` is 0), which returns the band itself."""
+    when `logits_to_keep` is 0), which returns the band itself, and, outside a packed batch, an
+    index that keeps part of it (Gemma 4's KV-shared layers keep the last `logits_to_keep` queries
+    in generate's prefill): that part of transformers' own dense mask (`dense`), which the attention
+    function serves through its dense fallback. In a packed batch a dense mask of the row would join
+    its samples, so there it stays an error."""
 
     causal: bool
     window: int | None
     chunk: int | None = None
+    # outside packed batches: builds transformers' own boolean mask of this forward (hasten_mask)
+    dense: Callable[[], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def __getattr__(self, name: str):
         # only for attributes a band does not have: a model whose own code reads its mask as a tensor
@@ -66,6 +73,8 @@ class BandMask:
         if all(isinstance(p, slice) and p.step in (None, 1) and p.start in (None, 0) and p.stop is None
                for p in parts) or all(p == whole for p in parts):
             return self
+        if self.dense is not None:
+            return self.dense()[index]
         raise NotImplementedError(f"hasten's band mask (packed attention without a dense mask) cannot be indexed with "
                                   f"{index!r}: that keeps part of the queries or keys; leave this model's attention "
                                   "to transformers (training.packed_sequence: false) and please report the model type")

@@ -16,6 +16,7 @@ The returned handle undoes all of it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import sys
@@ -266,11 +267,21 @@ def hasten_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     try:
-        return read_band(mask_function, q_length, kwargs.get("device"))
+        band = read_band(mask_function, q_length, kwargs.get("device"))
     except MaskNotSupported as exc:
         raise MaskNotSupported(f"hasten: {exc}; hasten's varlen attention cannot compute it, and accelerate() should "
                                "have left this model's attention to transformers: please report the model type. "
                                "Until then, train without hasten's attention (training.packed_sequence: false)") from exc
+    stack = _forward_stack()
+    if stack and stack[-1].hasten_packed:
+        return band
+
+    def dense() -> torch.Tensor:  # this forward's row is one sequence: transformers' own mask of it
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=None,
+                         **{**kwargs, "allow_is_causal_skip": False})
+
+    return dataclasses.replace(band, dense=dense)
 
 
 @dataclass
