@@ -211,3 +211,26 @@ def test_generation_after_accelerate_equals_the_unpatched_model(name):
         _generation_equals_unpatched(reference, patched)
     finally:
         handle.undo()
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ENTRIES))
+def test_a_batch_of_two_packed_rows_equals_each_sample_alone_or_is_refused(name):
+    """The same samples packed into two rows (hasten.PackingCollator's usual batch: rows of
+    max_tokens, boundaries per row): per-row metadata, positions and the loss over rows."""
+    entry = zoo.ENTRIES[name]
+    batch_samples = zoo.samples()
+    patched, want_loss, want = _reference_and_copy(entry, batch_samples)
+    batch = hasten.PackingCollator(max_tokens=max(len(s["input_ids"]) for s in batch_samples) + 7)(batch_samples)
+    assert batch["input_ids"].shape[0] == 2
+    handle = hasten.accelerate(patched)
+    try:
+        if entry.attention == "refused":
+            with pytest.raises(PackedBatchRefused, match="packed_sequence: false"):
+                patched(**batch)
+            return
+        patched.zero_grad(set_to_none=True)
+        loss = patched(**batch).loss
+        loss.backward()
+        _assert_equal_to_reference(name, loss.detach(), zoo.gradients(patched), want_loss, want)
+    finally:
+        handle.undo()
