@@ -234,3 +234,22 @@ def test_a_batch_of_two_packed_rows_equals_each_sample_alone_or_is_refused(name)
         _assert_equal_to_reference(name, loss.detach(), zoo.gradients(patched), want_loss, want)
     finally:
         handle.undo()
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ENTRIES))
+def test_a_padded_batch_through_the_accelerated_model_equals_the_unpatched_model(name):
+    """Right-padded rows with an attention_mask (collators that do not pack, TRL without packing):
+    hasten's dense-mask path, the model's own attention where its features need it; loss and every
+    gradient of the unpatched model on the same batch."""
+    reference = zoo.build(zoo.ENTRIES[name])
+    patched = zoo.clone(reference)
+    batch = zoo.padded_batch(zoo.samples())
+    want = reference(**batch).loss
+    want.backward()
+    handle = hasten.accelerate(patched)
+    try:
+        got = patched(**batch).loss
+        got.backward()
+        _assert_equal_to_reference(name, got.detach(), zoo.gradients(patched), want.detach(), zoo.gradients(reference))
+    finally:
+        handle.undo()
