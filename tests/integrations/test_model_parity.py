@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hasten
+from hasten.config import Config
 from hasten.integrations.transformers import PackedBatchRefused
 from hasten.observability import fallback_reasons
 from tests import model_zoo as zoo
@@ -251,5 +252,21 @@ def test_a_padded_batch_through_the_accelerated_model_equals_the_unpatched_model
         got = patched(**batch).loss
         got.backward()
         _assert_equal_to_reference(name, got.detach(), zoo.gradients(patched), want.detach(), zoo.gradients(reference))
+    finally:
+        handle.undo()
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
+def test_selective_checkpointing_equals_each_sample_alone(name):
+    """training.checkpoint.activations: selective on every packed type: the outputs it keeps are
+    handed to the model's own code, which may change them in place (OLMo clamps its qkv, Gemma 3n's
+    AltUp adds into a matmul's output); kept or recomputed, the gradients must be the model's."""
+    entry = zoo.ENTRIES[name]
+    batch_samples = zoo.samples()
+    patched, want_loss, want = _reference_and_copy(entry, batch_samples)
+    config = Config.from_dict({"training": {"checkpoint": {"activations": "selective"}}})
+    handle, loss, got = zoo.packed_run(patched, batch_samples, config)
+    try:
+        _assert_equal_to_reference(name, loss, got, want_loss, want)
     finally:
         handle.undo()

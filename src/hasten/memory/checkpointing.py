@@ -2,9 +2,19 @@
 
   none       keep every activation
   full       keep only each decoder layer's input; recompute the layer in backward
-  selective  keep the outputs of matmuls and attention (expensive to recompute: torch's kernels,
-             hasten's varlen attention and fused LoRA ops, flash-attn's), recompute the
-             elementwise ops between them (norms, activations, rotary, residual adds: cheap)
+  selective  keep the outputs of the attention kernels (torch's, hasten's varlen attention,
+             flash-attn's), hasten's fused LoRA projections and grouped expert GEMMs; recompute the
+             rest in backward (plain matmuls, norms, activations, rotary, residual adds)
+
+Why plain matmuls (aten mm, addmm, bmm, baddbmm) are not kept: torch's selective checkpointing
+hands the model the very tensor it caches, and checks that nobody changes it in place by its
+version counter. A linear layer on a 3-D input, or torch.matmul on batched inputs, returns its
+matmul's output through `_unsafe_view`, which has its own version counter: an in-place change to
+it changes the cached tensor unseen, and the recompute in backward then reads the changed values.
+Gemma 3n's AltUp does exactly that (`predictions += hidden_states` on a matmul's output): its
+router weight's gradient came out 0.81 off, silently, with these ops kept (hasten's zoo, float32,
+torch 2.13). The ops kept here return their outputs as themselves or plain views, which share the
+version counter, so a model that changes one in place is stopped by torch's check, not miscomputed.
 """
 
 from __future__ import annotations
@@ -18,9 +28,10 @@ POLICIES = ("none", "full", "selective")
 
 
 def _expensive_ops() -> set:
-    """The ops whose outputs selective checkpointing keeps: matmuls and every attention kernel a
-    hasten-patched layer can run (torch's, hasten's own cuDNN op and its per-sequence op,
-    flash-attn's), and hasten's fused LoRA projection (two GEMMs)."""
+    """The ops whose outputs selective checkpointing keeps: every attention kernel a hasten-patched
+    layer can run (torch's, hasten's own cuDNN op and its per-sequence op, flash-attn's), hasten's
+    fused LoRA projection (two GEMMs) and grouped expert GEMMs; not plain matmuls (module
+    docstring: an in-place change to their output goes unseen)."""
     from hasten.ops._lib import ExtensionError, load
 
     try:
@@ -28,8 +39,7 @@ def _expensive_ops() -> set:
     except ExtensionError:
         pass  # without the extension there are no hasten ops to keep
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-           aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+    ops = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
            aten._scaled_dot_product_cudnn_attention.default}
     optional = [("aten", "_grouped_mm"), ("torch_attn", "_varlen_attn"), ("aten", "_flash_attention_forward"),
                 ("hasten", "varlen_attention"), ("hasten", "lora_linear"), ("hasten_host", "per_sequence_attention"),
