@@ -47,17 +47,29 @@ std::tuple<at::Tensor, at::Tensor> lora_linear(const at::Tensor& x, const std::o
   const auto x2 = rows(x);
   const auto xl2 = x_lora.has_value() ? rows(*x_lora) : x2;
   const auto a = lora_a.to(x.scalar_type()), b = lora_b.to(x.scalar_type());
-  auto xa = at::mm(xl2, a.t());  // (T, r)
-  // the rank-r update first (a thin GEMM that only writes y), then the base GEMM accumulates onto it
-  // (beta = 1: y is read in the big GEMM's epilogue, hidden under its compute)
-  const auto xa_scaled = xa * scale;
-  auto y = bias.has_value() ? at::addmm(*bias, xa_scaled, b.t()) : at::mm(xa_scaled, b.t());  // (T, out)
-  y.addmm_(x2, weight.t());
+  // The outputs are allocated in their final (..., out) and (..., r) shapes and the GEMMs write
+  // into 2-D views of them: an output that were itself a view of a tensor made here would be, to
+  // autograd, a view made inside a custom function, which a model may not change in place (OLMo
+  // clamps its q/k/v projections in place, Gemma 3n adds into a projection's output).
   auto out_shape = x.sizes().vec();
   out_shape.back() = weight.size(0);
   auto xa_shape = x.sizes().vec();
   xa_shape.back() = lora_a.size(0);
-  return {y.view(out_shape), xa.view(xa_shape)};
+  auto xa_out = at::empty(xa_shape, x.options());
+  auto y_out = at::empty(out_shape, x.options());
+  auto xa = xa_out.view({-1, lora_a.size(0)});  // (T, r)
+  auto y = y_out.view({-1, weight.size(0)});    // (T, out)
+  at::mm_out(xa, xl2, a.t());
+  // the rank-r update first (a thin GEMM that only writes y), then the base GEMM accumulates onto it
+  // (beta = 1: y is read in the big GEMM's epilogue, hidden under its compute)
+  const auto xa_scaled = xa * scale;
+  if (bias.has_value()) {
+    at::addmm_out(y, *bias, xa_scaled, b.t());
+  } else {
+    at::mm_out(y, xa_scaled, b.t());
+  }
+  y.addmm_(x2, weight.t());
+  return {y_out, xa_out};
 }
 
 // grad_x: d/dx through the base projection (and through the LoRA path when x_lora is x);
