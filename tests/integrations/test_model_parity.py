@@ -300,3 +300,27 @@ def test_peft_lora_on_every_linear_trains_packed_like_peft_alone(name):
         _assert_equal_to_reference(name, loss.detach(), zoo.gradients(patched), want_loss, want)
     finally:
         handle.undo()
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
+def test_an_evaluation_forward_on_a_packed_batch_gives_the_models_loss(name):
+    """Evaluation during training (the Trainer's eval loop): eval mode, no gradients, a packed
+    batch through the accelerated model; the loss of the unpatched model run one sample at a time."""
+    batch_samples = zoo.samples()
+    reference = zoo.build(zoo.ENTRIES[name]).eval()
+    patched = zoo.clone(reference)
+    with torch.no_grad():
+        total, targets = 0.0, 0
+        for sample in batch_samples:
+            ids = torch.tensor([sample["input_ids"]])
+            if ids.shape[1] > 1:
+                total += float(reference(input_ids=ids, labels=ids, use_cache=False).loss) * (ids.shape[1] - 1)
+                targets += ids.shape[1] - 1
+    handle = hasten.accelerate(patched)
+    try:
+        patched.eval()
+        with torch.no_grad():
+            loss = float(patched(**zoo.packed_batch(batch_samples)).loss)
+        assert abs(loss - total / targets) <= LOSS_TOLERANCE, (name, loss, total / targets)
+    finally:
+        handle.undo()
