@@ -242,18 +242,10 @@ def test_a_padded_batch_through_the_accelerated_model_equals_the_unpatched_model
     """Right-padded rows with an attention_mask (collators that do not pack, TRL without packing):
     hasten's dense-mask path, the model's own attention where its features need it; loss and every
     gradient of the unpatched model on the same batch."""
-    reference = zoo.build(zoo.ENTRIES[name])
-    patched = zoo.clone(reference)
-    batch = zoo.padded_batch(zoo.samples())
-    want = reference(**batch).loss
-    want.backward()
-    handle = hasten.accelerate(patched)
-    try:
-        got = patched(**batch).loss
-        got.backward()
-        _assert_equal_to_reference(name, got.detach(), zoo.gradients(patched), want.detach(), zoo.gradients(reference))
-    finally:
-        handle.undo()
+    from tests.integrations.test_contract import _padded_batch_equals_unpatched
+
+    _, _, handle, _ = _padded_batch_equals_unpatched(name)
+    handle.undo()
 
 
 @pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
