@@ -32,9 +32,9 @@ class ConfigError(ValueError):
 @dataclass
 class CheckpointConfig:
     # Activation checkpointing per decoder layer: none keeps every activation; full recomputes
-    # each layer in backward; selective keeps attention outputs (and hasten's fused LoRA and
-    # grouped expert GEMMs), recomputes the rest: plain matmuls too, since torch cannot see a
-    # model's in-place change to a matmul output it kept (a silently wrong gradient on Gemma 3n).
+    # each layer in backward; selective keeps attention outputs (and grouped expert GEMMs),
+    # recomputes the rest: matmuls and LoRA projections too, since models change those outputs in
+    # place, which torch either misses (a silently wrong gradient on Gemma 3n) or stops on (OLMo).
     activations: Literal["none", "full", "selective"] = "none"
     # Activation offload to pinned host memory, per decoder layer, copies on their own streams:
     # none; all (every layer but the last); auto (measure the first step, then keep, offload or

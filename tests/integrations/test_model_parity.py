@@ -264,13 +264,15 @@ def test_selective_checkpointing_equals_each_sample_alone(name):
         handle.undo()
 
 
+@pytest.mark.parametrize("activations", ["none", "selective"])
 @pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
-def test_peft_lora_on_every_linear_trains_packed_like_peft_alone(name):
+def test_peft_lora_on_every_linear_trains_packed_like_peft_alone(name, activations):
     """The job most users run: PEFT LoRA on every linear layer (random adapters, so the update
     shows), hasten accelerating the base model (its fused LoRA projections where the layer is a
     Linear): the packed loss and every adapter gradient of PEFT's model run one sample at a time.
     Found by this test: OLMo and Gemma 3n change a projection's output in place, which the fused
-    op's output (then a view made inside the op) refused."""
+    op's output (then a view made inside the op) refused, and which selective checkpointing stopped
+    on while it kept the op's output."""
     import copy
 
     import peft
@@ -284,7 +286,8 @@ def test_peft_lora_on_every_linear_trains_packed_like_peft_alone(name):
         want_loss, want = zoo.per_sample_reference(reference, batch_samples)
     except AttributeError as exc:  # PEFT's all-linear also wraps llama4_text's and phimoe's routers
         pytest.skip(f"PEFT's own model fails on {name}: {exc}")
-    handle = hasten.accelerate(patched.get_base_model(), Config())
+    handle = hasten.accelerate(patched.get_base_model(),
+                               Config.from_dict({"training": {"checkpoint": {"activations": activations}}}))
     try:
         patched.zero_grad(set_to_none=True)
         loss = patched(**zoo.packed_batch(batch_samples)).loss

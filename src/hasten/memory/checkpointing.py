@@ -3,8 +3,8 @@
   none       keep every activation
   full       keep only each decoder layer's input; recompute the layer in backward
   selective  keep the outputs of the attention kernels (torch's, hasten's varlen attention,
-             flash-attn's), hasten's fused LoRA projections and grouped expert GEMMs; recompute the
-             rest in backward (plain matmuls, norms, activations, rotary, residual adds)
+             flash-attn's) and grouped expert GEMMs; recompute the rest in backward (matmuls and
+             hasten's fused LoRA projections, norms, activations, rotary, residual adds)
 
 Why plain matmuls (aten mm, addmm, bmm, baddbmm) are not kept: torch's selective checkpointing
 hands the model the very tensor it caches, and checks that nobody changes it in place by its
@@ -13,8 +13,11 @@ matmul's output through `_unsafe_view`, which has its own version counter: an in
 it changes the cached tensor unseen, and the recompute in backward then reads the changed values.
 Gemma 3n's AltUp does exactly that (`predictions += hidden_states` on a matmul's output): its
 router weight's gradient came out 0.81 off, silently, with these ops kept (hasten's zoo, float32,
-torch 2.13). The ops kept here return their outputs as themselves or plain views, which share the
-version counter, so a model that changes one in place is stopped by torch's check, not miscomputed.
+torch 2.13). hasten's fused LoRA projection is recomputed too: its output reaches the model as
+itself, so torch's check does see a change, but OLMo clamps its q/k/v projections in place and
+stopped there. The ops kept here are attention kernels and the grouped expert GEMMs, whose outputs
+only hasten's own code or the attention call's reshape reads; a model that changed one in place
+would be stopped by torch's check, not miscomputed.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ POLICIES = ("none", "full", "selective")
 
 def _expensive_ops() -> set:
     """The ops whose outputs selective checkpointing keeps: every attention kernel a hasten-patched
-    layer can run (torch's, hasten's own cuDNN op and its per-sequence op, flash-attn's), hasten's
-    fused LoRA projection (two GEMMs) and grouped expert GEMMs; not plain matmuls (module
-    docstring: an in-place change to their output goes unseen)."""
+    layer can run (torch's, hasten's own cuDNN op and its per-sequence op, flash-attn's) and grouped
+    expert GEMMs; not matmuls nor hasten's fused LoRA projection (module docstring: models change
+    their outputs in place)."""
     from hasten.ops._lib import ExtensionError, load
 
     try:
@@ -42,7 +45,7 @@ def _expensive_ops() -> set:
     ops = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
            aten._scaled_dot_product_cudnn_attention.default}
     optional = [("aten", "_grouped_mm"), ("torch_attn", "_varlen_attn"), ("aten", "_flash_attention_forward"),
-                ("hasten", "varlen_attention"), ("hasten", "lora_linear"), ("hasten_host", "per_sequence_attention"),
+                ("hasten", "varlen_attention"), ("hasten_host", "per_sequence_attention"),
                 ("flash_attn", "_flash_attn_varlen_forward"), ("flash_attn", "_flash_attn_forward")]
     for namespace, name in optional:  # present depending on the torch build, hasten's build, flash-attn
         try:
