@@ -4,9 +4,10 @@ offload this host? (training.memory_preflight)
 Measured, not guessed: one or two probe steps (forward and backward of one packed sample of
 random tokens, no optimizer step; a quarter and a half of the batch, see probe_sizes) under the
 run's own settings (checkpointing, offload, tiles, LoRA), each recording the device's peak above
-what was allocated before it and the bytes the offload engine sent to the host. Activation memory grows linearly with the batch's tokens on
-every path hasten runs (varlen attention keeps no tokens x tokens matrix, the fused loss works in
-chunks), so a line through the probes gives the step's memory at any length:
+what was allocated before it and the bytes the offload engine sent to the host. Activation memory
+grows linearly with the batch's tokens on every path hasten runs (varlen attention keeps no tokens
+x tokens matrix, the fused loss works in chunks), so a line through the probes gives the step's
+memory at any length:
 
   device(T) = optimizer state (AdamW: two tensors per trainable parameter, made at the first step)
               + per_token * T + constant (the gradients, workspaces)
