@@ -22,7 +22,9 @@ Target: hasten at least 2x the longest transformers length.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ import common  # noqa: E402
 
 import hasten  # noqa: E402
 from hasten.config import Config  # noqa: E402
+from hasten.memory import preflight  # noqa: E402
 from hasten.memory.offload import OffloadError  # noqa: E402
 from hasten.packing import move_batch  # noqa: E402
 
@@ -105,8 +108,6 @@ def preflight_forecast(model, handle, optimizer, sizes=(16384, 32768)):
     """hasten.memory.preflight's forecast for this model and machine, from probe steps at `sizes`
     (the optimizer's state not yet made is counted as AdamW's two tensors per adapter weight): its
     largest_tokens() is the length it states, host_layers_kept(L) the split a length L needs."""
-    from hasten.memory import preflight
-
     def step(tokens):
         model(**batch_for(tokens, "hasten_offload")).loss.backward()
         optimizer.zero_grad(set_to_none=True)
@@ -143,6 +144,11 @@ def main() -> int:
     parser.add_argument("--tile_tokens", type=int, default=16384, help="hasten_offload's MLP tile")
     parser.add_argument("--probe_lengths", default="16384,32768",
                         help="the preflight's probe steps (one sequence each) for hasten_offload's statement")
+    parser.add_argument("--save_forecast", type=Path, default=None,
+                        help="write hasten_offload's forecast (the probes' line, this machine's limits) as JSON")
+    parser.add_argument("--load_forecast", type=Path, default=None,
+                        help="take hasten_offload's forecast from --save_forecast's file instead of probing: the "
+                             "statement and the long step as two calls of a 600 s limit, on the same warm machine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     run_id = common.new_run_id()
@@ -156,8 +162,20 @@ def main() -> int:
         stated, forecast, kept, checks = None, None, 0, []
         if variant == "hasten_offload":  # the memory preflight's forecast: what this machine would take
             weights = torch.cuda.memory_allocated()  # before any optimizer state: the forecast counts that
-            forecast = preflight_forecast(model, handle, optimizer,
-                                          [int(x) for x in args.probe_lengths.split(",") if x.strip()])
+            if args.load_forecast is not None:
+                saved = json.loads(args.load_forecast.read_text())
+                forecast = preflight.MemoryForecast(**saved["forecast"])
+                args.probe_lengths = f"{saved['probe_lengths']} (run {saved['run_id']}, loaded)"
+                print(f"{variant:>14} preflight: forecast loaded from {args.load_forecast} (probes "
+                      f"{saved['probe_lengths']}, run {saved['run_id']})", flush=True)
+            else:
+                forecast = preflight_forecast(model, handle, optimizer,
+                                              [int(x) for x in args.probe_lengths.split(",") if x.strip()])
+            if args.save_forecast is not None:
+                args.save_forecast.parent.mkdir(parents=True, exist_ok=True)
+                args.save_forecast.write_text(json.dumps({"forecast": dataclasses.asdict(forecast),
+                                                          "probe_lengths": args.probe_lengths, "run_id": run_id,
+                                                          "weights_bytes": weights, **common.environment()}))
             stated = forecast.largest_tokens()
             print(f"{variant:>14} preflight: the largest sequence that fits is about {stated:,} tokens "
                   f"({forecast.per_token / 1024:.0f} KiB a token on the GPU, {forecast.host_per_token / 1024:.0f} "
