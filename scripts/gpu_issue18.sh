@@ -21,7 +21,7 @@ source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels
 
 if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
-    part gpu 200 python3 -m pytest ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_attention_cuda.py tests/gpu/test_moe_cuda.py} -q -rs
+    part gpu "${GPU_CAP:-200}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_attention_cuda.py tests/gpu/test_moe_cuda.py} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w3 "* ]]; then

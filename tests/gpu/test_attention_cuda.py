@@ -191,3 +191,18 @@ def test_cudnn_attention_sinks_match_the_float32_reference(window, softcap):
     for label, g, w in zip(("dq", "dk", "dv", "dsinks"), leaves, cpu):
         rel = float((g.grad.float().cpu() - w.grad.float()).norm() / w.grad.float().norm())
         assert rel < 2e-2, f"{label}: relative error {rel:.2e} against the float32 reference"
+
+
+@needs_cudnn_op
+def test_selective_checkpointing_keeps_the_cudnn_attention_output():
+    """Issue 21: `activations: selective` keeps hasten's cuDNN attention output, so its forward does
+    not run again in the backward's recompute; the gradients are those of no checkpointing (bf16,
+    up to the backward's own run-to-run noise)."""
+    from tests.memory.test_checkpointing import attention_calls_under_selective
+
+    forwards, selective, plain = attention_calls_under_selective(
+        "cuda", torch.bfloat16, heads=(8, 2, 2), head_dim=128, lengths=(1, 700, 129))
+    assert forwards == [], "hasten's cuDNN attention ran again in the recompute"
+    for got, want in zip(selective, plain):
+        scale = want.float().abs().max().clamp_min(1.0)
+        torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=0, atol=1e-2)

@@ -118,32 +118,53 @@ def test_selective_policy_keeps_hastens_attention_and_recomputes_its_lora_projec
     assert selective_policy(None, torch.ops.hasten.lora_linear.default) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_selective_checkpointing_does_not_recompute_hastens_attention():
-    """A checkpointed function with selective checkpointing: hasten's attention op runs once in the
-    forward and its recompute reuses the kept output (the op's backward runs, its forward does not)."""
+def attention_calls_under_selective(device: str, dtype: torch.dtype, heads=(4, 2, 2), head_dim=8,
+                                    lengths=(4, 5)) -> tuple[list, list, list]:
+    """A checkpointed function around hasten's attention op under selective checkpointing: the op's
+    forwards seen during backward, and the gradients of q, k, v beside those of the same function
+    without checkpointing (the GPU twin runs this on the cuDNN op)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     from hasten.ops.attention import varlen_attention
 
     class Count(TorchDispatchMode):
-        calls: list = []
+        def __init__(self):
+            super().__init__()
+            self.calls = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.calls.append(func)
+            self.calls.append(func)
             return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(9, h, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
-    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    total = sum(lengths)
+    leaves = [torch.randn(total, h, head_dim, generator=gen).to(device, dtype) for h in heads]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
-    def layer(a, b, c):
-        return (varlen_attention(a.sin(), b, c, cu, 5) * 2).sum()
+    def layer(a, b, c):  # sin: an op before attention that selective recomputes
+        return (varlen_attention(a.sin(), b, c, cu, max(lengths)) * 2).float().sum()
 
-    context = functools.partial(create_selective_checkpoint_contexts, selective_policy)
-    loss = checkpoint(layer, q, k, v, use_reentrant=False, context_fn=context)
-    with Count():
-        loss.backward()
-    forwards = [f for f in Count.calls if f == torch.ops.hasten.varlen_attention.default]
+    def grads(checkpointed):
+        inputs = [t.detach().clone().requires_grad_() for t in leaves]
+        context = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+        loss = (checkpoint(layer, *inputs, use_reentrant=False, context_fn=context) if checkpointed
+                else layer(*inputs))
+        counter = Count()
+        with counter:
+            loss.backward()
+        return counter.calls, [t.grad for t in inputs]
+
+    calls, selective = grads(True)
+    _, plain = grads(False)
+    return [f for f in calls if f == torch.ops.hasten.varlen_attention.default], selective, plain
+
+
+def test_selective_checkpointing_does_not_recompute_hastens_attention():
+    """A checkpointed function with selective checkpointing: hasten's attention op runs once in the
+    forward and its recompute reuses the kept output (the op's backward runs, its forward does not),
+    with the gradients of running it without checkpointing."""
+    forwards, selective, plain = attention_calls_under_selective("cpu", torch.float32)
     assert forwards == [], "hasten's attention ran again in the recompute"
-    assert q.grad is not None and k.grad is not None
+    for got, want in zip(selective, plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
