@@ -120,7 +120,8 @@ def preflight_forecast(model, handle, optimizer, sizes=(16384, 32768)):
     trainable = [p for p in model.parameters() if p.requires_grad]
     return preflight.forecast(probes, preflight.optimizer_state_bytes(trainable), torch.device("cuda"),
                               with_offload=engine is not None,
-                              host_layers=handle.offload.host_layers if handle.offload is not None else 0)
+                              host_layers=handle.offload.host_layers if handle.offload is not None else 0,
+                              host_limit=handle.offload.host_limit_bytes if handle.offload is not None else None)
 
 
 def forecast_check(forecast, weights: int, tokens: int, kept: int, measured_gib: float) -> dict:

@@ -121,6 +121,7 @@ TORCH_LIBRARY(hasten, m) {
       .def(torch::init<int64_t>())
       .def("acquire", &hasten::HostPool::acquire)
       .def("trim", &hasten::HostPool::trim)
+      .def("set_limit", &hasten::HostPool::set_limit)
       .def("stats", &hasten::HostPool::stats);
 
   // Activation offload engine (csrc/offload/offload_engine.h): copies on their own streams,
@@ -136,6 +137,9 @@ TORCH_LIBRARY(hasten, m) {
       .def("synchronize", &hasten::OffloadEngine::synchronize)
       .def("stats", &hasten::OffloadEngine::stats)
       .def("reset_counters", &hasten::OffloadEngine::reset_counters)
+      .def("set_host_limit", &hasten::OffloadEngine::set_host_limit)
+      .def("trim_host_pool", &hasten::OffloadEngine::trim_host_pool)
+      .def("host_pool_stats", &hasten::OffloadEngine::host_pool_stats)
       // asynchronous copy engines of CUDA device `device` (-1 where unknown, e.g. CPU builds)
       .def("copy_engine_count", [](const c10::intrusive_ptr<hasten::OffloadEngine>&, int64_t device) {
         return hasten::copy_engine_count(device);

@@ -1,6 +1,7 @@
 #include "host_pool.h"
 
 #include <cstdlib>
+#include <iterator>
 #include <string>
 
 #ifdef HASTEN_WITH_CUDA
@@ -12,6 +13,7 @@ namespace {
 
 constexpr int64_t kLargeGranule = int64_t{2} << 20;  // 2 MiB
 constexpr int64_t kMinBlock = 512;
+constexpr int64_t kReuseSlack = 8;  // a large request may take a cached block up to 1/8 larger
 
 void* allocate_block(int64_t bytes) {
 #ifdef HASTEN_WITH_CUDA
@@ -56,25 +58,59 @@ bool HostPoolImpl::pinned() const {
 #endif
 }
 
-void* HostPoolImpl::acquire(int64_t block_bytes) {
+void* HostPoolImpl::take_locked(std::map<int64_t, std::vector<void*>>::iterator cls) {
+  void* ptr = cls->second.back();
+  cls->second.pop_back();
+  if (cls->second.empty()) free_.erase(cls);
+  return ptr;
+}
+
+std::vector<std::pair<void*, int64_t>> HostPoolImpl::evict_for_locked(int64_t incoming) {
+  std::vector<std::pair<void*, int64_t>> evicted;
+  while (limit_bytes_ >= 0 && allocated_bytes_ + incoming > limit_bytes_ && cached_bytes_ > 0) {
+    const auto largest = std::prev(free_.end());  // no class is kept empty: see take_locked
+    const int64_t size = largest->first;          // read before take_locked may erase the class
+    evicted.emplace_back(take_locked(largest), size);
+    cached_bytes_ -= size;
+    allocated_bytes_ -= size;
+  }
+  return evicted;
+}
+
+std::pair<void*, int64_t> HostPoolImpl::acquire(int64_t block_bytes) {
+  std::vector<std::pair<void*, int64_t>> evicted;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = free_.find(block_bytes);
-    if (it != free_.end() && !it->second.empty()) {
-      void* ptr = it->second.back();
-      it->second.pop_back();
-      cached_bytes_ -= block_bytes;
-      in_use_bytes_ += block_bytes;
+    // the block's own class; for large classes, the smallest cached block at most an eighth larger
+    const int64_t largest_fit = block_bytes >= kLargeGranule ? block_bytes + block_bytes / kReuseSlack : block_bytes;
+    auto it = free_.lower_bound(block_bytes);
+    if (it != free_.end() && it->first <= largest_fit) {
+      const int64_t size = it->first;
+      void* ptr = take_locked(it);
+      cached_bytes_ -= size;
+      in_use_bytes_ += size;
       ++hits_;
-      return ptr;
+      return {ptr, size};
     }
     ++misses_;
+    evicted = evict_for_locked(block_bytes);
   }
+  for (auto& [ptr, size] : evicted) free_block(ptr);  // outside the lock, as the allocation below
   void* ptr = allocate_block(block_bytes);  // outside the lock: page-locking is slow
   std::lock_guard<std::mutex> lock(mutex_);
   in_use_bytes_ += block_bytes;
   allocated_bytes_ += block_bytes;
-  return ptr;
+  return {ptr, block_bytes};
+}
+
+void HostPoolImpl::set_limit(int64_t limit_bytes) {
+  std::vector<std::pair<void*, int64_t>> evicted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    limit_bytes_ = limit_bytes;
+    evicted = evict_for_locked(0);
+  }
+  for (auto& [ptr, size] : evicted) free_block(ptr);
 }
 
 void HostPoolImpl::release(void* ptr, int64_t block_bytes) {
@@ -117,8 +153,9 @@ HostPool::HostPool(int64_t max_cached_bytes) : impl_(std::make_shared<HostPoolIm
 
 at::Tensor HostPool::acquire(int64_t nbytes) {
   TORCH_CHECK(nbytes >= 0, "hasten::HostPool.acquire: nbytes must be zero or more, got ", std::to_string(nbytes));
-  const int64_t block = HostPoolImpl::round_size(nbytes);
-  void* ptr = impl_->acquire(block);
+  const auto acquired = impl_->acquire(HostPoolImpl::round_size(nbytes));
+  void* ptr = acquired.first;
+  const int64_t block = acquired.second;  // the class, or the larger cached block it took
   std::shared_ptr<HostPoolImpl> pool = impl_;  // the deleter keeps the pool alive
   return torch::from_blob(
       ptr, {nbytes}, [pool, block](void* p) { pool->release(p, block); },
@@ -126,6 +163,8 @@ at::Tensor HostPool::acquire(int64_t nbytes) {
 }
 
 int64_t HostPool::trim() { return impl_->trim(); }
+
+void HostPool::set_limit(int64_t limit_bytes) { impl_->set_limit(limit_bytes); }
 
 std::vector<int64_t> HostPool::stats() { return impl_->stats(); }
 

@@ -57,6 +57,14 @@ class OffloadEngine : public torch::CustomClassHolder {
   //  host_bytes_held, fetches, exposed_fetches, exposed_wait_us, tickets]
   std::vector<int64_t> stats();
   void reset_counters();
+  // The host pool's limit (the offload guard's, hasten.memory.offload.OffloadManager): a miss frees
+  // cached blocks first so that the pool's page-locked bytes stay under it.
+  void set_host_limit(int64_t limit_bytes) { host_pool_.set_limit(limit_bytes); }
+  // Frees the pool's cached blocks (after the memory preflight's probes, whose sizes the run's
+  // batches do not reuse); returns the bytes freed.
+  int64_t trim_host_pool() { return host_pool_.trim(); }
+  // HostPool::stats(): [in_use_bytes, cached_bytes, allocated_bytes, hits, misses, pinned]
+  std::vector<int64_t> host_pool_stats() { return host_pool_.stats(); }
 
  private:
   struct Entry {

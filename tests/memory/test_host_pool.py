@@ -57,3 +57,54 @@ def test_concurrent_acquire_and_release_balance():
         t.join()
     s = pool.stats()
     assert s.in_use_bytes == 0 and s.hits + s.misses == 4 * 199 and s.hits > s.misses
+
+
+MIB = 1 << 20
+
+
+def test_a_large_request_takes_a_cached_block_up_to_an_eighth_larger():
+    """Packed batches vary in length from step to step: a block of last step's size serves this
+    step's if it is at most an eighth larger; a much smaller request gets a block of its own."""
+    pool = HostPool()
+    block = pool.empty_like(torch.empty(64 * MIB, dtype=torch.uint8))
+    del block
+    near = pool.empty_like(torch.empty(60 * MIB, dtype=torch.uint8))  # 64 <= 60 * 1.125: reused
+    s = pool.stats()
+    assert (s.hits, s.misses, s.in_use_bytes, s.allocated_bytes) == (1, 1, 64 * MIB, 64 * MIB)
+    del near
+    far = pool.empty_like(torch.empty(40 * MIB, dtype=torch.uint8))  # 64 > 40 * 1.125: a new block
+    s = pool.stats()
+    assert (s.hits, s.misses, s.in_use_bytes, s.cached_bytes) == (1, 2, 40 * MIB, 64 * MIB)
+    del far
+    small = pool.empty_like(torch.empty(3000, dtype=torch.uint8))  # small classes: their own only
+    assert pool.stats().misses == 3 and pool.stats().in_use_bytes == 4096
+    del small
+
+
+def test_a_limit_frees_cached_blocks_before_a_miss_passes_it():
+    """With the offload guard's limit set, a miss frees cached blocks (largest first) until the new
+    block fits under it, instead of keeping blocks of other sizes page-locked beside the new ones."""
+    pool = HostPool()
+    pool.set_limit(100 * MIB)
+    blocks = [pool.empty_like(torch.empty(n * MIB, dtype=torch.uint8)) for n in (30, 30, 20)]
+    del blocks
+    assert pool.stats().cached_bytes == 80 * MIB
+    wide = pool.empty_like(torch.empty(50 * MIB, dtype=torch.uint8))  # 80 + 50 > 100: frees one 30
+    s = pool.stats()
+    assert (s.in_use_bytes, s.cached_bytes, s.allocated_bytes) == (50 * MIB, 50 * MIB, 100 * MIB)
+    pool.set_limit(60 * MIB)  # a lower limit frees at once what it can
+    s = pool.stats()
+    assert (s.in_use_bytes, s.cached_bytes, s.allocated_bytes) == (50 * MIB, 0, 50 * MIB)
+    del wide
+    pool.set_limit(None)
+    assert pool.stats().cached_bytes == 50 * MIB
+
+
+def test_without_a_limit_blocks_of_other_sizes_stay_cached():
+    """The control for the limit: the same requests keep every block."""
+    pool = HostPool()
+    blocks = [pool.empty_like(torch.empty(n * MIB, dtype=torch.uint8)) for n in (30, 30, 20)]
+    del blocks
+    wide = pool.empty_like(torch.empty(50 * MIB, dtype=torch.uint8))
+    assert pool.stats().allocated_bytes == 130 * MIB
+    del wide

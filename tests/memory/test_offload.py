@@ -342,3 +342,33 @@ def test_the_preflights_split_keeps_the_last_offloaded_layers_on_the_device():
     manager.restart_calibration()
     assert manager.offload.plan[2] == "recompute"
     manager.detach()
+
+
+def test_batches_of_changing_lengths_keep_the_host_pool_under_the_guards_limit():
+    """Each step's checkpointed inputs have its batch's length: the host pool frees cached blocks
+    of earlier lengths rather than hold them beside new ones (they are page-locked on a GPU, outside
+    the guard's count of live bytes). Without the limit the pool keeps them all (the control)."""
+    batches = [_batch(seed=s, lengths=lengths) for s, lengths in
+               enumerate([(9, 1, 14), (30, 2, 25, 6), (3, 1), (40, 20), (9, 1, 14)])]
+    allocated = {}
+    for limited in (False, True):
+        model = _checkpointed_model()
+        manager = OffloadManager(model, "all", min_bytes=0, checkpointed=True)
+        engine = manager.offload.engine
+        one_step = None
+        if limited:  # room for the longest batch's inputs and little more
+            one_step = 3 * 64 * 48 * 4 * 3 // 2
+            manager.host_limit_bytes = one_step
+            engine.set_host_limit(one_step)
+        else:
+            engine.set_host_limit(None)
+        for batch in batches:
+            _loss_and_grads(model, batch)
+            if limited:
+                assert engine.host_pool_stats().allocated_bytes <= one_step
+        allocated[limited] = engine.host_pool_stats().allocated_bytes
+        assert manager.summary()["host_pool_gib"] == allocated[limited] / 2**30
+        manager.restart_calibration()  # the preflight's probes end here: their blocks go back
+        assert engine.host_pool_stats().cached_bytes == 0
+        manager.detach()
+    assert allocated[False] > allocated[True]

@@ -39,6 +39,11 @@ class HostPool:
         """Free every cached block; returns the bytes given back."""
         return self._pool.trim()
 
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """At most `limit_bytes` allocated (in use + cached): a miss frees cached blocks, largest
+        first, before it allocates (None: no limit)."""
+        self._pool.set_limit(-1 if limit_bytes is None else int(limit_bytes))
+
     def stats(self) -> HostPoolStats:
         in_use, cached, allocated, hits, misses, pinned = self._pool.stats()
         return HostPoolStats(in_use, cached, allocated, hits, misses, bool(pinned))

@@ -33,6 +33,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from hasten.memory.host_pool import HostPoolStats
 from hasten.observability import record_fallback
 from hasten.ops._lib import load
 
@@ -104,6 +105,19 @@ class OffloadEngine:
 
     def reset_counters(self) -> None:
         self._engine.reset_counters()
+
+    def set_host_limit(self, limit_bytes: int | None) -> None:
+        """The host pool's page-locked bytes (in use + cached) stay under `limit_bytes` where
+        freeing cached blocks can keep them so (None: no limit)."""
+        self._engine.set_host_limit(-1 if limit_bytes is None else int(limit_bytes))
+
+    def trim_host_pool(self) -> int:
+        """Frees the host pool's cached blocks; returns the bytes freed."""
+        return self._engine.trim_host_pool()
+
+    def host_pool_stats(self) -> HostPoolStats:
+        in_use, cached, allocated, hits, misses, pinned = self._engine.host_pool_stats()
+        return HostPoolStats(in_use, cached, allocated, hits, misses, bool(pinned))
 
     def copy_engine_count(self, device_index: int) -> int:
         """Asynchronous copy engines of a CUDA device; -1 where unknown (CPU build)."""
@@ -511,6 +525,9 @@ class OffloadManager:
         self.bandwidth: dict[str, float] | None = None
         available = available_host_bytes()
         self.host_limit_bytes = int(available * host_fraction) if available else None
+        # the pool's cached blocks count against the same limit: batches vary in length, and
+        # blocks of an earlier step's sizes are freed before new ones would pass it
+        self.offload.engine.set_host_limit(self.host_limit_bytes)
         self._forwards = 0
         # (bytes allocated, where, restored bytes held, device-to-host bytes in flight)
         self._boundary_max: tuple[int, str, int, int] = (0, "", 0, 0)
@@ -551,7 +568,9 @@ class OffloadManager:
 
     def restart_calibration(self) -> None:
         """Forget the forwards seen so far (the memory preflight's probe steps, of other sizes than
-        training's): 'auto' measures and plans on the run's own first forwards."""
+        training's): 'auto' measures and plans on the run's own first forwards, and the host pool
+        gives back the probes' page-locked blocks (sizes the run's batches do not take)."""
+        self.offload.engine.trim_host_pool()
         self._forwards = 0
         self._timing.clear()
         self._calibration_peak = self._head_end = None
@@ -664,6 +683,7 @@ class OffloadManager:
                "fetches": stats.fetches, "exposed_fetches": stats.exposed_fetches,
                "exposed_wait_ms": stats.exposed_wait_ms, "double_buffer": self.offload.double_buffer,
                "forward_waits": self.offload.forward_waits,
+               "host_pool_gib": self.offload.engine.host_pool_stats().allocated_bytes / 2**30,
                "plan": self.plan.summary() if self.plan else
                ("calibrating" if self.mode == "auto" else self._static_plan_summary())}
         if self.offload.fell_back_to_single_buffer:

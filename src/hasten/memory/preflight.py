@@ -236,17 +236,26 @@ def measure(step: Callable[[int], None], sizes: Sequence[int], memory,
 
 
 def forecast(probes: Sequence[Probe], optimizer_bytes: int, device: torch.device,
-             with_offload: bool, host_layers: int = 0) -> MemoryForecast:
+             with_offload: bool, host_layers: int = 0, host_limit: int | None = None) -> MemoryForecast:
     """`host_layers`: the decoder layers that sent their checkpoints to the host in the probes
-    (training.checkpoint.offload: all under activations: full); 0 forecasts without a split."""
+    (training.checkpoint.offload: all under activations: full); 0 forecasts without a split.
+    `host_limit`: the offload guard's own limit (OffloadManager.host_limit_bytes), taken before the
+    probes ran. Why not MemAvailable now: the host pool keeps the probes' page-locked buffers for
+    reuse, which MemAvailable no longer counts; after probes at 131,072 and 262,144 tokens of a
+    Llama-8B shape that is 60 GiB, and the limit read then was 46.7 GiB instead of about 100 (the
+    statement fell from about 595K tokens to 452K; 1abb0f8). None: HOST_FRACTION of MemAvailable
+    now (a caller without a guard)."""
     per_token, constant = fit_line([(p.tokens, float(p.device_bytes)) for p in probes])
     free, _total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     limit = int((free + cached) * DEVICE_MARGIN)
-    host_per_token, host_limit = 0.0, None
-    if with_offload:
+    host_per_token = 0.0
+    if not with_offload:
+        host_limit = None
+    else:
         host_per_token, _ = fit_line([(p.tokens, float(p.host_bytes)) for p in probes])
-        available = available_host_bytes()
-        host_limit = int(available * HOST_FRACTION) if available else None
+        if host_limit is None:
+            available = available_host_bytes()
+            host_limit = int(available * HOST_FRACTION) if available else None
     return MemoryForecast(optimizer_bytes, max(per_token, 0.0), max(constant, 0.0), limit, max(host_per_token, 0.0),
                           host_limit, host_layers if with_offload else 0)

@@ -439,7 +439,8 @@ def _memory_preflight(run: _Run) -> None:
                           "mlp_tile_tokens)")
     forecast = preflight.forecast(probes, preflight.optimizer_state_bytes(run.trainable), device,
                                   with_offload=offloaded is not None,
-                                  host_layers=offload.host_layers if offload is not None else 0)
+                                  host_layers=offload.host_layers if offload is not None else 0,
+                                  host_limit=offload.host_limit_bytes if offload is not None else None)
     refusal = forecast.refusal(t.max_tokens, name)
     if refusal is None and failed_at is not None:
         refusal = (f"training.max_tokens={t.max_tokens:,} ran out of memory in a probe step of {failed_at:,} tokens "
