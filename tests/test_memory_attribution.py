@@ -34,3 +34,13 @@ def test_the_blocks_live_at_the_peak_are_summed_by_their_origin():
 
 def test_an_empty_trace_peaks_at_its_baseline():
     assert live_at_peak([], baseline=5) == (5, {})
+
+
+def test_a_block_through_hastens_generic_op_wrappers_is_named_by_their_caller():
+    """Every hasten op's backward allocates inside ops/_lib.py's call_in_backward: the op's own
+    formula one frame out is what tells one op from another."""
+    frames = [{"filename": "/repo/src/hasten/ops/_lib.py", "line": 84, "name": "call_in_backward"},
+              {"filename": "/repo/src/hasten/ops/attention.py", "line": 51, "name": "_backward"},
+              {"filename": "/usr/lib/python3/site-packages/torch/autograd/function.py", "line": 3, "name": "apply"}]
+    _, by_origin = live_at_peak([{"action": "alloc", "addr": 1, "size": 8, "frames": frames}])
+    assert by_origin == {"hasten/ops/attention.py:51 _backward": 8}
