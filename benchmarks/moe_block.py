@@ -188,7 +188,8 @@ def eager_step(call, module, x, grad):
     return step, result
 
 
-def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, run_id: str) -> dict:
+def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, run_id: str,
+                profile: bool = False) -> dict:
     """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'."""
     reset_fallbacks()
     use_implementation(block, config, IMPL[name])
@@ -225,6 +226,10 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
         after = dynamo_counts()
         notes.append(f"compiled graphs {warm['graphs'] - before['graphs']} in warm-up, recompiles in the timed steps "
                      f"{after['graphs'] - warm['graphs']}, graph breaks {after['graph_breaks'] - before['graph_breaks']}")
+    if profile:  # where one forward + backward's GPU time goes, by kernel and by operator
+        from packed_sft import print_profile
+
+        print_profile(f"{BLOCK} {name}", step)
     with count_host_syncs() as syncs:
         step()
     common.sync()
@@ -256,6 +261,7 @@ def main() -> int:
     parser.add_argument("--no-grouping", action="store_true", help="skip the grouping-op rows")
     parser.add_argument("--block", default="qwen3_30b_a3b", choices=["qwen3_30b_a3b", "gpt_oss_20b", "deepseek_v2_lite",
                                                                      "llama4_scout"])
+    parser.add_argument("--profile", default="", help="comma-separated variants to profile for one step")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     global BLOCK
@@ -290,7 +296,8 @@ def run(args, variants: list[str]) -> int:
     rows = []
     for name in variants:
         try:
-            rows.append(run_variant(name, block, config, x, grad, iters, want, ref_out, run_id))
+            rows.append(run_variant(name, block, config, x, grad, iters, want, ref_out, run_id,
+                                    profile=name in args.profile.split(",")))
         except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others
             traceback.print_exc()
             rows.append({"workload": "W3", "variant": name, "block": BLOCK, "run_id": run_id, **common.environment(),

@@ -7,6 +7,7 @@
 #   w3      benchmarks/moe_block.py for each block in $W3_BLOCKS (gpt_oss_20b deepseek_v2_lite
 #           llama4_scout qwen3_30b_a3b): hasten_fused against transformers' grouped_mm (Llama 4:
 #           against its block's own forward), 16,384 tokens                                  cap 120 s each
+#           (W3_ARGS: more options, e.g. --profile hasten_fused)
 #   gptoss  benchmarks/packed_sft.py --model gpt_oss_20b (4 of 24 layers, full fine-tuning):
 #           hasten packed against transformers' padded micro-batches (eager attention with the
 #           sinks, grouped_mm experts); rows W1-gpt_oss_20b.jsonl                  cap $GPTOSS_CAP (300)
@@ -29,7 +30,7 @@ if (( built )); then
       # Llama 4's block has no grouped_mm experts: its own forward (every expert) is the baseline
       baseline=hf_moe_grouped_mm; [[ $block == llama4_scout ]] && baseline=hf_moe_eager
       part "w3_$block" 120 python3 benchmarks/moe_block.py --block "$block" --out "$LOGS" --no-grouping \
-        --variants "${W3_VARIANTS:-$baseline,hasten_fused}"
+        --variants "${W3_VARIANTS:-$baseline,hasten_fused}" ${W3_ARGS:-}
       grep -E "ms |FAILED|Error" "$LOGS/w3_$block.log" 2>/dev/null | tail -6 | tee -a "$SUMMARY"
     done
   fi
