@@ -158,3 +158,34 @@ def test_experts_without_alpha_and_limit_are_not_checked_as_gpt_oss():
     experts = model.model.layers[0].mlp.experts
     experts.alpha = None
     assert "no numeric alpha and limit" in clamped_gate_mismatch(experts)
+
+
+def test_expert_biases_as_a_one_hot_gemm_equal_gathering_them():
+    """gpt-oss's expert biases are added as y + one_hot(row's expert) @ bias: output and every
+    gradient equal the gather bias[row] it replaced (float64; rows sorted by expert, one expert
+    without rows, a token count off any block size)."""
+    from hasten.moe.experts import _add_expert_bias, _row_expert_one_hot
+    from hasten.ops import moe as moe_ops
+
+    gen = torch.Generator().manual_seed(0)
+    experts, top_k, tokens, out = 5, 2, 13, 7
+    ids = torch.randint(0, experts - 1, (tokens, top_k), generator=gen)  # the last expert gets no row
+    g = moe_ops.group(ids, experts)
+    rows = tokens * top_k
+    sorted_ids = ids.flatten().sort().values
+    y = torch.randn(rows, out, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(experts, out, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(rows, out, generator=gen, dtype=torch.float64)
+
+    one_hot = _row_expert_one_hot(g, rows, torch.float64)
+    assert torch.equal(one_hot.argmax(dim=1), sorted_ids) and torch.equal(one_hot.sum(dim=1), torch.ones(rows, dtype=torch.float64))
+    got = _add_expert_bias(y, bias, one_hot)
+    got.backward(grad)
+    got_grads = (y.grad.clone(), bias.grad.clone())
+    y.grad = bias.grad = None
+    want = y + bias[sorted_ids]
+    want.backward(grad)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_grads[0], y.grad, rtol=0, atol=0)
+    torch.testing.assert_close(got_grads[1], bias.grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got_grads[1][experts - 1], torch.zeros(out, dtype=torch.float64))

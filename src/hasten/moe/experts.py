@@ -272,16 +272,26 @@ def lora_factors(experts: torch.nn.Module, name: str):
     return chain.original, (proxy.lhs, proxy.rhs, float(proxy.scaling))
 
 
-def _row_experts(g: moe_ops.Grouping, rows: int) -> torch.Tensor:
-    """(S,) the expert of each sorted row, on the device without a sync (rows past the valid slots
-    get the last expert: their values are never combined)."""
+def _row_expert_one_hot(g: moe_ops.Grouping, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """(S, E) in `dtype`: 1 where a sorted row belongs to an expert, on the device without a sync
+    (rows past the valid slots get the last expert: their values are never combined)."""
     ids = torch.searchsorted(g.group_ends, torch.arange(rows, device=g.group_ends.device, dtype=torch.int32),
                              right=True)
-    return ids.clamp_(max=g.counts.shape[0] - 1)
+    experts = g.counts.shape[0]
+    ids.clamp_(max=experts - 1)
+    return (ids[:, None] == torch.arange(experts, device=ids.device, dtype=ids.dtype)).to(dtype)
+
+
+def _add_expert_bias(y: torch.Tensor, bias: torch.Tensor, row_one_hot: torch.Tensor) -> torch.Tensor:
+    """y (S, out) + each row's expert bias (E, out), as y + one_hot (S, E) @ bias: the add rides in
+    the GEMM's epilogue, and bias's gradient is one_hot^T @ grad, a GEMM with float32 accumulation.
+    Gathering bias[row] instead wrote an (S, out) copy, and its backward scattered S x out partial
+    sums onto E x out addresses (gpt-oss-20b's block: 65,536 rows onto 32)."""
+    return torch.addmm(y, row_one_hot, bias.to(y.dtype))
 
 
 def _projection(experts: torch.nn.Module, name: str, x: torch.Tensor, g: moe_ops.Grouping,
-                row_experts: torch.Tensor | None) -> torch.Tensor:
+                row_one_hot: torch.Tensor | None) -> torch.Tensor:
     """x (S, in) through the expert weight `name` (E, out, in), or (E, in, out) where the module
     stores it transposed; split where it carries LoRA factors; plus the row's expert bias."""
     transposed = getattr(experts, "is_transposed", False)
@@ -299,8 +309,8 @@ def _projection(experts: torch.nn.Module, name: str, x: torch.Tensor, g: moe_ops
         # dimensions dense, and the copies are small (E x out x r)
         low = grouped_linear(x, first.contiguous(), g)  # (S, r)
         y = grouped_linear(x, base, g) + grouped_linear(low, second.contiguous(), g) * scaling
-    if row_experts is not None:
-        y = y + getattr(experts, f"{name}_bias")[row_experts].to(y.dtype)
+    if row_one_hot is not None:
+        y = _add_expert_bias(y, getattr(experts, f"{name}_bias"), row_one_hot)
     return y
 
 
@@ -312,8 +322,8 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     if stats is not None:
         stats.add(self, g.counts)
     x = moe_ops.permute(hidden_states, g)
-    row_experts = _row_experts(g, x.shape[0]) if getattr(self, "has_bias", False) else None
-    gate_up = _projection(self, "gate_up_proj", x, g, row_experts)
+    row_one_hot = _row_expert_one_hot(g, x.shape[0], x.dtype) if getattr(self, "has_bias", False) else None
+    gate_up = _projection(self, "gate_up_proj", x, g, row_one_hot)
     gate = getattr(self, "_hasten_gate", None) or gate_kernel(self)  # decided at accelerate(); else here
     if gate == "swiglu":
         act = moe_ops.swiglu(gate_up)
@@ -321,5 +331,5 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         act = moe_ops.clamped_swiglu(gate_up, self.alpha, self.limit)
     else:
         act = type(self)._apply_gate(self, gate_up)
-    y = _projection(self, "down_proj", act, g, row_experts)
+    y = _projection(self, "down_proj", act, g, row_one_hot)
     return moe_ops.combine(y, top_k_weights.to(y.dtype), g)
