@@ -48,13 +48,10 @@ def _origin(frames: list[dict]) -> str:
     return "(no stack)"
 
 
-def live_at_peak(events: list[dict], baseline: int = 0) -> tuple[int, dict[str, int]]:
-    """Replays an allocator trace (torch.cuda.memory._snapshot()['device_traces'][i]: dicts with
-    action, addr, size, frames) from `baseline` bytes already allocated; returns the peak of the
-    allocated bytes and, at that peak, the bytes live per origin (blocks allocated before the trace
-    began are in the baseline, not in the origins). A block counts as freed at free_requested (the
-    allocator's allocated-bytes statistic drops there), or at free_completed when no request was
-    seen."""
+def _replay(events: list[dict], baseline: int) -> tuple[int, dict[int, tuple[int, str]]]:
+    """The peak of the allocated bytes over the trace, and the blocks live there (addr -> (size,
+    origin)). A block counts as freed at free_requested (the allocator's allocated-bytes statistic
+    drops there), or at free_completed when no request was seen."""
     live: dict[int, tuple[int, str]] = {}
     total, peak, at_peak = baseline, baseline, {}
     for event in events:
@@ -66,10 +63,26 @@ def live_at_peak(events: list[dict], baseline: int = 0) -> tuple[int, dict[str, 
                 peak, at_peak = total, dict(live)
         elif action in ("free_requested", "free_completed") and addr in live:
             total -= live.pop(addr)[0]
+    return peak, at_peak
+
+
+def live_at_peak(events: list[dict], baseline: int = 0) -> tuple[int, dict[str, int]]:
+    """Replays an allocator trace (torch.cuda.memory._snapshot()['device_traces'][i]: dicts with
+    action, addr, size, frames) from `baseline` bytes already allocated; returns the peak of the
+    allocated bytes and, at that peak, the bytes live per origin (blocks allocated before the trace
+    began are in the baseline, not in the origins)."""
+    peak, at_peak = _replay(events, baseline)
     by_origin: dict[str, int] = defaultdict(int)
     for size, origin in at_peak.values():
         by_origin[origin] += size
     return peak, dict(by_origin)
+
+
+def largest_at_peak(events: list[dict], baseline: int = 0, count: int = 10) -> list[tuple[int, str]]:
+    """The `count` largest blocks live at the peak, (size, origin), largest first: a workspace that
+    grows faster than the tokens shows as one block whose share grows with the length."""
+    _, at_peak = _replay(events, baseline)
+    return sorted(at_peak.values(), key=lambda block: -block[0])[:count]
 
 
 def attribute(model, tokens: int, variant: str = "hasten_offload") -> dict:
@@ -93,10 +106,12 @@ def attribute(model, tokens: int, variant: str = "hasten_offload") -> dict:
         torch.cuda.memory._record_memory_history(enabled=None)
     model.zero_grad(set_to_none=True)
     device = torch.cuda.current_device()
-    peak, by_origin = live_at_peak(snapshot["device_traces"][device], baseline)
+    trace = snapshot["device_traces"][device]
+    peak, by_origin = live_at_peak(trace, baseline)
     return {"tokens": tokens, "baseline_gib": baseline / 2**30, "replayed_peak_gib": peak / 2**30,
             "measured_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "entries": len(snapshot["device_traces"][device]), "by_origin": by_origin}
+            "entries": len(trace), "by_origin": by_origin,
+            "largest_blocks": [[size, origin] for size, origin in largest_at_peak(trace, baseline)]}
 
 
 def main() -> int:
@@ -123,6 +138,9 @@ def main() -> int:
         ranked = sorted(result["by_origin"].items(), key=lambda item: -item[1])[:args.top]
         for origin, size in ranked:
             print(f"  {size / 2**30:8.2f} GiB {size / tokens / 1024:8.1f} KiB/token  {origin}", flush=True)
+        print("  largest blocks live at the peak:", flush=True)
+        for size, origin in result["largest_blocks"]:
+            print(f"  {size / 2**20:10.1f} MiB {size / tokens:8.1f} B/token  {origin}", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "memory_attribution.json").write_text(json.dumps(results, indent=1))

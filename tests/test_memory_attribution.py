@@ -44,3 +44,12 @@ def test_a_block_through_hastens_generic_op_wrappers_is_named_by_their_caller():
               {"filename": "/usr/lib/python3/site-packages/torch/autograd/function.py", "line": 3, "name": "apply"}]
     _, by_origin = live_at_peak([{"action": "alloc", "addr": 1, "size": 8, "frames": frames}])
     assert by_origin == {"hasten/ops/attention.py:51 _backward": 8}
+
+
+def test_the_largest_blocks_at_the_peak_come_largest_first():
+    from memory_attribution import largest_at_peak
+
+    frames = _frames("/repo/src/hasten/ops/attention.py", 7)
+    events = [{"action": "alloc", "addr": a, "size": size, "frames": frames} for a, size in ((1, 5), (2, 50), (3, 20))]
+    events.append({"action": "free_requested", "addr": 3, "size": 20})
+    assert largest_at_peak(events, count=2) == [(50, "hasten/ops/attention.py:7 f"), (20, "hasten/ops/attention.py:7 f")]
