@@ -27,6 +27,7 @@ their own size (the forecast is the measurement).
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -194,6 +195,9 @@ class CudaMemory:
         self.device = device
 
     def begin(self) -> int:
+        # garbage in reference cycles (an earlier model, loading temporaries) freed by a collection
+        # during the probe would lower its peak below the allocation it started from; collect first
+        gc.collect()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         return torch.cuda.memory_allocated(self.device)
