@@ -909,6 +909,22 @@ def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, mis
                            "rows kept apart by hasten's block-diagonal mask)")
 
 
+def _experts_implementations(model: torch.nn.Module) -> list[tuple[object, str, object]]:
+    """(config, attribute, value) of the experts implementation each distinct config of `model`
+    holds (transformers keeps it in `_experts_implementation_internal` behind a property; earlier
+    releases in `_experts_implementation` itself)."""
+    found, seen = [], set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen or not hasattr(config, "_experts_implementation"):
+            continue
+        seen.add(id(config))
+        attribute = ("_experts_implementation_internal" if "_experts_implementation_internal" in vars(config)
+                     else "_experts_implementation")
+        found.append((config, attribute, vars(config).get(attribute)))
+    return found
+
+
 def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
     experts = _experts_modules(model)
     spec = spec_for(model.config)
@@ -940,6 +956,9 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
         handle.inactive.append("fused MoE experts (" + "; ".join(sorted(reasons)) + ")")
         return
     previous = model.config._experts_implementation
+    # each config's own choice, to restore as it was: set_experts_implementation writes one value into
+    # all of them, and a wrapper's and its text model's can differ (Kimi-K2.5's: eager and grouped_mm)
+    previous_by_config = _experts_implementations(model)
     model.set_experts_implementation(EXPERTS_NAME)
     stats = MoeLoadStats()
     gate_checks: dict[tuple, str | None] = {}  # one check per class, alpha, limit, device and width
@@ -968,6 +987,8 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
             m.__dict__.pop("_hasten_moe_stats", None)
             m.__dict__.pop("_hasten_gate", None)
         model.set_experts_implementation(previous or "eager")
+        for config, attribute, value in previous_by_config:
+            setattr(config, attribute, value)
 
     handle._undo_steps.append(undo)
     handle.moe_stats = stats
