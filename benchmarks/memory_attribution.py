@@ -66,23 +66,30 @@ def _replay(events: list[dict], baseline: int) -> tuple[int, dict[int, tuple[int
     return peak, at_peak
 
 
+def _by_origin(at_peak: dict[int, tuple[int, str]]) -> dict[str, int]:
+    by_origin: dict[str, int] = defaultdict(int)
+    for size, origin in at_peak.values():
+        by_origin[origin] += size
+    return dict(by_origin)
+
+
+def _largest(at_peak: dict[int, tuple[int, str]], count: int) -> list[tuple[int, str]]:
+    return sorted(at_peak.values(), key=lambda block: -block[0])[:count]
+
+
 def live_at_peak(events: list[dict], baseline: int = 0) -> tuple[int, dict[str, int]]:
     """Replays an allocator trace (torch.cuda.memory._snapshot()['device_traces'][i]: dicts with
     action, addr, size, frames) from `baseline` bytes already allocated; returns the peak of the
     allocated bytes and, at that peak, the bytes live per origin (blocks allocated before the trace
     began are in the baseline, not in the origins)."""
     peak, at_peak = _replay(events, baseline)
-    by_origin: dict[str, int] = defaultdict(int)
-    for size, origin in at_peak.values():
-        by_origin[origin] += size
-    return peak, dict(by_origin)
+    return peak, _by_origin(at_peak)
 
 
 def largest_at_peak(events: list[dict], baseline: int = 0, count: int = 10) -> list[tuple[int, str]]:
     """The `count` largest blocks live at the peak, (size, origin), largest first: a workspace that
     grows faster than the tokens shows as one block whose share grows with the length."""
-    _, at_peak = _replay(events, baseline)
-    return sorted(at_peak.values(), key=lambda block: -block[0])[:count]
+    return _largest(_replay(events, baseline)[1], count)
 
 
 def attribute(model, tokens: int, variant: str = "hasten_offload") -> dict:
@@ -107,11 +114,11 @@ def attribute(model, tokens: int, variant: str = "hasten_offload") -> dict:
     model.zero_grad(set_to_none=True)
     device = torch.cuda.current_device()
     trace = snapshot["device_traces"][device]
-    peak, by_origin = live_at_peak(trace, baseline)
+    peak, at_peak = _replay(trace, baseline)  # once: a long step's trace has tens of thousands of entries
     return {"tokens": tokens, "baseline_gib": baseline / 2**30, "replayed_peak_gib": peak / 2**30,
             "measured_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "entries": len(trace), "by_origin": by_origin,
-            "largest_blocks": [[size, origin] for size, origin in largest_at_peak(trace, baseline)]}
+            "entries": len(trace), "by_origin": _by_origin(at_peak),
+            "largest_blocks": [[size, origin] for size, origin in _largest(at_peak, 10)]}
 
 
 def main() -> int:

@@ -18,6 +18,12 @@ class HostPoolStats:
     misses: int
     pinned: bool
 
+    @classmethod
+    def from_values(cls, values) -> HostPoolStats:
+        """From the C++ pool's stats(): [in_use_bytes, cached_bytes, allocated_bytes, hits, misses, pinned]."""
+        in_use, cached, allocated, hits, misses, pinned = values
+        return cls(in_use, cached, allocated, hits, misses, bool(pinned))
+
 
 class HostPool:
     """Host buffers for offloaded activations, reused by size class instead of allocated per tensor.
@@ -45,5 +51,4 @@ class HostPool:
         self._pool.set_limit(-1 if limit_bytes is None else int(limit_bytes))
 
     def stats(self) -> HostPoolStats:
-        in_use, cached, allocated, hits, misses, pinned = self._pool.stats()
-        return HostPoolStats(in_use, cached, allocated, hits, misses, bool(pinned))
+        return HostPoolStats.from_values(self._pool.stats())

@@ -116,8 +116,7 @@ class OffloadEngine:
         return self._engine.trim_host_pool()
 
     def host_pool_stats(self) -> HostPoolStats:
-        in_use, cached, allocated, hits, misses, pinned = self._engine.host_pool_stats()
-        return HostPoolStats(in_use, cached, allocated, hits, misses, bool(pinned))
+        return HostPoolStats.from_values(self._engine.host_pool_stats())
 
     def copy_engine_count(self, device_index: int) -> int:
         """Asynchronous copy engines of a CUDA device; -1 where unknown (CPU build)."""
