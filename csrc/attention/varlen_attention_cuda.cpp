@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <glob.h>
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -25,6 +26,37 @@ int64_t bucket(int64_t n, int64_t minimum) {
   int64_t b = minimum;
   while (b < n) b *= 2;
   return b;
+}
+
+// The token bucket T in sixteenths of a power of two above 2,048 (at most 1/8 above the count, up
+// to 8 graphs an octave). cuDNN sizes the backward's workspace on T: a power-of-two bucket sized a
+// 393,216-token step's for 524,288, 6 GiB more on Llama-8B's heads (5a4a550: the layer backward's
+// transient 45.19 GiB at 393,216 against 13.05 at 131,072, 0.46 GiB a token-thousand over the line).
+int64_t token_bucket(int64_t n) {
+  const int64_t power = bucket(n, 128);
+  if (power <= 2048) return power;
+  const int64_t step = power / 16;
+  return (n + step - 1) / step * step;
+}
+
+// The backward's float32 workspace: dQ, and dK and dV at the query heads' width, 12 bytes a token,
+// a query head and a dim (49,280 bytes a token on Llama-8B's 32 x 128 measured at 1956431: the
+// largest block of a long sequence's step). Above kBackwardPerHeadAboveBytes of it the backward
+// runs once per K/V head with its query heads, each call's workspace 1/Hk of the whole (Llama-8B,
+// 524,288 tokens: 3 GiB instead of 24), at the price of copying each head group's inputs and
+// gradients (about 10 bytes a token, a query head and a dim, against the S^2 work of the call).
+// HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES overrides the bound (tests: 0 splits every call).
+constexpr int64_t kBackwardPerHeadAboveBytes = int64_t{1} << 30;
+
+int64_t backward_per_head_above_bytes() {
+  const char* env = std::getenv("HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES");
+  if (env == nullptr || *env == '\0') return kBackwardPerHeadAboveBytes;
+  char* end = nullptr;
+  const long long value = std::strtoll(env, &end, 10);
+  TORCH_CHECK(end != env && *end == '\0' && value >= 0,
+              "HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES must be a byte count (an integer >= 0), got '", env,
+              "'");
+  return value;
 }
 
 struct RaggedIndex {
@@ -105,7 +137,7 @@ cudnn_sdpa::Problem problem_of(const at::Tensor& q, const at::Tensor& k, const a
   cudnn_sdpa::Problem p;
   p.batch = bucket(cu_seqlens.numel() - 1, 8);
   p.max_seqlen = bucket(max_seqlen, 64);
-  p.tokens = bucket(q.size(0), 128);
+  p.tokens = token_bucket(q.size(0));
   p.q_heads = q.size(1);
   p.kv_heads = k.size(1);
   p.head_dim = q.size(2);
@@ -209,13 +241,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
   auto grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
   if (q.size(0) == 0 || cu_seqlens.numel() < 2) return {grad_q.zero_(), grad_k.zero_(), grad_v.zero_()};
   const auto p = problem_of(q, k, cu_seqlens, max_seqlen, scale, causal, window, softcap, op);
-  const auto index = ragged_index(cu_seqlens, p.batch, p.q_heads, p.kv_heads, p.head_dim);
-  auto ptr = shared_pointers(q, k, v, out, lse, index);
-  ptr.grad_out = grad_out.data_ptr();
-  ptr.grad_q = grad_q.data_ptr();
-  ptr.grad_k = grad_k.data_ptr();
-  ptr.grad_v = grad_v.data_ptr();
-  run_graph(true, p, ptr, q, op);
+  const int64_t workspace_bytes = p.tokens * p.q_heads * p.head_dim * 12;
+  if (p.kv_heads == 1 || workspace_bytes <= backward_per_head_above_bytes()) {
+    const auto index = ragged_index(cu_seqlens, p.batch, p.q_heads, p.kv_heads, p.head_dim);
+    auto ptr = shared_pointers(q, k, v, out, lse, index);
+    ptr.grad_out = grad_out.data_ptr();
+    ptr.grad_q = grad_q.data_ptr();
+    ptr.grad_k = grad_k.data_ptr();
+    ptr.grad_v = grad_v.data_ptr();
+    run_graph(true, p, ptr, q, op);
+    return {grad_q, grad_k, grad_v};
+  }
+  // One call per K/V head h, on contiguous copies of its query heads [h * group, (h + 1) * group):
+  // (T, group, D) q, out, grad_out, (T, group) lse, (T, 1, D) k and v. The copies keep the layout
+  // the ragged offsets describe (packed rows); the caching allocator reuses them from one head to
+  // the next.
+  const int64_t group = p.q_heads / p.kv_heads;
+  auto per_head = p;
+  per_head.q_heads = group;
+  per_head.kv_heads = 1;
+  const auto index = ragged_index(cu_seqlens, per_head.batch, group, 1, per_head.head_dim);
+  for (int64_t h = 0; h < p.kv_heads; ++h) {
+    const auto q_h = q.narrow(1, h * group, group).contiguous();
+    const auto out_h = out.narrow(1, h * group, group).contiguous();
+    const auto grad_out_h = grad_out.narrow(1, h * group, group).contiguous();
+    const auto lse_h = lse.narrow(1, h * group, group).contiguous();
+    const auto k_h = k.narrow(1, h, 1).contiguous(), v_h = v.narrow(1, h, 1).contiguous();
+    auto grad_q_h = at::empty_like(q_h), grad_k_h = at::empty_like(k_h), grad_v_h = at::empty_like(v_h);
+    auto ptr = shared_pointers(q_h, k_h, v_h, out_h, lse_h, index);
+    ptr.grad_out = grad_out_h.data_ptr();
+    ptr.grad_q = grad_q_h.data_ptr();
+    ptr.grad_k = grad_k_h.data_ptr();
+    ptr.grad_v = grad_v_h.data_ptr();
+    run_graph(true, per_head, ptr, q, op);
+    grad_q.narrow(1, h * group, group).copy_(grad_q_h);
+    grad_k.narrow(1, h, 1).copy_(grad_k_h);
+    grad_v.narrow(1, h, 1).copy_(grad_v_h);
+  }
   return {grad_q, grad_k, grad_v};
 }
 

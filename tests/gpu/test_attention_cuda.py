@@ -206,3 +206,77 @@ def test_selective_checkpointing_keeps_the_cudnn_attention_output():
     for got, want in zip(selective, plain):
         scale = want.float().abs().max().clamp_min(1.0)
         torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=0, atol=1e-2)
+
+
+_PER_HEAD = "HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES"
+
+
+def _backward(monkeypatch, per_head_above, grad, q, k, v, out, lse, args):
+    """`per_head_above`: the bound in bytes ("" for the built-in one)."""
+    if per_head_above == "":
+        monkeypatch.delenv(_PER_HEAD, raising=False)
+    else:
+        monkeypatch.setenv(_PER_HEAD, str(per_head_above))
+    return torch.ops.hasten.varlen_attention_backward(grad, q, k, v, out, lse, *args)
+
+
+@needs_cudnn_op
+@pytest.mark.parametrize("hq,hkv,head_dim,window,softcap", [(8, 2, 128, 0, 0.0), (4, 4, 64, 7, 0.0),
+                                                            (6, 3, 64, 33, 1.0), (2, 2, 256, 0, 0.0)])
+def test_cudnn_backward_one_call_per_kv_head_equals_one_call(monkeypatch, hq, hkv, head_dim, window, softcap):
+    """Long sequences run the backward once per K/V head (its workspace 1/Hk of one call's): forced
+    here with the bound at 0 bytes, the gradients equal one call's (the same kernel on the same
+    heads, up to cuDNN's run-to-run noise) and the float32 reference, with grouped and plain heads,
+    a window, a softcap, one-token samples and a token count off every block multiple."""
+    lengths = [5, 1300, 1, 64, 301, 1]
+    gen = torch.Generator(device="cuda").manual_seed(hq * 7 + hkv + head_dim)
+    t = sum(lengths)
+    q, k, v, grad = (torch.randn(t, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for h in (hq, hkv, hkv, hq))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    args = (cu, max(lengths), 2.0 / head_dim ** 0.5, True, window, softcap)
+    out, lse = torch.ops.hasten.varlen_attention(q, k, v, *args)
+    one_call = _backward(monkeypatch, 2**62, grad, q, k, v, out, lse, args)
+    per_head = _backward(monkeypatch, 0, grad, q, k, v, out, lse, args)
+    cpu = [x.cpu() for x in (grad, q, k, v, out, lse)]
+    reference = torch.ops.hasten.varlen_attention_backward(*cpu, cu.cpu(), *args[1:])
+    for label, g, one, w in zip(("dq", "dk", "dv"), per_head, one_call, reference):
+        assert g.shape == w.shape and g.dtype == one.dtype
+        scale = one.float().abs().max().clamp_min(1e-3)
+        torch.testing.assert_close(g.float() / scale, one.float() / scale, atol=1e-2, rtol=0, msg=label)
+        rel = float((g.float().cpu() - w.float()).norm() / w.float().norm())
+        assert rel < 2e-2, f"{label}: relative error {rel:.2e} against the float32 reference"
+
+
+def _backward_peak_bytes(monkeypatch, per_head_above, tokens, hq=32, hkv=8, head_dim=128):
+    """The device's peak during one backward of a single causal sequence, above what was allocated."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    q, k, v, grad = (torch.randn(tokens, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for h in (hq, hkv, hkv, hq))
+    cu = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
+    args = (cu, tokens, head_dim ** -0.5, True, 0, 0.0)
+    out, lse = torch.ops.hasten.varlen_attention(q, k, v, *args)
+    _backward(monkeypatch, per_head_above, grad, q, k, v, out, lse, args)  # graphs built outside the count
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    grads = _backward(monkeypatch, per_head_above, grad, q, k, v, out, lse, args)
+    torch.cuda.synchronize()
+    del grads
+    return torch.cuda.max_memory_allocated() - start
+
+
+@needs_cudnn_op
+def test_cudnn_backward_workspace_follows_the_tokens_and_the_heads(monkeypatch):
+    """Issue 21's long sequences: one call's float32 workspace (12 bytes a token, a query head and a
+    dim) is sized on the token bucket, which now follows the count in sixteenths of a power of two
+    (24,576 tokens no longer pay for 32,768), and one call per K/V head keeps 1/Hk of it. Llama-8B's
+    heads (32 x 128, 8 K/V heads)."""
+    one_call = {t: _backward_peak_bytes(monkeypatch, 2**62, t) for t in (24576, 32768)}
+    assert one_call[24576] / one_call[32768] < 0.8, one_call  # about 0.75: linear; about 0.9: a 32,768 bucket
+    per_head = _backward_peak_bytes(monkeypatch, 0, 32768)
+    workspace = 32768 * 32 * 128 * 12  # 1.5 GiB in one call, 192 MiB per K/V head
+    assert per_head < one_call[32768] - workspace // 2, (per_head, one_call)
+    # by default a workspace above 1 GiB is split (Llama-8B: from about 21,800 tokens)
+    default = _backward_peak_bytes(monkeypatch, "", 32768)
+    assert default <= per_head * 1.05, (default, per_head)
