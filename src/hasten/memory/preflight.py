@@ -173,11 +173,12 @@ def first_step_warning(check: dict, largest: int, where: str) -> str | None:
 
 def probe_sizes(max_tokens: int) -> list[int]:
     """The batch itself when small; else a quarter and a half of it. Why that close: the line is
-    extrapolated from the larger probe to the batch, and the peak per token of one long sequence
-    grows with its length (Llama-8B + LoRA under full checkpointing with offload on an H200: 99 KiB
-    a token on a line through 16,384 and 32,768, 138 at 131,072, 154 at 393,216; 5a4a550), so a
-    line through short probes promises more than the GPU holds. Half the batch costs about a quarter
-    of a step's attention."""
+    extrapolated from the larger probe to the batch, and what is not linear in the tokens shows
+    only near it. At 5a4a550 (Llama-8B + LoRA under full checkpointing with offload, one H200) a
+    line through 16,384 and 32,768 gave 99 KiB a token against 138 measured at 131,072 and 154 at
+    393,216: cuDNN's attention backward workspace was sized on a power-of-two token bucket (and in
+    one call). Since bfa7b90 probes at 131,072 and 262,144 give 93 KiB a token and forecast 393,216's
+    peak within 0.2%. Half the batch costs about a quarter of a step's attention."""
     if max_tokens <= PROBE_EXACT:
         return [max_tokens]
     return [max(PROBE_EXACT // 2, max_tokens // 4), max(PROBE_EXACT, max_tokens // 2)]
