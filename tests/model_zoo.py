@@ -39,6 +39,9 @@ FULL_3 = ["full_attention"] * 3
 GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
                      patch_size=16)
 # Gemma 4's tiny vision tower (its text-only batches never run it)
+# Gemma 4's per-layer inputs (PLE) at the tiny vocabulary: its default table, 262,144 x (layers x 256),
+# was 201M float32 parameters in a 3-layer test model (about 10 s of every gemma4 test on the CPU)
+GEMMA4_PLE = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=2, head_dim=16, patch_size=16, position_embedding_size=64)
 MROPE = dict(rope_type="default", rope_theta=10000.0)
@@ -736,17 +739,18 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("youtu", dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
                         rope_interleave=True, num_key_value_heads=4, head_dim=8), "hasten",
           feature_off=dict(rope_interleave=False)),
-    # global_head_dim 32: the published 512 is past every packed kernel's 256 (per-sequence attention on the GPU)
+    # global_head_dim 32: the published 512 is past every packed kernel's 256 (per-sequence attention on the GPU);
+    # the per-layer inputs at the tiny vocabulary (GEMMA4_PLE; the default table is 262,144 x 768)
     Entry("gemma4_text", dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=2.0,
-                              num_kv_shared_layers=1, global_head_dim=32), "hasten",
+                              num_kv_shared_layers=1, global_head_dim=32, **GEMMA4_PLE), "hasten",
           feature_off=dict(final_logit_softcapping=None)),
     # Gemma 4's wrapper (Gemma4ForConditionalGeneration) on text-only packed batches: gemma4_text's case
     # inside; its head applies the text config's final softcap, as Gemma4ForCausalLM's does
     Entry("gemma4", dict(text_config=dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=2.0,
-                                          num_kv_shared_layers=1, global_head_dim=32),
+                                          num_kv_shared_layers=1, global_head_dim=32, **GEMMA4_PLE),
                          vision_config=GEMMA4_VISION), "hasten",
           feature_off=dict(text_config=dict(sliding_window=WINDOW, layer_types=SLIDING_3, final_logit_softcapping=None,
-                                            num_kv_shared_layers=1, global_head_dim=32),
+                                            num_kv_shared_layers=1, global_head_dim=32, **GEMMA4_PLE),
                            vision_config=GEMMA4_VISION),
           notes="Gemma4ForConditionalGeneration; a packed batch with images is refused"),
     Entry("seed_oss", dict(attention_bias=True, residual_dropout=0.0), "hasten"),
