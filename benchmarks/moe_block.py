@@ -121,9 +121,30 @@ def decide_gates(block: torch.nn.Module) -> None:
             module._hasten_gate = gate_kernel(module, checked=clamped)
 
 
+def use_shared_mlps(block, config, fused: bool) -> int:
+    """The block's shared experts (DeepSeek's `shared_experts`, Llama 4's `shared_expert`: dense
+    gated MLPs) as each side runs them: hasten's fused SwiGLU for hasten's variants, after the same
+    check accelerate() makes on every gated MLP of a model (`install_fused_mlp`); the class's own
+    for transformers'. W3's DeepSeek-V2-Lite rows up to bfa7b90 ran the class's own shared MLP under
+    hasten too (torch's SiLU, product and their backward: about 0.4 ms of 12.75). Returns the
+    number of MLPs on hasten's kernel."""
+    from hasten.dense.patch import install_fused_mlp
+
+    undo = block.__dict__.pop("_w3_shared_mlp_undo", None)
+    if undo is not None:
+        undo()
+    if not fused:
+        return 0
+    undo, patched, _refused = install_fused_mlp(block, config=getattr(config, "text_config", None) or config)
+    block.__dict__["_w3_shared_mlp_undo"] = undo
+    return patched
+
+
 def use_implementation(block, config, implementation: str) -> None:
     """The experts implementation for the next calls: transformers' experts interface name, or for
-    Llama 4 (no such interface) its block's own forward ("eager") or hasten's ("hasten_fused")."""
+    Llama 4 (no such interface) its block's own forward ("eager") or hasten's ("hasten_fused"); the
+    shared MLPs follow (use_shared_mlps)."""
+    block.__dict__["_w3_shared_mlps_fused"] = use_shared_mlps(block, config, implementation == "hasten_fused")
     if BLOCK != "llama4_scout":
         config._experts_implementation = implementation
         return
@@ -254,7 +275,8 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     notes.insert(0, f"fwd+bwd ms {[round(t * 1000, 2) for t in times]}; fallbacks {fallback_counts()}")
     if name.startswith("hasten"):
         gates = sorted({getattr(m, "_hasten_gate", "") for m in block.modules() if hasattr(m, "_hasten_gate")})
-        notes.append(f"expert gate {gates or 'n/a'}")
+        notes.append(f"expert gate {gates or 'n/a'}; shared MLPs on hasten's SwiGLU "
+                     f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}")
     notes.append(f"output rel err vs eager {out_err:.2e}")
     if name in GRAD_TOLERANCE:
         check = compare(out, x_grad, param_grads, want)
