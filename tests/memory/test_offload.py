@@ -372,3 +372,34 @@ def test_batches_of_changing_lengths_keep_the_host_pool_under_the_guards_limit()
         assert engine.host_pool_stats().cached_bytes == 0
         manager.detach()
     assert allocated[False] > allocated[True]
+
+
+def test_the_host_limit_is_shared_by_the_processes_on_the_host(monkeypatch):
+    """Each torchrun rank reads the same MemAvailable before any pins a block: the guard's 80% is
+    divided by LOCAL_WORLD_SIZE, so the ranks together promise no more than the host has; the
+    refusal names the share."""
+    from hasten.memory import offload
+
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: 10 * 2**30)
+    limits = {}
+    for ranks in (None, "1", "4", "junk"):
+        if ranks is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        model = _model()
+        manager = OffloadManager(model, "all", min_bytes=0)
+        limits[ranks] = manager.host_limit_bytes
+        manager.detach()
+    assert limits[None] == limits["1"] == limits["junk"] == int(10 * 2**30 * 0.8)
+    assert limits["4"] == int(10 * 2**30 * 0.8 / 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    model = _model()
+    manager = OffloadManager(model, "all", min_bytes=0)
+    manager.host_limit_bytes = 1024
+    with pytest.raises(offload.OffloadError, match="80% of what was available at start, shared by the 4 processes"):
+        model(**_batch()).loss.backward()
+    manager.detach()
+    from hasten.memory.preflight import HOST_FRACTION, host_share_bytes
+
+    assert host_share_bytes(HOST_FRACTION) == int(10 * 2**30 * HOST_FRACTION / 4)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -485,6 +486,24 @@ def available_host_bytes() -> int | None:
     return None
 
 
+def processes_on_this_host() -> int:
+    """Processes of this job that share the host's memory: torchrun's LOCAL_WORLD_SIZE (1 without
+    torchrun, or where it is not a positive integer)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def host_share_bytes(fraction: float) -> int | None:
+    """This process's share of the host memory activation offload may hold: `fraction` of
+    MemAvailable, divided among the processes on this host (None where MemAvailable is unknown).
+    Why divided: each rank of a torchrun job reads the same MemAvailable before any of them pins a
+    block, so eight ranks at 80% each would promise 6.4 times what the host has."""
+    available = available_host_bytes()
+    return int(available * fraction / processes_on_this_host()) if available else None
+
+
 class OffloadManager:
     """training.checkpoint.offload on one model.
 
@@ -522,8 +541,8 @@ class OffloadManager:
         self.kept_for_host: list[int] = []  # layers keep_on_device() keeps off the host (the preflight's split)
         self.plan = None  # hasten.memory.planner.Plan once 'auto' has planned
         self.bandwidth: dict[str, float] | None = None
-        available = available_host_bytes()
-        self.host_limit_bytes = int(available * host_fraction) if available else None
+        self.host_limit_bytes = host_share_bytes(host_fraction)
+        self.host_fraction = host_fraction
         # the pool's cached blocks count against the same limit: batches vary in length, and
         # blocks of an earlier step's sizes are freed before new ones would pass it
         self.offload.engine.set_host_limit(self.host_limit_bytes)
@@ -670,8 +689,10 @@ class OffloadManager:
         if held + nbytes > self.host_limit_bytes:
             raise OffloadError(
                 f"activation offload needs more host memory than this machine can spare: {(held + nbytes) / 2**30:.1f}"
-                f" GiB would be held, the limit is {self.host_limit_bytes / 2**30:.1f} GiB (80% of what was "
-                "available at start). Lower training.max_tokens, give training.checkpoint.max_memory_gib with "
+                f" GiB would be held, the limit is {self.host_limit_bytes / 2**30:.1f} GiB "
+                f"({100 * self.host_fraction:.0f}% of what was available at start"
+                f"{f', shared by the {processes_on_this_host()} processes on this host' if processes_on_this_host() > 1 else ''}"
+                "). Lower training.max_tokens, give training.checkpoint.max_memory_gib with "
                 "offload: auto (the planner then recomputes instead), or set training.checkpoint.offload: none.")
 
     # ---- metrics ------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ memory at any length:
   host(T)   = host_per_token * T                                    (offload only)
 
 against what is free now (the device's free memory plus the allocator's cached blocks, less a 5%
-margin for fragmentation; the host's MemAvailable, 80% of it, the offload guard's own limit).
+margin for fragmentation; the host's MemAvailable, 80% of it shared among the processes on the host, the
+offload guard's own limit).
 
 Where the host cannot hold every offloaded layer's checkpoint but the device has room, the batch is
 split (`host_layers_kept`): the last k of the offloaded layers keep their checkpointed input on the
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hasten.memory.offload import available_host_bytes
+from hasten.memory.offload import host_share_bytes
 
 PROBE_EXACT = 8192
 DEVICE_MARGIN = 0.95
@@ -249,7 +250,7 @@ def forecast(probes: Sequence[Probe], optimizer_bytes: int, device: torch.device
     reuse, which MemAvailable no longer counts; after probes at 131,072 and 262,144 tokens of a
     Llama-8B shape that is 60 GiB, and the limit read then was 46.7 GiB instead of about 100 (the
     statement fell from about 595K tokens to 452K; 1abb0f8). None: HOST_FRACTION of MemAvailable
-    now (a caller without a guard)."""
+    now, shared among the host's processes (a caller without a guard)."""
     per_token, constant = fit_line([(p.tokens, float(p.device_bytes)) for p in probes])
     free, _total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -260,7 +261,6 @@ def forecast(probes: Sequence[Probe], optimizer_bytes: int, device: torch.device
     else:
         host_per_token, _ = fit_line([(p.tokens, float(p.host_bytes)) for p in probes])
         if host_limit is None:
-            available = available_host_bytes()
-            host_limit = int(available * HOST_FRACTION) if available else None
+            host_limit = host_share_bytes(HOST_FRACTION)
     return MemoryForecast(optimizer_bytes, max(per_token, 0.0), max(constant, 0.0), limit, max(host_per_token, 0.0),
                           host_limit, host_layers if with_offload else 0)
