@@ -40,7 +40,9 @@ class CheckpointConfig:
     # none; all (every layer but the last); auto (measure the first step, then keep, offload or
     # recompute each layer so that the copies stay hidden, within max_memory_gib if given).
     # With activations: full, what goes to the host is each layer's checkpointed input (all: every
-    # layer's but the last; auto: the planner keeps on the device what fits max_memory_gib).
+    # layer's but the last; auto: the planner keeps on the device what fits max_memory_gib). The
+    # host memory it may hold: 80% of MemAvailable at start, divided among the processes on the
+    # host (torchrun's LOCAL_WORLD_SIZE).
     offload: Literal["none", "all", "auto"] = "none"
     # The deployment guide's switch: true turns offload on (auto, unless offload names a mode) and
     # brings layer i-1's activations back while layer i runs its backward (two device buffers);
