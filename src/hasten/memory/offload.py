@@ -495,13 +495,14 @@ def processes_on_this_host() -> int:
         return 1
 
 
-def host_share_bytes(fraction: float) -> int | None:
+def host_share_bytes(fraction: float, processes: int | None = None) -> int | None:
     """This process's share of the host memory activation offload may hold: `fraction` of
     MemAvailable, divided among the processes on this host (None where MemAvailable is unknown).
     Why divided: each rank of a torchrun job reads the same MemAvailable before any of them pins a
     block, so eight ranks at 80% each would promise 6.4 times what the host has."""
     available = available_host_bytes()
-    return int(available * fraction / processes_on_this_host()) if available else None
+    processes = processes_on_this_host() if processes is None else processes
+    return int(available * fraction / processes) if available else None
 
 
 class OffloadManager:
@@ -541,8 +542,9 @@ class OffloadManager:
         self.kept_for_host: list[int] = []  # layers keep_on_device() keeps off the host (the preflight's split)
         self.plan = None  # hasten.memory.planner.Plan once 'auto' has planned
         self.bandwidth: dict[str, float] | None = None
-        self.host_limit_bytes = host_share_bytes(host_fraction)
-        self.host_fraction = host_fraction
+        # read once: the limit and its refusal name the same share
+        self.host_fraction, self.host_processes = host_fraction, processes_on_this_host()
+        self.host_limit_bytes = host_share_bytes(host_fraction, self.host_processes)
         # the pool's cached blocks count against the same limit: batches vary in length, and
         # blocks of an earlier step's sizes are freed before new ones would pass it
         self.offload.engine.set_host_limit(self.host_limit_bytes)
@@ -687,12 +689,11 @@ class OffloadManager:
             return
         held = self.offload.engine.stats().host_bytes_held
         if held + nbytes > self.host_limit_bytes:
+            shared = f", shared by the {self.host_processes} processes on this host" if self.host_processes > 1 else ""
             raise OffloadError(
                 f"activation offload needs more host memory than this machine can spare: {(held + nbytes) / 2**30:.1f}"
                 f" GiB would be held, the limit is {self.host_limit_bytes / 2**30:.1f} GiB "
-                f"({100 * self.host_fraction:.0f}% of what was available at start"
-                f"{f', shared by the {processes_on_this_host()} processes on this host' if processes_on_this_host() > 1 else ''}"
-                "). Lower training.max_tokens, give training.checkpoint.max_memory_gib with "
+                f"({100 * self.host_fraction:.0f}% of what was available at start{shared}). Lower training.max_tokens, give training.checkpoint.max_memory_gib with "
                 "offload: auto (the planner then recomputes instead), or set training.checkpoint.offload: none.")
 
     # ---- metrics ------------------------------------------------------------------------------
