@@ -53,9 +53,13 @@ TORCH_LIBRARY(hasten, m) {
   m.def("gelu_tanh_mul_backward(Tensor grad_act, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
   // gpt-oss's experts: gate and up interleaved in (R, 2I) (gate = column 2c, up = 2c + 1),
   // (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) -> (R, I); and
-  // its backward -> (R, 2I), interleaved as gate_up.
-  m.def("clamped_swiglu(Tensor gate_up, float alpha, float limit) -> Tensor");
-  m.def("clamped_swiglu_backward(Tensor grad_act, Tensor gate_up, float alpha, float limit) -> Tensor");
+  // its backward -> (R, 2I), interleaved as gate_up. With bias (E, 2I) and group_ends (E,) int32
+  // (the inclusive ends of expert-sorted rows): each row's expert bias is added to gate_up (rounded
+  // to its dtype) before the gate, in both; the bias's gradient is the caller's (rows' one-hot GEMM).
+  m.def("clamped_swiglu(Tensor gate_up, float alpha, float limit, Tensor? bias=None, Tensor? group_ends=None) "
+        "-> Tensor");
+  m.def("clamped_swiglu_backward(Tensor grad_act, Tensor gate_up, float alpha, float limit, Tensor? bias=None, "
+        "Tensor? group_ends=None) -> Tensor");
   // Attention of each packed sequence to itself (causal or full): q (T, Hq, D), k and v (T, Hk, D),
   // Hq a multiple of Hk, cu_seqlens (N+1) int32 boundaries, max_seqlen >= the longest sequence.
   // out (T, Hq, D); lse (T, Hq) float32, the log-sum-exp of each query's scaled scores, which the

@@ -8,6 +8,7 @@
 #include <torch/types.h>
 
 #include <cmath>
+#include <optional>
 
 #include "hasten/checks.h"
 
@@ -34,6 +35,29 @@ inline void check_clamped_swiglu_args(const char* op, const at::Tensor& gate_up,
   check_swiglu_args(op, gate_up);
   TORCH_CHECK(std::isfinite(alpha) && std::isfinite(limit) && limit > 0, "hasten::", op,
               ": `alpha` must be finite and `limit` finite and positive, got alpha=", alpha, ", limit=", limit);
+}
+
+// The optional expert biases: bias (E, 2 * inner) in gate_up's dtype and device with group_ends
+// (E,) int32 beside it (the inclusive ends of the expert-sorted rows), or neither.
+inline void check_clamped_swiglu_bias(const char* op, const at::Tensor& gate_up,
+                                      const std::optional<at::Tensor>& bias,
+                                      const std::optional<at::Tensor>& group_ends) {
+  TORCH_CHECK(bias.has_value() == group_ends.has_value(), "hasten::", op,
+              ": `bias` and `group_ends` go together (each row's expert comes from group_ends), got only ",
+              bias.has_value() ? "`bias`" : "`group_ends`");
+  if (!bias.has_value()) return;
+  const auto& b = *bias;
+  const auto& ends = *group_ends;
+  TORCH_CHECK(b.dim() == 2 && b.size(0) >= 1 && b.size(1) == gate_up.size(1), "hasten::", op,
+              ": `bias` must be (experts, 2 * inner) with gate_up's width ", num(gate_up.size(1)), ", got ",
+              shape(b.sizes()));
+  check_same_dtype(gate_up, b, op, "gate_up", "bias");
+  check_same_device(gate_up, b, op, "gate_up", "bias");
+  TORCH_CHECK(ends.dim() == 1 && ends.size(0) == b.size(0), "hasten::", op,
+              ": `group_ends` must be (experts,) with one end per row of `bias` (", num(b.size(0)), "), got ",
+              shape(ends.sizes()));
+  check_dtype(ends, op, "group_ends", {at::kInt});
+  check_same_device(gate_up, ends, op, "gate_up", "group_ends");
 }
 
 inline void check_clamped_swiglu_backward_args(const at::Tensor& grad_act, const at::Tensor& gate_up, double alpha,

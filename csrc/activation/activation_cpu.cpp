@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <optional>
 #include <tuple>
+#include <vector>
 
 #include "../kernels/gate_activation.h"
 #include "activation_checks.h"
@@ -111,9 +114,30 @@ ClampedGate<A> clamped_gate(A gate, A up, A alpha, A limit) {
   return c;
 }
 
-at::Tensor clamped_swiglu_cpu(const at::Tensor& gate_up, double alpha, double limit) {
+// gate_up with each row's expert bias added and rounded to its dtype (the model adds the bias in its
+// dtype), where given; kernels/swiglu.cuh's ClampedSwigluParams has the row-to-expert rule.
+at::Tensor with_row_bias(const at::Tensor& gate_up, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& group_ends) {
+  if (!bias.has_value()) return gate_up.contiguous();
+  const auto ends = group_ends->contiguous();
+  const int32_t* end = ends.data_ptr<int32_t>();
+  const int64_t experts = ends.size(0), rows = gate_up.size(0);
+  std::vector<int64_t> expert_of_row(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t e = std::upper_bound(end, end + experts, static_cast<int32_t>(std::min<int64_t>(r, INT32_MAX))) - end;
+    expert_of_row[r] = std::min(e, experts - 1);
+  }
+  const auto index = at::tensor(expert_of_row, gate_up.options().dtype(at::kLong));
+  // in float32 (float64 inputs: float64), then rounded once to gate_up's dtype, as the CUDA kernel does
+  const auto wide = gate_up.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return (gate_up.to(wide) + bias->index_select(0, index).to(wide)).to(gate_up.scalar_type()).contiguous();
+}
+
+at::Tensor clamped_swiglu_cpu(const at::Tensor& gate_up, double alpha, double limit,
+                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& group_ends) {
   check_clamped_swiglu_args("clamped_swiglu", gate_up, alpha, limit);
-  const auto x = gate_up.contiguous();
+  check_clamped_swiglu_bias("clamped_swiglu", gate_up, bias, group_ends);
+  const auto x = with_row_bias(gate_up, bias, group_ends);
   const int64_t rows = x.size(0), inner = x.size(1) / 2;
   auto out = at::empty({rows, inner}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "clamped_swiglu_cpu", [&] {
@@ -131,9 +155,11 @@ at::Tensor clamped_swiglu_cpu(const at::Tensor& gate_up, double alpha, double li
 }
 
 at::Tensor clamped_swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gate_up, double alpha,
-                                       double limit) {
+                                       double limit, const std::optional<at::Tensor>& bias,
+                                       const std::optional<at::Tensor>& group_ends) {
   check_clamped_swiglu_backward_args(grad_act, gate_up, alpha, limit);
-  const auto x = gate_up.contiguous();
+  check_clamped_swiglu_bias("clamped_swiglu_backward", gate_up, bias, group_ends);
+  const auto x = with_row_bias(gate_up, bias, group_ends);
   const auto d = grad_act.contiguous();
   const int64_t rows = x.size(0), inner = x.size(1) / 2;
   auto out = at::empty_like(x);

@@ -5,7 +5,9 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <optional>
 #include <tuple>
+#include <vector>
 
 #include "../kernels/swiglu.cuh"
 #include "activation_checks.h"
@@ -49,23 +51,39 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& ga
 }
 
 // gpt-oss's clamped SwiGLU on interleaved (gate, up) pairs of one (R, 2I) tensor.
-at::Tensor clamped_swiglu_cuda(const at::Tensor& gate_up, double alpha, double limit) {
+// The optional expert biases into the params; `held` keeps their contiguous copies alive for the launch.
+void set_row_bias(kernels::ClampedSwigluParams& p, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& group_ends, std::vector<at::Tensor>& held) {
+  if (!bias.has_value()) return;
+  held = {bias->contiguous(), group_ends->contiguous()};
+  p.bias = held[0].data_ptr();
+  p.group_ends = held[1].data_ptr<int32_t>();
+  p.experts = held[0].size(0);
+}
+
+at::Tensor clamped_swiglu_cuda(const at::Tensor& gate_up, double alpha, double limit,
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& group_ends) {
   check_device(gate_up, "clamped_swiglu", "gate_up", c10::DeviceType::CUDA);
   check_clamped_swiglu_args("clamped_swiglu", gate_up, alpha, limit);
+  check_clamped_swiglu_bias("clamped_swiglu", gate_up, bias, group_ends);
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const auto x = gate_up.contiguous();
   const int64_t rows = x.size(0), inner = x.size(1) / 2;
   auto out = at::empty({rows, inner}, x.options());
   kernels::ClampedSwigluParams p{x.data_ptr(), nullptr, out.data_ptr(), rows, inner, static_cast<float>(alpha),
                                  static_cast<float>(limit), element_type(x, "clamped_swiglu")};
+  std::vector<at::Tensor> held;
+  set_row_bias(p, bias, group_ends, held);
   check_launch(kernels::launch_clamped_swiglu_forward(p, c10::cuda::getCurrentCUDAStream()), "clamped_swiglu");
   return out;
 }
 
 at::Tensor clamped_swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& gate_up, double alpha,
-                                        double limit) {
+                                        double limit, const std::optional<at::Tensor>& bias,
+                                        const std::optional<at::Tensor>& group_ends) {
   check_device(gate_up, "clamped_swiglu_backward", "gate_up", c10::DeviceType::CUDA);
   check_clamped_swiglu_backward_args(grad_act, gate_up, alpha, limit);
+  check_clamped_swiglu_bias("clamped_swiglu_backward", gate_up, bias, group_ends);
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const auto x = gate_up.contiguous();
   const auto d = grad_act.contiguous();
@@ -73,6 +91,8 @@ at::Tensor clamped_swiglu_backward_cuda(const at::Tensor& grad_act, const at::Te
   kernels::ClampedSwigluParams p{x.data_ptr(), d.data_ptr(), out.data_ptr(), x.size(0), x.size(1) / 2,
                                  static_cast<float>(alpha), static_cast<float>(limit),
                                  element_type(x, "clamped_swiglu_backward")};
+  std::vector<at::Tensor> held;
+  set_row_bias(p, bias, group_ends, held);
   check_launch(kernels::launch_clamped_swiglu_backward(p, c10::cuda::getCurrentCUDAStream()),
                "clamped_swiglu_backward");
   return out;

@@ -44,6 +44,13 @@ struct ClampedSwigluParams {
   int64_t rows, inner;   // R, I
   float alpha, limit;
   ElementType type;
+  // Optional (gpt-oss's expert biases): each row's expert bias added to gate_up, rounded to the
+  // element type as the model's y + bias is, before the gate (forward and backward alike). bias
+  // (E, 2I) contiguous; row r's expert is the number of group_ends (E, int32: the inclusive ends
+  // of the expert-sorted rows) <= r, at most E - 1 (rows past the valid slots: never combined).
+  const void* bias = nullptr;
+  const int32_t* group_ends = nullptr;
+  int64_t experts = 0;
 };
 cudaError_t launch_clamped_swiglu_forward(const ClampedSwigluParams& params, cudaStream_t stream);
 cudaError_t launch_clamped_swiglu_backward(const ClampedSwigluParams& params, cudaStream_t stream);

@@ -166,6 +166,29 @@ __device__ __forceinline__ ClampedGate clamped_gate(float gate, float up, float 
   return c;
 }
 
+// The expert of an expert-sorted row: how many inclusive group ends are <= r, at most E - 1.
+__device__ __forceinline__ int64_t expert_of_row(const int32_t* group_ends, int64_t experts, int64_t r) {
+  int64_t low = 0, high = experts;  // the first e with group_ends[e] > r
+  while (low < high) {
+    const int64_t middle = (low + high) / 2;
+    if (group_ends[middle] > r) high = middle;
+    else low = middle + 1;
+  }
+  return low < experts ? low : experts - 1;
+}
+
+// gate_up chunk v of row r plus the row's expert bias, rounded to T (the model adds the bias in
+// its dtype), where the params carry a bias.
+template <typename T, int V, bool kWide>
+__device__ __forceinline__ void add_row_bias(const ClampedSwigluParams& p, int64_t r, int64_t v, T (&x)[V]) {
+  if (p.bias == nullptr) return;
+  const int64_t expert = expert_of_row(p.group_ends, p.experts, r);
+  T b[V];
+  load_elements<T, V, kWide>(static_cast<const T*>(p.bias) + expert * 2 * p.inner, v, b);
+#pragma unroll
+  for (int i = 0; i < V; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(b[i]));
+}
+
 template <typename T, int V, bool kWide>
 __global__ void __launch_bounds__(kThreads) clamped_swiglu_forward_kernel(ClampedSwigluParams p) {
   static_assert(V % 2 == 0, "whole (gate, up) pairs per thread");
@@ -174,6 +197,7 @@ __global__ void __launch_bounds__(kThreads) clamped_swiglu_forward_kernel(Clampe
   for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
     T x[V];
     load_elements<T, V, kWide>(static_cast<const T*>(p.gate_up) + r * 2 * p.inner, v, x);
+    add_row_bias<T, V, kWide>(p, r, v, x);
     T act[V / 2];
 #pragma unroll
     for (int i = 0; i < V / 2; ++i) {
@@ -193,6 +217,7 @@ __global__ void __launch_bounds__(kThreads) clamped_swiglu_backward_kernel(Clamp
     T x[V], d[V / 2];
     load_elements<T, V, kWide>(static_cast<const T*>(p.gate_up) + r * 2 * p.inner, v, x);
     load_elements<T, V / 2, kWide>(static_cast<const T*>(p.grad_act) + r * p.inner, v, d);
+    add_row_bias<T, V, kWide>(p, r, v, x);
 #pragma unroll
     for (int i = 0; i < V / 2; ++i) {
       const ClampedGate c = clamped_gate(to_float(x[2 * i]), to_float(x[2 * i + 1]), p.alpha, p.limit);
@@ -211,7 +236,7 @@ template <typename T>
 bool clamped_vectors_fit(const ClampedSwigluParams& p, bool backward) {
   constexpr int kV = kVec<T>;
   return (2 * p.inner) % kV == 0 && p.inner % (kV / 2) == 0 && aligned16(p.gate_up) && aligned16(p.out) &&
-         (!backward || aligned16(p.grad_act));
+         (!backward || aligned16(p.grad_act)) && (p.bias == nullptr || aligned16(p.bias));
 }
 
 template <typename T>

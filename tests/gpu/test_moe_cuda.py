@@ -116,6 +116,39 @@ def test_clamped_swiglu_cuda_equals_cpu_forward_and_backward(dtype, rows, inner,
         assert torch.allclose(act.cpu(), clamped_swiglu_reference(gate_up, 1.702, 0.8), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inner,experts", [(65_536 + 3, 2880, 32), (70_000, 12, 5), (9, 3, 4)])
+def test_clamped_swiglu_with_expert_biases_cuda_equals_the_biases_added_apart(dtype, rows, inner, experts):
+    """gpt-oss's gate_up biases inside the clamped kernel (each expert-sorted row's expert from the
+    group ends by binary search): the CUDA kernel, forward and backward, against the same kernel on
+    gate_up + one_hot @ bias (the unfused path, bitwise in bf16: the sum is rounded once either way)
+    and against the CPU reference; experts of uneven sizes, one empty, rows past the ends, rows past
+    the grid's 65,535, the vector path (2880) and the element path (odd widths)."""
+    gen = torch.Generator().manual_seed(rows + experts)
+    sizes = torch.randint(0, 2 * rows // experts + 1, (experts,), generator=gen)
+    sizes[1] = 0
+    ends = sizes.cumsum(0).clamp(max=rows - 1).to(torch.int32).cuda()
+    gate_up = (torch.randn(rows, 2 * inner, generator=gen) * 2).to(dtype).cuda()
+    bias = (torch.randn(experts, 2 * inner, generator=gen) * 0.8).to(dtype).cuda()
+    grad = torch.randn(rows, inner, generator=gen).to(dtype).cuda()
+    one_hot = moe_ops.row_experts_one_hot(ends, rows, dtype)
+    apart = torch.addmm(gate_up, one_hot, bias)
+    act = torch.ops.hasten.clamped_swiglu(gate_up, 1.702, 0.8, bias, ends)
+    back = torch.ops.hasten.clamped_swiglu_backward(grad, gate_up, 1.702, 0.8, bias, ends)
+    want_act = torch.ops.hasten.clamped_swiglu(apart, 1.702, 0.8)
+    want_back = torch.ops.hasten.clamped_swiglu_backward(grad, apart, 1.702, 0.8)
+    torch.testing.assert_close(act, want_act, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+    torch.testing.assert_close(back, want_back, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-5)
+    cpu = torch.ops.hasten.clamped_swiglu(gate_up.cpu(), 1.702, 0.8, bias.cpu(), ends.cpu())
+    tolerance = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    assert torch.allclose(act.cpu().float(), cpu.float(), **tolerance)
+    # and through autograd: the bias's gradient is the rows' one-hot GEMM of the kernel's d gate_up
+    leaves = [gate_up.clone().requires_grad_(), bias.clone().requires_grad_()]
+    moe_ops.clamped_swiglu(leaves[0], 1.702, 0.8, leaves[1], ends).backward(grad)
+    assert leaves[0].grad.equal(back)
+    torch.testing.assert_close(leaves[1].grad.float(), (one_hot.t().float() @ back.float()), rtol=2e-2, atol=2e-2)
+
+
 def test_fused_block_equals_eager_block_bf16_and_syncs_nothing():
     block, config = _w3_block()
     x = torch.randn(1, 4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # (B, T, H)

@@ -125,6 +125,40 @@ def test_gpt_oss_experts_take_the_fused_clamped_gate_after_a_check():
     assert "_hasten_gate" not in experts.__dict__
 
 
+def test_gpt_oss_gate_up_biases_go_inside_the_clamped_kernel_after_a_check_or_apart_with_a_warning(monkeypatch):
+    """The experts' gate_up biases are added inside the clamped kernel where clamped_bias_mismatch
+    finds it equal to adding them apart (float32 and the weights' dtype, on the module's device);
+    where it does not, they are added apart, counted and warned once per class. The packed loss and
+    every gradient are those of the biases added apart, in float32."""
+    from hasten.moe import experts as experts_module
+    from hasten.observability import fallback_counts
+    from tests import model_zoo as zoo
+
+    model = _gpt_oss_model()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.has_bias and experts_module.clamped_bias_mismatch(experts) is None
+    batch = zoo.samples(seed=3)
+
+    def loss_and_grads():
+        handle, loss, grads = zoo.packed_run(model, batch)
+        fused = [layer.mlp.experts.__dict__.get("_hasten_fused_bias") for layer in model.model.layers]
+        report = handle.report()
+        handle.undo()
+        return loss, grads, fused, report
+
+    loss, grads, fused, report = loss_and_grads()
+    assert fused == [True] * len(model.model.layers) and "gate_up's inside the clamped kernel" in report
+    assert "_hasten_fused_bias" not in experts.__dict__  # undo
+    monkeypatch.setattr(experts_module, "clamped_bias_mismatch", lambda m: "a kernel that differs (test)")
+    before = fallback_counts().get("moe_clamped_gate_bias", 0)
+    apart_loss, apart_grads, apart, _ = loss_and_grads()
+    assert apart == [False] * len(model.model.layers)
+    assert fallback_counts().get("moe_clamped_gate_bias", 0) == before + 1  # once per class, counted
+    torch.testing.assert_close(loss, apart_loss, rtol=1e-6, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], apart_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_gate_that_is_not_gpt_oss_formula_keeps_its_own_and_says_why(monkeypatch):
     """A look-alike (alpha and limit, another formula: no + 1 on up) is refused by the check and runs
     its own _apply_gate, named in the report."""

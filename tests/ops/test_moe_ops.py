@@ -129,6 +129,38 @@ def test_clamped_swiglu_matches_gpt_oss_gate_with_its_gradients(rows, inner):
                               atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("rows,inner,ends", [(11, 6, [3, 3, 8, 9]), (1, 1, [0, 1]), (0, 4, [0, 0]),
+                                             (40, 8, [40])])
+def test_clamped_swiglu_with_expert_biases_equals_the_biases_added_apart(rows, inner, ends):
+    """gpt-oss's gate_up biases added inside the clamped kernel: each expert-sorted row gets its
+    expert's bias (an empty expert, rows past the valid slots: the last expert's), forward and the
+    gradients of gate_up and the bias equal adding them apart (y + one_hot @ bias, the unfused
+    path) in float64, and in bfloat16 the sum is rounded once as the model's y + bias is."""
+    gen = torch.Generator().manual_seed(rows + inner)
+    experts = len(ends)
+    group_ends = torch.tensor(ends, dtype=torch.int32)
+    x = (torch.randn(rows, 2 * inner, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    bias = (torch.randn(experts, 2 * inner, generator=gen, dtype=torch.float64)).requires_grad_()
+    one_hot = moe_ops.row_experts_one_hot(group_ends, rows, torch.float64)
+    if rows == 11:  # rows 0-2 expert 0, none for 1, 3-7 expert 2, 8 expert 3, 9-10 past the ends: expert 3
+        assert one_hot.argmax(1).tolist() == [0, 0, 0, 2, 2, 2, 2, 2, 3, 3, 3]
+    want = moe_ops.clamped_swiglu(x + one_hot @ bias, 1.702, 0.8)
+    got = moe_ops.clamped_swiglu(x, 1.702, 0.8, bias, group_ends)
+    assert torch.allclose(got, want, atol=1e-12)
+    grad = torch.randn(rows, inner, generator=gen, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, (x, bias), grad)
+    got_grads = torch.autograd.grad(got, (x, bias), grad)
+    for g, w in zip(got_grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-12)
+    if rows * inner:
+        assert not torch.allclose(got, moe_ops.clamped_swiglu(x, 1.702, 0.8), atol=1e-3)  # the bias matters
+        inside = [(t.detach() * 0.2).requires_grad_() for t in (x, bias)]  # away from the kinks
+        torch.autograd.gradcheck(lambda a, b: moe_ops.clamped_swiglu(a, 1.702, 0.8, b, group_ends), inside)
+        xb, bb = x.detach().bfloat16(), bias.detach().bfloat16()
+        apart = moe_ops.clamped_swiglu(torch.addmm(xb, one_hot.bfloat16(), bb), 1.702, 0.8)
+        torch.testing.assert_close(moe_ops.clamped_swiglu(xb, 1.702, 0.8, bb, group_ends), apart, rtol=0, atol=0)
+
+
 def test_clamped_swiglu_is_not_the_plain_swiglu_nor_unclamped():
     """The check in hasten.moe.experts tells these apart: a gate without the clamp or the + 1 is off."""
     gate_up = torch.randn(6, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3

@@ -93,7 +93,11 @@ def _cases(requires_grad: bool):
         ("swiglu", (t(4, 10),)),
         ("swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False))),
         ("clamped_swiglu", (t(4, 10), 1.702, 0.8)),
+        # with gpt-oss's expert biases: 3 experts, the middle one empty, ends (E,) int32
+        ("clamped_swiglu", (t(4, 10), 1.702, 0.8, t(3, 10), torch.tensor([1, 1, 4], dtype=torch.int32))),
         ("clamped_swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False), 1.702, 0.8)),
+        ("clamped_swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False), 1.702, 0.8, t(3, 10, grad=False),
+                                     torch.tensor([1, 1, 4], dtype=torch.int32))),
         # x (2, 3, 8), a frozen base (6, 8) with bias, rank 4 adapters; then with a dropout input
         ("lora_linear", (t(2, 3, 8), None, t(6, 8, grad=False), t(6, grad=False), t(4, 8), t(6, 4), 0.5)),
         ("lora_linear", (t(2, 3, 8), t(2, 3, 8), t(6, 8, grad=False), None, t(4, 8), t(6, 4), 2.0)),
@@ -205,6 +209,12 @@ def _bad_inputs():
         ("clamped_swiglu", (f(2, 4), 1.702, 0.0)),
         ("clamped_swiglu", (f(2, 4), float("nan"), 7.0)),
         ("clamped_swiglu_backward", (f(2, 3), f(2, 4), 1.702, 7.0)),
+        ("clamped_swiglu", (f(2, 4), 1.702, 7.0, f(3, 4), None)),  # a bias without its rows' experts
+        ("clamped_swiglu", (f(2, 4), 1.702, 7.0, f(3, 6), torch.tensor([1, 1, 2], dtype=i32))),  # width
+        ("clamped_swiglu", (f(2, 4), 1.702, 7.0, f(3, 4), torch.tensor([1, 2], dtype=i32))),  # one end an expert
+        ("clamped_swiglu", (f(2, 4), 1.702, 7.0, f(3, 4), torch.tensor([1, 1, 2]))),  # int64 ends
+        ("clamped_swiglu_backward", (f(2, 2), f(2, 4), 1.702, 7.0, f(3, 4, dtype=torch.float64),
+                                     torch.tensor([1, 1, 2], dtype=i32))),  # the bias's dtype
         ("lora_linear", (f(3, 8), None, f(6, 8), None, f(4, 8), f(6, 3), 1.0)),  # lora_b's rank
         ("lora_linear", (f(3, 8), None, f(6, 8, dtype=torch.bfloat16), None, f(4, 8), f(6, 4), 1.0)),
         ("lora_linear", (f(3, 8), f(3, 7), f(6, 8), None, f(4, 8), f(6, 4), 1.0)),

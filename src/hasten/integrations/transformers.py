@@ -945,7 +945,8 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
         handle.inactive.append("training.moe.fused_grouping is false: experts left as transformers configured them")
         return
     from hasten.moe import MoeLoadStats, unsupported_reason
-    from hasten.moe.experts import clamped_gate_mismatch, describe, gate_kernel, uses_fused_swiglu
+    from hasten.moe.experts import (clamped_bias_mismatch, clamped_gate_mismatch, describe, gate_kernel,
+                                     uses_fused_swiglu)
 
     reasons = {reason for m in experts if (reason := unsupported_reason(m)) is not None}
     if (no_kernels := _cuda_kernels_missing(model, "moe_group", "moe_permute", "moe_combine", "swiglu")) is not None:
@@ -974,11 +975,24 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
                 handle.inactive.append(f"fused clamped SwiGLU ({gate_checks[key]}; the model's own gate runs)")
         return gate_checks[key] is None
 
+    bias_checks: dict[tuple, str | None] = {}
+
+    def fused_bias_ok(m) -> bool:
+        key = (type(m), getattr(m, "alpha", None), getattr(m, "limit", None), m.gate_up_proj.device,
+               m.gate_up_proj.dtype, tuple(m.gate_up_proj.shape[-2:]))
+        if key not in bias_checks:
+            bias_checks[key] = clamped_bias_mismatch(m)
+            if bias_checks[key] is not None:  # the biases are then added apart, as before: correct, slower
+                record_fallback("moe_clamped_gate_bias", f"{bias_checks[key]}; the biases are added apart")
+        return bias_checks[key] is None
+
     for m in experts:
         m._hasten_moe_stats = stats
         # read per forward: a string, not a check to trace. gpt-oss's clamped gate takes hasten's kernel
         # only where the class's own _apply_gate computes it exactly (checked once per class here)
         m._hasten_gate = gate_kernel(m, checked=not uses_fused_swiglu(m) and clamped_ok(m))
+        if m._hasten_gate == "clamped_swiglu" and getattr(m, "has_bias", False):
+            m._hasten_fused_bias = fused_bias_ok(m)
         stats.track(m, m.num_experts, m.gate_up_proj.device)
 
     def undo() -> None:
@@ -986,6 +1000,7 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
         for m in experts:
             m.__dict__.pop("_hasten_moe_stats", None)
             m.__dict__.pop("_hasten_gate", None)
+            m.__dict__.pop("_hasten_fused_bias", None)
         model.set_experts_implementation(previous or "eager")
         for config, attribute, value in previous_by_config:
             setattr(config, attribute, value)

@@ -73,6 +73,9 @@ def uses_fused_swiglu(experts: torch.nn.Module) -> bool:
 # float32 on both sides, the same formula in another order (expf against torch's sigmoid): 1e-7
 # seen; a different formula (no clamp, no + 1, another layout) is off by far more than this
 _CLAMPED_TOLERANCE = 1e-5
+# the fused and the separate bias round x + b to the dtype alike; the gradients' GEMMs may order sums
+# differently in bf16
+_CLAMPED_BIAS_TOLERANCE = 1e-2
 
 
 def clamped_gate_mismatch(experts: torch.nn.Module) -> str | None:
@@ -112,6 +115,45 @@ def clamped_gate_mismatch(experts: torch.nn.Module) -> str | None:
     return None
 
 
+def clamped_bias_mismatch(experts: torch.nn.Module) -> str | None:
+    """None where hasten's clamped SwiGLU kernel with the expert biases added inside it (each row's
+    expert bias, rounded to the dtype, before the gate) equals the kernel run on gate_up + the
+    biases added apart (one_hot @ bias, the unfused path), forward and the gradients of gate_up and
+    the bias. Checked on the module's device in float32 and in its weights' dtype, at its gate_up
+    width, on rows of three experts (one of them empty, and a row past the valid slots), so on a
+    GPU the check runs the CUDA kernel's instantiations that training will."""
+    name = type(experts).__name__
+    weight = experts.gate_up_proj
+    width = weight.shape[-1] if getattr(experts, "is_transposed", False) else weight.shape[-2]
+    limit = float(experts.limit)
+    gen = torch.Generator().manual_seed(1)
+    errors = []
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            for dtype in dict.fromkeys((torch.float32, weight.dtype)):
+                x = (torch.randn(7, width, generator=gen) * 2 * max(abs(limit), 1.0)).to(weight.device, dtype)
+                bias = (torch.randn(3, width, generator=gen) * limit).to(weight.device, dtype)
+                ends = torch.tensor([2, 2, 6], dtype=torch.int32, device=weight.device)
+                grad = torch.randn(7, width // 2, generator=gen).to(weight.device, dtype)
+                leaves = [x.clone().requires_grad_(), bias.clone().requires_grad_()]
+                want = moe_ops.clamped_swiglu(torch.addmm(leaves[0], moe_ops.row_experts_one_hot(ends, 7, dtype),
+                                                          leaves[1]), experts.alpha, limit)
+                want_grads = torch.autograd.grad(want, leaves, grad)
+                fused = [x.clone().requires_grad_(), bias.clone().requires_grad_()]
+                got = moe_ops.clamped_swiglu(fused[0], experts.alpha, limit, fused[1], ends)
+                got_grads = torch.autograd.grad(got, fused, grad)
+                for a, b in ((got, want), *zip(got_grads, want_grads)):
+                    errors.append(float((a.detach().double() - b.detach().double()).norm()
+                                        / b.detach().double().norm().clamp_min(1e-30)) if a.shape == b.shape
+                                  else float("inf"))
+    except Exception as exc:  # a kernel that cannot run on a probe cannot be vouched for
+        return f"{name}'s gate with its expert biases fused could not be checked ({type(exc).__name__}: {exc})"
+    if not max(errors) <= _CLAMPED_BIAS_TOLERANCE:
+        return (f"hasten's clamped SwiGLU with {name}'s expert biases fused differs from the biases added apart "
+                f"(relative difference {max(errors):.1e} on random inputs, forward and backward)")
+    return None
+
+
 def gate_kernel(experts: torch.nn.Module, checked: bool = False) -> str:
     """Which kernel computes the experts' gate: "swiglu" (transformers' default gate), "clamped_swiglu"
     (gpt-oss's, only where `checked`: accelerate() ran clamped_gate_mismatch on this module), or
@@ -129,7 +171,8 @@ def describe(experts: torch.nn.Module) -> str:
                   "clamped_swiglu": "fused clamped SwiGLU (gpt-oss: interleaved gate and up, alpha, limit)"}.get(
         gate, f"the model's own gated activation ({type(experts).__name__}._apply_gate)"))
     if getattr(experts, "has_bias", False):
-        parts.append("expert biases")
+        parts.append("expert biases (gate_up's inside the clamped kernel)" if gate == "clamped_swiglu"
+                     and getattr(experts, "_hasten_fused_bias", False) else "expert biases")
     parts.append("deterministic combine")
     return ", ".join(parts)
 
@@ -273,13 +316,8 @@ def lora_factors(experts: torch.nn.Module, name: str):
 
 
 def _row_expert_one_hot(g: moe_ops.Grouping, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """(S, E) in `dtype`: 1 where a sorted row belongs to an expert, on the device without a sync
-    (rows past the valid slots get the last expert: their values are never combined)."""
-    ids = torch.searchsorted(g.group_ends, torch.arange(rows, device=g.group_ends.device, dtype=torch.int32),
-                             right=True)
-    experts = g.counts.shape[0]
-    ids.clamp_(max=experts - 1)
-    return (ids[:, None] == torch.arange(experts, device=ids.device, dtype=ids.dtype)).to(dtype)
+    """(S, E) in `dtype`: 1 where a sorted row belongs to an expert (moe_ops.row_experts_one_hot)."""
+    return moe_ops.row_experts_one_hot(g.group_ends, rows, dtype)
 
 
 def _add_expert_bias(y: torch.Tensor, bias: torch.Tensor, row_one_hot: torch.Tensor) -> torch.Tensor:
@@ -323,10 +361,16 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         stats.add(self, g.counts)
     x = moe_ops.permute(hidden_states, g)
     row_one_hot = _row_expert_one_hot(g, x.shape[0], x.dtype) if getattr(self, "has_bias", False) else None
-    gate_up = _projection(self, "gate_up_proj", x, g, row_one_hot)
     gate = getattr(self, "_hasten_gate", None) or gate_kernel(self)  # decided at accelerate(); else here
+    # gpt-oss: gate_up's expert biases added inside the clamped kernel where accelerate() checked it
+    # (clamped_bias_mismatch), instead of a pass of their own over the (S, 2I) tensor
+    fused_bias = row_one_hot is not None and gate == "clamped_swiglu" and getattr(self, "_hasten_fused_bias", False)
+    gate_up = _projection(self, "gate_up_proj", x, g, None if fused_bias else row_one_hot)
     if gate == "swiglu":
         act = moe_ops.swiglu(gate_up)
+    elif gate == "clamped_swiglu" and fused_bias:
+        act = moe_ops.clamped_swiglu(gate_up, self.alpha, self.limit, self.gate_up_proj_bias.to(gate_up.dtype),
+                                     g.group_ends)
     elif gate == "clamped_swiglu":
         act = moe_ops.clamped_swiglu(gate_up, self.alpha, self.limit)
     else:

@@ -114,6 +114,24 @@ def check_clamped_swiglu_args(op: str, gate_up: torch.Tensor, alpha: float, limi
           lambda: f"`alpha` must be finite and `limit` finite and positive, got alpha={alpha:g}, limit={limit:g}")
 
 
+def check_clamped_swiglu_bias(op: str, gate_up: torch.Tensor, bias, group_ends) -> None:
+    """The optional expert biases: bias (E, 2 * inner) in gate_up's dtype and device with group_ends
+    (E,) int32 beside it, or neither."""
+    check((bias is None) == (group_ends is None), op, lambda: "`bias` and `group_ends` go together (each row's "
+          f"expert comes from group_ends), got only {'`bias`' if bias is not None else '`group_ends`'}")
+    if bias is None:
+        return
+    check(bias.dim() == 2 and bias.shape[0] >= 1 and bias.shape[1] == gate_up.shape[1], op,
+          lambda: f"`bias` must be (experts, 2 * inner) with gate_up's width {gate_up.shape[1]}, got {shape(bias.shape)}")
+    check_same_dtype(gate_up, bias, op, "gate_up", "bias")
+    check_same_device(gate_up, bias, op, "gate_up", "bias")
+    check(group_ends.dim() == 1 and group_ends.shape[0] == bias.shape[0], op,
+          lambda: f"`group_ends` must be (experts,) with one end per row of `bias` ({bias.shape[0]}), got "
+          f"{shape(group_ends.shape)}")
+    check_dtype(group_ends, op, "group_ends", (torch.int32,))
+    check_same_device(gate_up, group_ends, op, "gate_up", "group_ends")
+
+
 def check_clamped_swiglu_backward_args(grad_act, gate_up, alpha: float, limit: float) -> None:
     op = "clamped_swiglu_backward"
     check_clamped_swiglu_args(op, gate_up, alpha, limit)

@@ -47,13 +47,15 @@ def _swiglu_backward_fake(grad_act, gate_up):
     return gate_up.new_empty(gate_up.shape)
 
 
-def _clamped_swiglu_fake(gate_up, alpha, limit):
+def _clamped_swiglu_fake(gate_up, alpha, limit, bias=None, group_ends=None):
     _checks.check_clamped_swiglu_args("clamped_swiglu", gate_up, alpha, limit)
+    _checks.check_clamped_swiglu_bias("clamped_swiglu", gate_up, bias, group_ends)
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
-def _clamped_swiglu_backward_fake(grad_act, gate_up, alpha, limit):
+def _clamped_swiglu_backward_fake(grad_act, gate_up, alpha, limit, bias=None, group_ends=None):
     _checks.check_clamped_swiglu_backward_args(grad_act, gate_up, alpha, limit)
+    _checks.check_clamped_swiglu_bias("clamped_swiglu_backward", gate_up, bias, group_ends)
     return gate_up.new_empty(gate_up.shape)
 
 
@@ -124,13 +126,21 @@ def _swiglu_backward(ctx, grad_act):
 
 
 def _clamped_swiglu_setup(ctx, inputs, output):
-    gate_up, ctx.alpha, ctx.limit = inputs
-    ctx.save_for_backward(gate_up)
+    gate_up, ctx.alpha, ctx.limit, bias, group_ends = (*inputs, None, None)[:5]
+    ctx.save_for_backward(gate_up, bias, group_ends)
 
 
 def _clamped_swiglu_backward(ctx, grad_act):
-    (gate_up,) = ctx.saved_tensors
-    return call_in_backward("clamped_swiglu_backward", grad_act.contiguous(), gate_up, ctx.alpha, ctx.limit), None, None
+    """d gate_up (R, 2I) from the kernel; d bias (E, 2I) = rows' one-hot^T @ d gate_up (the bias is
+    added to each row of its expert), a GEMM with float32 accumulation, as torch.addmm's is."""
+    gate_up, bias, group_ends = ctx.saved_tensors
+    extra = () if bias is None else (bias, group_ends)
+    grad_gate_up = call_in_backward("clamped_swiglu_backward", grad_act.contiguous(), gate_up, ctx.alpha, ctx.limit,
+                                    *extra)
+    grad_bias = None
+    if bias is not None and ctx.needs_input_grad[3]:
+        grad_bias = row_experts_one_hot(group_ends, gate_up.shape[0], grad_gate_up.dtype).t().mm(grad_gate_up)
+    return grad_gate_up, None, None, grad_bias, None
 
 
 def _register() -> None:
@@ -193,8 +203,24 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return call("swiglu", gate_up)
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float, bias: torch.Tensor | None = None,
+                   group_ends: torch.Tensor | None = None) -> torch.Tensor:
     """gpt-oss's experts' gate: interleaved (gate, up) pairs of (R, 2I) -> (R, I),
-    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); one kernel each way."""
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); one kernel each way.
+    With bias (E, 2I) and group_ends (E,) int32 (Grouping.group_ends of expert-sorted rows): each
+    row's expert bias is added to gate_up first, rounded to its dtype (what y + bias in the model's
+    dtype gives), inside the kernel, instead of a pass of its own over the (R, 2I) tensor."""
     load()
-    return call("clamped_swiglu", gate_up, float(alpha), float(limit))
+    extra = () if bias is None else (bias, group_ends)
+    return call("clamped_swiglu", gate_up, float(alpha), float(limit), *extra)
+
+
+def row_experts_one_hot(group_ends: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, E) in `dtype`: 1 where an expert-sorted row belongs to an expert, given the groups'
+    inclusive ends (E,) int32, on the device without a sync (rows past the valid slots get the last
+    expert: their values are never combined)."""
+    ids = torch.searchsorted(group_ends, torch.arange(rows, device=group_ends.device, dtype=group_ends.dtype),
+                             right=True)
+    experts = group_ends.shape[0]
+    ids.clamp_(max=experts - 1)
+    return (ids[:, None] == torch.arange(experts, device=ids.device, dtype=ids.dtype)).to(dtype)
