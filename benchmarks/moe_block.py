@@ -113,12 +113,15 @@ def decide_gates(block: torch.nn.Module) -> None:
     SwiGLU takes hasten's kernel only after the check against the class's own gate passes. The
     block is built without accelerate(), and the experts forward's default is the class's own gate:
     W3's gpt-oss rows up to 1956431 measured that (clamp, sigmoid and products: 6.9 ms of 26.2)."""
-    from hasten.moe.experts import clamped_gate_mismatch, gate_kernel, uses_fused_swiglu
+    from hasten.moe.experts import clamped_bias_mismatch, clamped_gate_mismatch, gate_kernel, uses_fused_swiglu
 
     for module in block.modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):
             clamped = not uses_fused_swiglu(module) and clamped_gate_mismatch(module) is None
             module._hasten_gate = gate_kernel(module, checked=clamped)
+            if module._hasten_gate == "clamped_swiglu" and getattr(module, "has_bias", False):
+                # gate_up's biases inside the clamped kernel, after accelerate()'s check (90ee0bd)
+                module._hasten_fused_bias = clamped_bias_mismatch(module) is None
 
 
 def use_shared_mlps(block, config, fused: bool) -> int:
@@ -275,7 +278,10 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     notes.insert(0, f"fwd+bwd ms {[round(t * 1000, 2) for t in times]}; fallbacks {fallback_counts()}")
     if name.startswith("hasten"):
         gates = sorted({getattr(m, "_hasten_gate", "") for m in block.modules() if hasattr(m, "_hasten_gate")})
-        notes.append(f"expert gate {gates or 'n/a'}; shared MLPs on hasten's SwiGLU "
+        fused_bias = sorted({bool(getattr(m, "_hasten_fused_bias", False)) for m in block.modules()
+                             if hasattr(m, "_hasten_gate") and getattr(m, "has_bias", False)})
+        notes.append(f"expert gate {gates or 'n/a'}; gate_up bias in the gate kernel {fused_bias or 'n/a'}; "
+                     "shared MLPs on hasten's SwiGLU "
                      f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}")
     notes.append(f"output rel err vs eager {out_err:.2e}")
     if name in GRAD_TOLERANCE:
