@@ -15,6 +15,9 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
   hf_moe_eager        transformers' expert loop
   hf_moe_grouped_mm   transformers' experts_implementation="grouped_mm" (sort + histc + cumsum)
   hasten_fused        hasten: one-kernel grouping, grouped GEMM, fused SwiGLU, deterministic combine
+  hasten_fused_class_shared  hasten_fused with the shared experts' MLP left to its class (torch's
+                      SiLU and product), beside hasten_fused's fused SwiGLU on them: the A/B of that
+                      patch in one run (DeepSeek-V2-Lite, Llama 4; elsewhere equal to hasten_fused)
   hasten_graphed      hasten_fused with forward + backward captured once in a CUDA graph (after 3
                       warm-up iterations on a side stream) and replayed per step; parameter gradients
                       are None before capture, so each replay writes them afresh (= zero_grad + step)
@@ -51,7 +54,9 @@ from hasten.ops import moe as moe_ops  # noqa: E402
 
 IMPL = {"hf_moe_eager": "eager", "hf_moe_grouped_mm": "grouped_mm", "hasten_fused": "hasten_fused",
         "hasten_graphed": "hasten_fused", "hasten_graphed_callables": "hasten_fused",
-        "hasten_compiled": "hasten_fused"}
+        "hasten_compiled": "hasten_fused", "hasten_fused_class_shared": "hasten_fused"}
+# variants whose shared experts (DeepSeek's, Llama 4's) stay the class's own MLP under hasten's experts
+CLASS_SHARED_MLPS = {"hasten_fused_class_shared"}
 # graphed replays must equal eager hasten (same kernels, same inputs); compiled may reorder float math
 DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and a small block)
 GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2}
@@ -143,11 +148,12 @@ def use_shared_mlps(block, config, fused: bool) -> int:
     return patched
 
 
-def use_implementation(block, config, implementation: str) -> None:
+def use_implementation(block, config, implementation: str, class_shared_mlps: bool = False) -> None:
     """The experts implementation for the next calls: transformers' experts interface name, or for
     Llama 4 (no such interface) its block's own forward ("eager") or hasten's ("hasten_fused"); the
-    shared MLPs follow (use_shared_mlps)."""
-    block.__dict__["_w3_shared_mlps_fused"] = use_shared_mlps(block, config, implementation == "hasten_fused")
+    shared MLPs follow (use_shared_mlps) unless class_shared_mlps keeps them the class's own."""
+    fused_shared = implementation == "hasten_fused" and not class_shared_mlps
+    block.__dict__["_w3_shared_mlps_fused"] = use_shared_mlps(block, config, fused_shared)
     if BLOCK != "llama4_scout":
         config._experts_implementation = implementation
         return
@@ -231,7 +237,7 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
                 profile: bool = False) -> dict:
     """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'."""
     reset_fallbacks()
-    use_implementation(block, config, IMPL[name])
+    use_implementation(block, config, IMPL[name], class_shared_mlps=name in CLASS_SHARED_MLPS)
     notes, check = [], None
     cleanup = []
     if name == "hasten_graphed":
