@@ -45,7 +45,9 @@ int64_t token_bucket(int64_t n) {
 // runs once per K/V head with its query heads, each call's workspace 1/Hk of the whole (Llama-8B,
 // 524,288 tokens: 3 GiB instead of 24), at the price of copying each head group's inputs and
 // gradients (about 10 bytes a token, a query head and a dim, against the S^2 work of the call).
-// HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES overrides the bound (tests: 0 splits every call).
+// HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES overrides the bound (tests: 0 splits every call). It
+// is read at each backward, not cached: tests move it between calls in one process, and one getenv
+// costs nothing beside a call's S^2 work.
 constexpr int64_t kBackwardPerHeadAboveBytes = int64_t{1} << 30;
 
 int64_t backward_per_head_above_bytes() {
@@ -206,6 +208,24 @@ void run_graph(bool is_backward, const cudnn_sdpa::Problem& p, const cudnn_sdpa:
   TORCH_CHECK(error == nullptr, "hasten::", op, ": ", error ? error : "");
 }
 
+// The backward's inputs and outputs, as one call (the whole problem or one K/V head's) sees them.
+struct BackwardInputs {
+  const at::Tensor &q, &k, &v, &out, &lse, &grad_out;
+};
+struct BackwardGrads {
+  at::Tensor &grad_q, &grad_k, &grad_v;
+};
+
+void run_backward_graph(const cudnn_sdpa::Problem& p, const BackwardInputs& in, const BackwardGrads& grads,
+                        const RaggedIndex& index, const char* op) {
+  auto ptr = shared_pointers(in.q, in.k, in.v, in.out, in.lse, index);
+  ptr.grad_out = in.grad_out.data_ptr();
+  ptr.grad_q = grads.grad_q.data_ptr();
+  ptr.grad_k = grads.grad_k.data_ptr();
+  ptr.grad_v = grads.grad_v.data_ptr();
+  run_graph(true, p, ptr, in.q, op);
+}
+
 std::tuple<at::Tensor, at::Tensor> varlen_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                          const at::Tensor& v_in, const at::Tensor& cu_seqlens,
                                                          int64_t max_seqlen, double scale, bool causal,
@@ -244,12 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
   const int64_t workspace_bytes = p.tokens * p.q_heads * p.head_dim * 12;
   if (p.kv_heads == 1 || workspace_bytes <= backward_per_head_above_bytes()) {
     const auto index = ragged_index(cu_seqlens, p.batch, p.q_heads, p.kv_heads, p.head_dim);
-    auto ptr = shared_pointers(q, k, v, out, lse, index);
-    ptr.grad_out = grad_out.data_ptr();
-    ptr.grad_q = grad_q.data_ptr();
-    ptr.grad_k = grad_k.data_ptr();
-    ptr.grad_v = grad_v.data_ptr();
-    run_graph(true, p, ptr, q, op);
+    run_backward_graph(p, {q, k, v, out, lse, grad_out}, {grad_q, grad_k, grad_v}, index, op);
     return {grad_q, grad_k, grad_v};
   }
   // One call per K/V head h, on contiguous copies of its query heads [h * group, (h + 1) * group):
@@ -268,12 +283,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cuda(
     const auto lse_h = lse.narrow(1, h * group, group).contiguous();
     const auto k_h = k.narrow(1, h, 1).contiguous(), v_h = v.narrow(1, h, 1).contiguous();
     auto grad_q_h = at::empty_like(q_h), grad_k_h = at::empty_like(k_h), grad_v_h = at::empty_like(v_h);
-    auto ptr = shared_pointers(q_h, k_h, v_h, out_h, lse_h, index);
-    ptr.grad_out = grad_out_h.data_ptr();
-    ptr.grad_q = grad_q_h.data_ptr();
-    ptr.grad_k = grad_k_h.data_ptr();
-    ptr.grad_v = grad_v_h.data_ptr();
-    run_graph(true, per_head, ptr, q, op);
+    run_backward_graph(per_head, {q_h, k_h, v_h, out_h, lse_h, grad_out_h}, {grad_q_h, grad_k_h, grad_v_h}, index,
+                       op);
     grad_q.narrow(1, h * group, group).copy_(grad_q_h);
     grad_k.narrow(1, h, 1).copy_(grad_k_h);
     grad_v.narrow(1, h, 1).copy_(grad_v_h);
