@@ -134,6 +134,35 @@ def write_rows(rows: list[dict], workload: str, out_dir: Path | None = None) -> 
     return path
 
 
+def variants_asked(argv: list[str]) -> list[str]:
+    """The --variants list on a command line, read before argparse runs: a script decides from it,
+    before it imports transformers, whether this process is one of Unsloth's (which must be imported
+    first)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--variants="):
+            return arg.split("=", 1)[1].split(",")
+        if arg == "--variants" and i + 1 < len(argv):
+            return argv[i + 1].split(",")
+    return []
+
+
+def earlier_row(out: Path | None, workload: str, variant: str) -> dict | None:
+    """`variant`'s last measured row at this commit in `out` (or the results folder): what a variant
+    that runs alone in its process (Unsloth's) is compared with."""
+    path = (out or RESULTS) / f"{workload}.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    found = [r for r in rows if r.get("variant") == variant and r.get("commit") == commit() and r.get("losses")]
+    return found[-1] if found else None
+
+
+def earlier_first_loss(out: Path | None, workload: str, variant: str) -> float | None:
+    """The first loss of earlier_row(out, workload, variant), or None."""
+    row = earlier_row(out, workload, variant)
+    return row["losses"][0] if row is not None else None
+
+
 def check_first_loss(row: dict, reference: str, reference_loss: float | None, tolerance: float) -> None:
     """Marks `row` correct when its first loss is within `tolerance` of `reference`'s (the same
     weights and batch: a variant that computes something else shows there)."""

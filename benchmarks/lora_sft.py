@@ -44,22 +44,13 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def _variants_asked() -> list[str]:
-    args = sys.argv[1:]
-    for i, arg in enumerate(args):
-        if arg.startswith("--variants="):
-            return arg.split("=", 1)[1].split(",")
-        if arg == "--variants" and i + 1 < len(args):
-            return args[i + 1].split(",")
-    return []
+import common  # noqa: E402  (torch only: no transformers before unsloth)
 
 
 # Unsloth patches transformers, PEFT and TRL when it is imported, and its model load replaces
 # transformers' Llama code for the whole process: its variant runs alone in a process of its own,
 # with unsloth imported before anything else (the bundle from .whl/, benchmarks/w4_unsloth.py).
-UNSLOTH_PROCESS = _variants_asked() in (["unsloth"], ["unsloth_nf4"])
+UNSLOTH_PROCESS = common.variants_asked(sys.argv[1:]) in (["unsloth"], ["unsloth_nf4"])
 if UNSLOTH_PROCESS:
     import w4_unsloth
 
@@ -70,7 +61,6 @@ if UNSLOTH_PROCESS:
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-import common  # noqa: E402
 from packed_sft import TOKENS, make_samples, padded_microbatches  # noqa: E402
 
 import hasten  # noqa: E402
@@ -192,17 +182,6 @@ def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
     return {"workload": workload_of(name), "variant": name, **common.environment(), **measured}
 
 
-def _earlier_reference_loss(out: Path | None, workload: str, variant: str) -> float | None:
-    """`variant`'s first loss at this commit from an earlier run's rows (the unsloth processes)."""
-    path = (out or common.RESULTS) / f"{workload}.jsonl"
-    if not path.is_file():
-        return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    found = [r for r in rows if r.get("variant") == variant and r.get("commit") == common.commit()
-             and r.get("losses")]
-    return found[-1]["losses"][0] if found else None
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
@@ -226,7 +205,7 @@ def main() -> int:
           flush=True)
     run_id, rows = common.new_run_id(), []
     references = {"W4": "hf_peft_packed", "W4_Q": "hf_peft_bnb"}  # each workload's first-loss yardstick
-    reference_loss = {w: _earlier_reference_loss(args.out, w, v) for w, v in references.items()}
+    reference_loss = {w: common.earlier_first_loss(args.out, w, v) for w, v in references.items()}
     for name in variants:
         try:
             row = run_variant(name, samples, args.steps, profile=name in args.profile.split(",")) | {"run_id": run_id}

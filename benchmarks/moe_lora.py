@@ -14,25 +14,44 @@ One run measures, on the same weights:
   hf_grouped_mm transformers' grouped_mm experts + PEFT (whose parametrization folds the merged
                 W + s lhs @ rhs per forward), packed with position_ids, sdpa, full checkpointing
 
-Unsloth's MoE path is not in it: its wheel with its dependencies needs 61 GB of disk on the GPU
-machine's 64 (issue 20's note). Each row: tokens/s (median step), peak GiB, first loss against
-hf_grouped_mm's.
+  unsloth       Unsloth 2026.10.9 (benchmarks/w4_unsloth.py, the offline bundle from
+                scripts/unsloth_bundle.sh), alone in its process (--variants unsloth): the same seed-0
+                weights saved to a folder and loaded with FastLanguageModel.from_pretrained, LoRA through
+                its get_peft_model on the same targets (target_parameters for the experts), its
+                "unsloth" gradient checkpointing, fed the packed row as its trainer feeds it
+                (position_ids restarting per sample, packed_seq_lengths)
+
+Each row: tokens/s (median step), peak GiB, first loss against hf_grouped_mm's (for unsloth, from
+this commit's hf_grouped_mm row in --out, written by the run before it).
 
     python benchmarks/moe_lora.py [--variants hasten,hf_grouped_mm] [--layers 24] [--steps 3] [--out DIR]
+    python benchmarks/moe_lora.py --variants unsloth [--layers 24] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import traceback
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common  # noqa: E402  (torch only: no transformers before unsloth)
+
+# Unsloth patches transformers, PEFT and TRL when it is imported and replaces model code at load: its
+# variant runs alone in a process of its own, unsloth imported before anything else (as in lora_sft.py).
+UNSLOTH_PROCESS = common.variants_asked(sys.argv[1:]) == ["unsloth"]
+if UNSLOTH_PROCESS:
+    import w4_unsloth
+
+    w4_unsloth.prepare_unsloth_env(w4_unsloth.ensure_bundle(os.environ.get("HASTEN_UNSLOTH_SITE",
+                                                                           "/tmp/unsloth_site")))
+    import unsloth  # noqa: F401
+
+import torch  # noqa: E402
+
 from packed_sft import TOKENS, make_samples  # noqa: E402
 
 import hasten  # noqa: E402
@@ -56,10 +75,33 @@ def qwen3_30b_a3b(layers: int):
                           tie_word_embeddings=False, use_cache=False)
 
 
+def seeded_adapters(model) -> None:
+    """lora_B at random (PEFT starts it at zero, which would hide what the adapters compute), the same
+    values in every variant: drawn in a fixed parameter-name order from one generator."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for pname, param in sorted(model.named_parameters()):
+            if "lora_B" in pname:
+                param.normal_(std=0.02, generator=gen)
+
+
+def build_unsloth(layers: int, samples):
+    import w4_unsloth
+
+    model, note = w4_unsloth.unsloth_moe_lora_model(
+        qwen3_30b_a3b(layers), r=RANK, alpha=ALPHA, target_modules=ATTENTION_TARGETS,
+        target_parameters=EXPERT_TARGETS, folder=f"/tmp/w5_qwen3_30b_a3b_{layers}l", max_seq_length=TOKENS)
+    seeded_adapters(model)
+    batch = w4_unsloth.unsloth_packed_batch(samples, "cuda") | {"use_cache": False}
+    return model, [batch], [], [note]
+
+
 def build(name: str, layers: int, samples):
     import peft
     from transformers import AutoModelForCausalLM
 
+    if name == "unsloth":
+        return build_unsloth(layers, samples)
     torch.manual_seed(0)
     config = qwen3_30b_a3b(layers)
     with torch.device("cuda"):
@@ -70,11 +112,7 @@ def build(name: str, layers: int, samples):
     model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                                       target_modules=ATTENTION_TARGETS,
                                                       target_parameters=EXPERT_TARGETS))
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    with torch.no_grad():
-        for pname, param in sorted(model.named_parameters()):
-            if "lora_B" in pname:
-                param.normal_(std=0.02, generator=gen)
+    seeded_adapters(model)
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), "cuda")
     handles, notes = [], []
     if name == "hasten":
@@ -103,11 +141,17 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("W5 needs a CUDA GPU", file=sys.stderr)
         return 1
+    variants = args.variants.split(",")
+    if "unsloth" in variants and variants != ["unsloth"]:
+        print("run the unsloth variant alone (--variants unsloth): it patches transformers for the whole process",
+              file=sys.stderr)
+        return 2
     samples = make_samples(vocab=VOCAB)
     print(f"{WORKLOAD}: {len(samples)} samples, {sum(map(len, samples))} tokens, {args.layers} layers, LoRA r={RANK} "
           f"on {','.join(ATTENTION_TARGETS + EXPERT_TARGETS)}", flush=True)
-    run_id, rows, reference_loss = common.new_run_id(), [], None
-    for name in args.variants.split(","):
+    run_id, rows = common.new_run_id(), []
+    reference_loss = common.earlier_first_loss(args.out, WORKLOAD, "hf_grouped_mm")
+    for name in variants:
         try:
             row = run_variant(name, args.layers, samples, args.steps) | {"run_id": run_id}
         except Exception as exc:  # noqa: BLE001 - one variant's failure (out of memory) must not cost the other
@@ -126,6 +170,10 @@ def main() -> int:
     done = {r["variant"]: r for r in rows if r["step_s"] is not None}
     if {"hasten", "hf_grouped_mm"} <= done.keys():
         common.print_ratio(done["hasten"], done["hf_grouped_mm"])
+    if variants == ["unsloth"] and "unsloth" in done:  # hasten's row from the run before, this commit
+        hasten_row = common.earlier_row(args.out, WORKLOAD, "hasten")
+        if hasten_row is not None:
+            common.print_ratio(hasten_row, done["unsloth"])
     return 0
 
 

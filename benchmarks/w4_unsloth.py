@@ -129,7 +129,9 @@ def _config_digest(config) -> str:
     keep = {k: d.get(k) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                                   "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                                   "head_dim", "max_position_embeddings", "tie_word_embeddings",
-                                  "rope_parameters", "rope_scaling", "rope_theta", "rms_norm_eps")}
+                                  "rope_parameters", "rope_scaling", "rope_theta", "rms_norm_eps",
+                                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                  "norm_topk_prob")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -227,7 +229,11 @@ def _notes(model, load_in_4bit: bool) -> str:
     gc_note = (f"gradient checkpointing: {mode!r}"
                + (" (Unsloth's, activations offloaded to CPU)" if offloaded else " (standard recompute)"))
     quant = f"QLoRA, bitsandbytes {version('bitsandbytes')} NF4" if load_in_4bit else "LoRA, bf16 base"
-    parts = [f"unsloth {unsloth.__version__} (zoo {version('unsloth_zoo')})", quant, gc_note, _attention_note(),
+    config = getattr(model, "config", None)
+    loaded = (f"loaded as {type(model.get_base_model() if hasattr(model, 'get_base_model') else model).__name__}"
+              f" (attn_implementation {getattr(config, '_attn_implementation', None)!r},"
+              f" experts_implementation {getattr(config, '_experts_implementation', None)!r})")
+    parts = [f"unsloth {unsloth.__version__} (zoo {version('unsloth_zoo')})", quant, gc_note, loaded, _attention_note(),
              f"torch {torch.__version__}, transformers {transformers.__version__}, peft {version('peft')}"]
     if _imported_before_unsloth:
         parts.append(f"WARNING: {', '.join(_imported_before_unsloth)} imported before unsloth")
@@ -235,7 +241,7 @@ def _notes(model, load_in_4bit: bool) -> str:
 
 
 def _load(config, *, r: int, alpha: int, target_modules: list[str], folder: str, max_seq_length: int,
-          load_in_4bit: bool):
+          load_in_4bit: bool, target_parameters: list[str] | None = None):
     if "unsloth" not in sys.modules and not _prepared:
         raise RuntimeError("call w4_unsloth.prepare_unsloth_env(site_dir) (and import unsloth) first")
     import torch
@@ -272,6 +278,9 @@ def _load(config, *, r: int, alpha: int, target_modules: list[str], folder: str,
         use_gradient_checkpointing="unsloth",
         random_state=3407,
         max_seq_length=max_seq_length,
+        # MoE experts (nn.Parameter, PEFT's target_parameters); None lets Unsloth derive them from
+        # target_modules (_utils.get_moe_target_parameters), [] would turn them off
+        **({"target_parameters": list(target_parameters)} if target_parameters is not None else {}),
     )
     FastLanguageModel.for_training(model)
     return model, _notes(model, load_in_4bit)
@@ -290,6 +299,16 @@ def unsloth_lora_model(config, *, r: int, alpha: int, target_modules: list[str],
     Build `config` after `import unsloth` (see the module docstring); the model is in training mode."""
     return _load(config, r=r, alpha=alpha, target_modules=target_modules, folder=folder,
                  max_seq_length=max_seq_length, load_in_4bit=False)
+
+
+def unsloth_moe_lora_model(config, *, r: int, alpha: int, target_modules: list[str], target_parameters: list[str],
+                           folder: str, max_seq_length: int):
+    """unsloth_lora_model for an MoE config (W5, qwen3_moe): LoRA on `target_modules` (attention) and on
+    the experts' fused weights `target_parameters` (e.g. mlp.experts.gate_up_proj). In 2026.10.9
+    FastLanguageModel.from_pretrained hands qwen3_moe to FastModel (loader.py: only "qwen3" keeps its
+    Llama-style fast path), whose experts run on unsloth_zoo's grouped-GEMM MoE patches."""
+    return _load(config, r=r, alpha=alpha, target_modules=target_modules, folder=folder,
+                 max_seq_length=max_seq_length, load_in_4bit=False, target_parameters=target_parameters)
 
 
 def unsloth_qlora_model(config, *, r: int, alpha: int, target_modules: list[str], folder: str,

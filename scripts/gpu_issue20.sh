@@ -12,6 +12,7 @@
 #   unsloth_nf4  Unsloth's QLoRA alone in its process                                        cap 330 s
 #   w5      benchmarks/moe_lora.py (Qwen3-30B-A3B shape, $W5_LAYERS layers, LoRA on attention and
 #           experts): hasten's split expert LoRA against transformers' grouped_mm + PEFT        cap 300 s
+#   w5_unsloth  the same benchmark's unsloth variant, alone in its process      cap $W5_UNSLOTH_CAP (400)
 # bitsandbytes comes from the Unsloth bundle (its CUDA 13 library only); the device image has none.
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue20.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w4" bash scripts/gpu_issue20.sh
@@ -25,6 +26,9 @@ RUN_NAME=issue20
 source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
 
 export HASTEN_UNSLOTH_SITE=/tmp/unsloth_site
+# W5's rows outlive one call (the unsloth process may run in the next call on the same warm machine)
+W5_ROWS=${W5_ROWS:-/tmp/w5_rows}
+mkdir -p "$W5_ROWS"
 
 if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
@@ -55,9 +59,19 @@ if (( built )); then
     grep -E "tok/s|FAILED|Error|unsloth" "$LOGS/unsloth_nf4.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w5 "* ]]; then
-    part w5 300 python3 benchmarks/moe_lora.py --steps "$STEPS" --out "$LOGS" --layers "${W5_LAYERS:-24}" \
+    part w5 300 python3 benchmarks/moe_lora.py --steps "$STEPS" --out "$W5_ROWS" --layers "${W5_LAYERS:-24}" \
       --variants "${W5_VARIANTS:-hf_grouped_mm,hasten}"
     grep -E "tok/s|FAILED|vs |Error" "$LOGS/w5.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
+    cp "$W5_ROWS"/*.jsonl "$LOGS/" 2>/dev/null
+  fi
+  if [[ $PARTS == *" w5_unsloth "* && -f .whl/unsloth_offline.tar.gz ]]; then
+    # alone in its process; compared with the rows the w5 part left in $W5_ROWS (this call or an
+    # earlier one on the same warm machine). Writes the seed-0 weights to /tmp/w5_qwen3_30b_a3b_<L>l
+    # first (about 1.3 GB a layer), which later calls on a warm machine reuse.
+    part w5_unsloth "${W5_UNSLOTH_CAP:-400}" python3 benchmarks/moe_lora.py --steps "$STEPS" --out "$W5_ROWS" \
+      --layers "${W5_LAYERS:-24}" --variants unsloth
+    grep -E "tok/s|FAILED|vs |Error|unsloth" "$LOGS/w5_unsloth.log" 2>/dev/null | tail -12 | tee -a "$SUMMARY"
+    cp "$W5_ROWS"/*.jsonl "$LOGS/" 2>/dev/null
   fi
 fi
 
