@@ -4,6 +4,7 @@
 #   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
 #   gpu     $GPU_TESTS (default tests/gpu/test_lora_cuda.py: the fused LoRA op and a LoRA
 #           model against PEFT)                                                            cap 150 s
+#   gemm    benchmarks/gemm_shapes.py: W4's base GEMMs shape by shape                    cap 120 s
 #   w4      benchmarks/lora_sft.py --variants $W4_VARIANTS (Llama-8B shape, LoRA r=16), with
 #           $W4_ARGS (e.g. "--profile hasten")                                              cap 300 s
 #   unsloth the same benchmark's unsloth variant, alone in its process, from the carried bundle
@@ -38,6 +39,10 @@ if (( built )); then
       > "$LOGS/bundle.log" 2>&1 && mkdir -p /tmp/bnb_site && ln -sfn /tmp/unsloth_site/bitsandbytes /tmp/bnb_site/bitsandbytes
     PYTHONPATH=/tmp/bnb_site${PYTHONPATH:+:$PYTHONPATH} part gpu 150 python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" gemm "* ]]; then  # W4's base GEMMs one shape at a time (cuBLAS, cuBLASLt, beta 1, grouped)
+    part gemm 120 python3 benchmarks/gemm_shapes.py --out "$LOGS"
+    grep -E "step's|gemm_shapes|Error" "$LOGS/gemm.log" 2>/dev/null | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w4 "* ]]; then
     part w4 300 python3 benchmarks/lora_sft.py --steps "$STEPS" --out "$LOGS" --variants "$W4_VARIANTS" ${W4_ARGS:-}

@@ -191,7 +191,7 @@ class KernelsConfig:
 
 @dataclass
 class LoraConfig:
-    # Train LoRA adapters through PEFT instead of every weight (single process or ddp).
+    # Train LoRA adapters through PEFT instead of every weight (one process, ddp or fsdp2).
     enabled: bool = False
     # Adapter rank.
     r: int = 16
@@ -202,7 +202,8 @@ class LoraConfig:
     # Module names to adapt: a YAML list or a comma-separated string (kept as the latter).
     target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     # QLoRA: nf4 loads model.path's Linear weights in 4 bits (bitsandbytes NF4, double-quantized
-    # statistics, compute in training.dtype); the adapters train on top. none: the model's dtype.
+    # statistics, compute in training.dtype; under fsdp2 the packed bytes are stored as
+    # training.dtype so FSDP2 can shard them); the adapters train on top. none: the model's dtype.
     quantize: Literal["none", "nf4"] = "none"
 
 
@@ -437,8 +438,6 @@ def validate(config: Config, *, source: str = "config") -> None:
         if not config.model.path:
             raise refuse(f"`lora.quantize: {lora.quantize}` loads the weights of model.path in 4 bits; set model.path "
                          "to a local transformers model folder (the embedded default model has no weights to load)")
-        if t.distributed == "fsdp2":
-            raise refuse("`lora.quantize` with training.distributed fsdp2 is not supported; use ddp or one process")
     if not config.data.text_field.strip():
         raise refuse("`data.text_field` must name a field of the records (default: text); got an empty string")
     context = sorted(set(config.data.assistant_roles) & set(CONTEXT_ROLES))

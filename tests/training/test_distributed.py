@@ -5,6 +5,7 @@ processes) a CUDA job is refused (a GPU per local rank); the CPU path must not t
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,12 +21,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _torchrun(tmp_path, name, training, *extra, nproc=2):
+def _torchrun(tmp_path, name, training, *extra, nproc=2, settings=None):
     config = tmp_path / f"{name}.yaml"
     config.write_text(json.dumps({"model": {"default_size": "tiny"},
                                   "training": {"max_tokens": 256, "learning_rate": 0.003, "warmup_steps": 1,
                                                "logging_steps": 1, "device": "cpu", **training},
-                                  "logging": {"tensorboard": "false"}}))
+                                  "logging": {"tensorboard": "false"}, **(settings or {})}))
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(_free_port()), "-m", "hasten", "train", "--config", str(config),
@@ -38,6 +39,7 @@ def _torchrun(tmp_path, name, training, *extra, nproc=2):
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     assert proc.returncode == 0, err[-3000:]
+    (out / "stderr.txt").write_text(err)
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     return out, rows
 
@@ -116,6 +118,48 @@ def test_fsdp2_resume_continues_the_same_losses(tmp_path):
     assert sorted(got) == [3, 4]
     for step in (3, 4):
         assert got[step] == pytest.approx(want[step], abs=1e-5), step
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_fsdp2_lora_trains_like_ddp_shards_the_base_and_resumes(tmp_path, quantize):
+    """LoRA (and QLoRA: an NF4 base stored in the training dtype's bytes, so FSDP2 can shard it)
+    under FSDP2: each rank holds half the parameters, the losses and saved adapters are DDP's, the
+    adapters are saved whole (gathered, not one rank's shard), and a resumed run repeats the
+    straight run's last steps."""
+    pytest.importorskip("peft")
+    if quantize == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from safetensors.torch import load_file
+    from transformers import Qwen3ForCausalLM
+
+    from hasten.data import ByteTokenizer
+    from hasten.training.defaults import embedded_model_config
+
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(embedded_model_config("tiny")).save_pretrained(folder)
+    ByteTokenizer().save_pretrained(folder)
+    settings = {"model": {"path": str(folder)},
+                "lora": {"enabled": True, "r": 4, "quantize": quantize,
+                         "target_modules": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"}}
+    training = {"max_steps": 4, "learning_rate": 0.01, "dtype": "bfloat16", "checkpoint": {"interval_steps": 2}}
+    ddp, ddp_rows = _torchrun(tmp_path, "ddp", {**training, "distributed": "ddp"}, settings=settings)
+    fsdp2, fsdp2_rows = _torchrun(tmp_path, "fsdp2", {**training, "distributed": "fsdp2"}, settings=settings)
+    held = re.search(r"fsdp2 keeps ([\d.e-]+) MiB of the model's ([\d.e-]+) MiB", (fsdp2 / "stderr.txt").read_text())
+    assert held and float(held[1]) < 0.55 * float(held[2]), held
+    summary = json.loads((fsdp2 / "logs" / "summary.json").read_text())
+    assert any(item.startswith("fused LoRA projections (") for item in summary["hasten_active"]), summary
+    assert [r["loss"] for r in fsdp2_rows] == pytest.approx([r["loss"] for r in ddp_rows], abs=1e-3)
+    assert fsdp2_rows[-1]["loss"] < fsdp2_rows[0]["loss"]
+    want, got = (load_file(run / "final" / "adapter_model.safetensors") for run in (ddp, fsdp2))
+    assert sorted(got) == sorted(want) and len(got) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
+    for name, tensor in want.items():
+        assert got[name].shape == tensor.shape, name
+        torch.testing.assert_close(got[name], tensor, atol=2e-3, rtol=2e-2)
+    _, resumed = _torchrun(tmp_path, "resumed", {**training, "distributed": "fsdp2"}, "--resume",
+                           str(fsdp2 / "checkpoints" / "checkpoint-000002"), settings=settings)
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in fsdp2_rows[2:]], abs=1e-6)
 
 
 def test_elastic_restart_after_a_worker_dies_resumes_the_same_losses(tmp_path):

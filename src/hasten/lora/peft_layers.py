@@ -48,6 +48,15 @@ def _is_bnb_4bit(base: nn.Module) -> bool:
     return type(base).__name__ == "Linear4bit" and type(base).__module__.startswith("bitsandbytes")
 
 
+def _quant_state(base: nn.Module):
+    """A 4-bit base's bitsandbytes QuantState. It lives on the weight (a Params4bit) and, as
+    bitsandbytes keeps it, on the module too: FSDP2 gathers a sharded Params4bit into a plain
+    Parameter holding the packed bytes (`bnb_4bit_quant_storage` = the training dtype), without
+    the state, so the module's copy is the one that survives."""
+    state = getattr(base.weight, "quant_state", None)
+    return state if state is not None else getattr(base, "quant_state", None)
+
+
 def _compute_dtype(base: nn.Module) -> torch.dtype:
     """The dtype the base layer computes in: its weight's, or a 4-bit layer's compute_dtype."""
     return base.compute_dtype if _is_bnb_4bit(base) else base.weight.dtype
@@ -57,7 +66,7 @@ def unsupported_reason(module: nn.Module) -> str | None:
     """Why hasten's op cannot compute this LoRA layer (None: it can)."""
     base = module.get_base_layer()
     if _kind(module) == _PEFT_LINEAR_4BIT:
-        if not _is_bnb_4bit(base) or getattr(base.weight, "quant_state", None) is None:
+        if not _is_bnb_4bit(base) or _quant_state(base) is None:
             return f"its base layer is {type(base).__name__} without a 4-bit quantization state"
         if base.compute_dtype not in (torch.bfloat16, torch.float16):
             return (f"its 4-bit base computes in {base.compute_dtype} (bnb_4bit_compute_dtype); hasten's quantized "
@@ -94,7 +103,7 @@ def _fused_adapter(module: nn.Module, x: torch.Tensor, args, kwargs) -> str | No
         return None
     # bitsandbytes repacks a 4-bit weight for its CPU inference kernel (in eval mode on AVX512-BF16
     # CPUs): that layout is not what dequantize_4bit reads, so such a layer stays bitsandbytes'
-    if _is_bnb_4bit(base) and getattr(base.weight.quant_state, "packing_format_for_cpu", False):
+    if _is_bnb_4bit(base) and getattr(_quant_state(base), "packing_format_for_cpu", False):
         return None
     return active[0]
 
@@ -115,13 +124,12 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def _dequantizer(base: nn.Module, dtype: torch.dtype):
     """A function that returns the 4-bit base's weight (out, in) in `dtype` (bitsandbytes'
-    dequantize_4bit: NF4 or FP4, nested statistics included)."""
+    dequantize_4bit: NF4 or FP4, nested statistics included). It reads `base.weight` when called
+    (in forward and again in backward): under FSDP2 that is the gathered parameter of the moment."""
     import bitsandbytes.functional as bnb_functional
 
-    weight = base.weight
-
     def dequantize() -> torch.Tensor:
-        return bnb_functional.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+        return bnb_functional.dequantize_4bit(base.weight.data, _quant_state(base)).to(dtype)
 
     return dequantize
 

@@ -130,11 +130,10 @@ def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler
     distributed = ctx is not None and ctx.enabled
     model_state = optimizer_state = None
     if distributed:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=options)
+        model_state = _full_model_state(model)
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     rng_states = _gather_rng_states(ctx)
     failure: str | None = None
@@ -168,7 +167,9 @@ def _write_checkpoint(tmp: Path, final: Path, state: TrainerState, model, optimi
         shutil.rmtree(tmp)
     tmp.mkdir()
     hf_model = getattr(model, "module", model)
-    if distributed and not _is_peft(hf_model):
+    if distributed and _is_peft(hf_model):  # the adapters, gathered (sharded under FSDP2)
+        hf_model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
+    elif distributed:
         weights = {k: v for k, v in model_state.items() if k not in ctx.tied_names}
         hf_model.save_pretrained(tmp / "model", state_dict=weights, safe_serialization=True)
     else:
@@ -351,6 +352,44 @@ def _is_peft(model) -> bool:
     return hasattr(model, "peft_config")
 
 
+def _full_model_state(model) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) state on rank 0's CPU, {} on the other ranks; every rank must
+    call it. A LoRA model gives its trainable parameters only (the adapters; the frozen base, 4-bit
+    or not, is the model folder's and is not copied), named as the PEFT model's state_dict names
+    them, which is what PEFT's save_pretrained(state_dict=...) takes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    peft = _is_peft(getattr(model, "module", model))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=peft))
+
+
+def _load_adapters_distributed(model, folder: Path) -> None:
+    """Every rank reads the adapters file (small) and loads it through torch's distributed
+    state-dict API, which shards each tensor where FSDP2 shards the parameter (and copies it
+    whole into a DDP replica). The file names a parameter as PEFT saves it, without the adapter
+    name (`...q_proj.lora_A.weight` for the model's `...q_proj.lora_A.default.weight`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    hf_model = getattr(model, "module", model)
+    adapters_file = folder / "adapter_model.safetensors"
+    if not adapters_file.is_file():
+        raise CheckpointError(f"{folder.parent}: holds full model weights, no LoRA adapters, and this run has "
+                              "lora.enabled true: it was written by a run without LoRA")
+    saved = safetensors.torch.load_file(adapters_file, device="cpu")
+    adapter = hf_model.active_adapter
+    trainable = [name.removeprefix("module.") for name, p in model.named_parameters() if p.requires_grad]
+    by_saved_name = {name.replace(f".{adapter}", ""): name for name in trainable}
+    unexpected = sorted(set(saved) - set(by_saved_name))
+    missing = sorted(set(by_saved_name) - set(saved))
+    if unexpected or missing:
+        raise CheckpointError(f"{folder}: the adapters do not fit this model's LoRA layers (in the file only: "
+                              f"{unexpected[:3]}; in the model only: {missing[:3]}); it was written for another "
+                              "LoRA setup (target_modules, r)")
+    set_model_state_dict(model, {by_saved_name[k]: v for k, v in saved.items()},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+
+
 def _load_model_weights(model, folder: Path) -> None:
     adapters_file = folder / "adapter_model.safetensors"
     if _is_peft(model):  # LoRA: the checkpoint holds the adapters (save_pretrained of the PEFT model)
@@ -408,8 +447,8 @@ def _load_checkpoint(folder: Path, model, optimizer, scheduler, ctx) -> TrainerS
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         hf_model = getattr(model, "module", model)
-        if _is_peft(hf_model):  # DDP replicas: every rank loads the same adapters
-            _load_model_weights(hf_model, folder / "model")
+        if _is_peft(hf_model):
+            _load_adapters_distributed(model, folder / "model")
         else:
             model_state = _read_model_weights(folder / "model") if ctx.is_main else {}
             set_model_state_dict(model, model_state, options=options)
@@ -433,13 +472,14 @@ def _load_checkpoint(folder: Path, model, optimizer, scheduler, ctx) -> TrainerS
 def save_final_model(model, hf_model, folder: Path, ctx=None) -> None:
     """The trained model as a transformers folder; under torchrun the full weights are gathered to
     rank 0 (every rank must call this)."""
-    if ctx is None or not ctx.enabled or _is_peft(hf_model):
-        if ctx is None or ctx.is_main:
-            hf_model.save_pretrained(folder, safe_serialization=True)
+    if ctx is None or not ctx.enabled:
+        hf_model.save_pretrained(folder, safe_serialization=True)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if ctx.is_main:
+    weights = _full_model_state(model)
+    if not ctx.is_main:
+        return
+    if _is_peft(hf_model):  # the adapters, gathered (sharded under FSDP2)
+        hf_model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+    else:
         hf_model.save_pretrained(folder, state_dict={k: v for k, v in weights.items() if k not in ctx.tied_names},
                                  safe_serialization=True)

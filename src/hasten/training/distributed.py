@@ -142,7 +142,9 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (ctx.world_size,))
-        layers = getattr(getattr(model, "model", None), "layers", None)
+        # a PEFT model (LoRA) wraps the transformers model: its layers are the base model's
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        layers = getattr(getattr(base, "model", None), "layers", None)
         if layers is None:
             raise ConfigError("training.distributed fsdp2 shards per decoder layer and this model has no "
                               "model.layers; use ddp")
@@ -156,6 +158,10 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
         for unit in units:
             fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh)
+        if ctx.is_main:
+            held, whole = _parameter_bytes(model)
+            logger.info("hasten: fsdp2 keeps %.3g MiB of the model's %.3g MiB of parameters on each rank (4-bit "
+                        "weights as their packed bytes)", held / 2**20, whole / 2**20)
         # Each unit asks for its neighbour's all-gather when it starts (the next unit's in forward,
         # the previous unit's in backward), so the copy overlaps this unit's compute even when the
         # host is not running ahead of the GPU.
@@ -166,6 +172,18 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
                 unit[0].set_modules_to_backward_prefetch([units[i - 1][0]])
         return model
     raise ConfigError(f"unknown training.distributed strategy {ctx.strategy!r}")
+
+
+def _parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of parameters this rank holds, bytes of the whole parameters) of an FSDP2 model."""
+    from torch.distributed.tensor import DTensor
+
+    held = whole = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        held += local.numel() * local.element_size()
+        whole += param.numel() * param.element_size()
+    return held, whole
 
 
 @contextlib.contextmanager

@@ -123,12 +123,13 @@ def load_model_and_tokenizer(config: Config, dtype: torch.dtype, device: torch.d
     tokenizer = load_model_tokenizer(path)
     auto = auto_model_class(AutoConfig.from_pretrained(path, local_files_only=True))  # VL wrappers: text here
     model = auto.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                 **_quantization(config.lora.quantize, dtype, device))
+                                 **_quantization(config.lora.quantize, dtype, device,
+                                                 sharded=config.training.distributed == "fsdp2"))
     check_tokenizer_fits(tokenizer, model, path)
     return model, tokenizer
 
 
-def _quantization(quantize: str, dtype: torch.dtype, device: torch.device | None) -> dict:
+def _quantization(quantize: str, dtype: torch.dtype, device: torch.device | None, sharded: bool = False) -> dict:
     """from_pretrained's arguments for lora.quantize: NF4 through bitsandbytes, double-quantized
     statistics, computing in the training dtype (hasten's fused QLoRA path takes bf16/fp16), the
     weights quantized on `device` as they load (a 4-bit model cannot be moved with .to())."""
@@ -141,7 +142,8 @@ def _quantization(quantize: str, dtype: torch.dtype, device: torch.device | None
     from transformers import BitsAndBytesConfig
 
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize,
-                                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True),
+                                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True,
+                                                      **({"bnb_4bit_quant_storage": dtype} if sharded else {})),
             "device_map": {"": str(device or "cpu")}}
 
 
@@ -177,8 +179,6 @@ def _with_lora(model, config: Config, ctx):
         import peft
     except ImportError as exc:
         raise ConfigError("lora.enabled needs PEFT: pip install peft") from exc
-    if ctx.strategy == "fsdp2":
-        raise ConfigError("lora.enabled with training.distributed fsdp2 is not supported yet; use ddp")
     lora = config.lora
     targets = [name.strip() for name in lora.target_modules.split(",") if name.strip()]
     linear = _linear_names(model)
