@@ -107,6 +107,17 @@ TORCH_LIBRARY(hasten, m) {
         "float scale) -> (Tensor y, Tensor xa)");
   m.def("lora_linear_backward(Tensor grad_y, Tensor x_lora, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor xa, "
         "float scale, bool shared_input) -> (Tensor grad_x, Tensor grad_x_lora, Tensor grad_a, Tensor grad_b)");
+  // Frozen projections that read one input, each with its LoRA update (q/k/v, gate/up; same file):
+  // x (..., in); per member i weight_i (out_i, in), lora_a_i (r_i, in), lora_b_i
+  // (out_i, r_i), scale_i; biases empty or one (out_i) per member. ys[i] = x W_i^T (+ b_i) +
+  // scale_i (x A_i^T) B_i^T (..., out_i); xa = x
+  // [A_0; A_1; ...]^T (..., sum r_i), one thin GEMM for the group, kept for the backward. The
+  // backward takes every member's grad_y and returns d x (one tensor: the members' terms summed by
+  // accumulating GEMMs, no separate adds), d lora_a_i and d lora_b_i in the adapters' dtypes.
+  m.def("lora_linear_group(Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] lora_a, Tensor[] lora_b, "
+        "float[] scales) -> (Tensor[] ys, Tensor xa)");
+  m.def("lora_linear_group_backward(Tensor[] grad_ys, Tensor x, Tensor[] weights, Tensor[] lora_a, "
+        "Tensor[] lora_b, Tensor xa, float[] scales) -> (Tensor grad_x, Tensor[] grad_a, Tensor[] grad_b)");
 
   // LM head + cross-entropy in chunks of tokens (csrc/loss/linear_cross_entropy_composite.cpp):
   // hidden (T, H), weight (V, H), bias (V,)?, targets (T,) int64 (already shifted),

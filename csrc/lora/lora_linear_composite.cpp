@@ -20,6 +20,7 @@
 #include <torch/version.h>
 
 #include <tuple>
+#include <vector>
 
 #include "lora_checks.h"
 
@@ -98,11 +99,121 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
   return {grad_x.view(x_lora.sizes()), grad_x_lora, grad_a, grad_b};
 }
 
+// --- projections that share their input (q/k/v, gate/up) ------------------------------------------
+// Against one lora_linear per member, the group reads x once for the thin GEMM of the forward and
+// once for d lora_a (all members' A stacked: [A_0; A_1; ...] (R, in), R = sum r_i), and d x is one
+// tensor that every member's base GEMM accumulates onto (beta = 1) instead of n results autograd
+// adds afterwards (two passes over a (T, in) tensor per add).
+
+// Where each member's rank starts in the stacked R: {0, r_0, r_0 + r_1, ..., R}.
+std::vector<int64_t> rank_offsets(at::TensorList lora_a) {
+  std::vector<int64_t> offsets{0};
+  for (const auto& a : lora_a) offsets.push_back(offsets.back() + a.size(0));
+  return offsets;
+}
+
+void check_group(const char* op, at::TensorList weights, at::TensorList lora_a,
+                 at::TensorList lora_b, at::ArrayRef<double> scales, size_t biases) {
+  const size_t n = weights.size();
+  TORCH_CHECK(n >= 1, "hasten::", op, ": the group needs at least one projection, got none");
+  TORCH_CHECK(lora_a.size() == n && lora_b.size() == n && scales.size() == n && (biases == 0 || biases == n),
+              "hasten::", op, ": weights, lora_a, lora_b and scales must have one entry per projection, and biases "
+              "none or one per projection, got ", n, ", ", lora_a.size(), ", ", lora_b.size(), ", ", scales.size(),
+              " and ", biases);
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lora_a[i].scalar_type() == lora_a[0].scalar_type() &&
+                    lora_b[i].scalar_type() == lora_b[0].scalar_type(),
+                "hasten::", op, ": every projection's lora_a must share one dtype, and every lora_b one dtype");
+  }
+}
+
+std::optional<at::Tensor> bias_of(at::TensorList biases, size_t i) {
+  return biases.empty() ? std::nullopt : std::optional<at::Tensor>(biases[i]);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> lora_linear_group(
+    const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+    at::TensorList lora_a, at::TensorList lora_b, at::ArrayRef<double> scales) {
+  const char* op = "lora_linear_group";
+  check_group(op, weights, lora_a, lora_b, scales, biases.size());
+  const size_t n = weights.size();
+  for (size_t i = 0; i < n; ++i) {
+    check_lora_linear_args(op, x, std::nullopt, weights[i], bias_of(biases, i), lora_a[i], lora_b[i]);
+  }
+  const auto offsets = rank_offsets(lora_a);
+  const auto x2 = rows(x);
+  std::vector<at::Tensor> stacked;
+  for (const auto& a : lora_a) stacked.push_back(a.to(x.scalar_type()));
+  const auto a_all = at::cat(stacked, 0);  // (R, in)
+  auto xa_shape = x.sizes().vec();
+  xa_shape.back() = offsets.back();
+  auto xa_out = at::empty(xa_shape, x.options());
+  auto xa = xa_out.view({-1, offsets.back()});  // (T, R)
+  at::mm_out(xa, x2, a_all.t());
+  std::vector<at::Tensor> ys;
+  for (size_t i = 0; i < n; ++i) {
+    auto out_shape = x.sizes().vec();
+    out_shape.back() = weights[i].size(0);
+    auto y_out = at::empty(out_shape, x.options());  // allocated whole, not a view (see lora_linear)
+    auto y = y_out.view({-1, weights[i].size(0)});
+    const auto xa_scaled = xa.narrow(1, offsets[i], offsets[i + 1] - offsets[i]) * scales[i];  // (T, r_i)
+    const auto b = lora_b[i].to(x.scalar_type());
+    const auto bias = bias_of(biases, i);
+    if (bias.has_value()) {
+      at::addmm_out(y, *bias, xa_scaled, b.t());
+    } else {
+      at::mm_out(y, xa_scaled, b.t());
+    }
+    y.addmm_(x2, weights[i].t());  // the base GEMM accumulates onto the rank-r update, as in lora_linear
+    ys.push_back(y_out);
+  }
+  return {ys, xa_out};
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_linear_group_backward(
+    at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights, at::TensorList lora_a,
+    at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales) {
+  const char* op = "lora_linear_group_backward";
+  check_group(op, weights, lora_a, lora_b, scales, 0);
+  const size_t n = weights.size();
+  TORCH_CHECK(grad_ys.size() == n, "hasten::", op, ": one grad_y per projection, got ", grad_ys.size(), " for ", n);
+  const auto offsets = rank_offsets(lora_a);
+  TORCH_CHECK(xa.size(-1) == offsets.back() && rows_of(xa) == rows_of(x), "hasten::", op, ": `xa` ",
+              shape(xa.sizes()), " must be (..., ", num(offsets.back()), ") over x's rows");
+  const auto dtype = x.scalar_type();
+  const auto x2 = rows(x), xa2 = rows(xa);
+  std::vector<at::Tensor> gs, stacked, grad_b;
+  for (size_t i = 0; i < n; ++i) {
+    check_lora_linear_args(op, x, std::nullopt, weights[i], std::nullopt, lora_a[i], lora_b[i]);
+    TORCH_CHECK(grad_ys[i].size(-1) == weights[i].size(0) && rows_of(grad_ys[i]) == rows_of(x), "hasten::", op,
+                ": `grad_ys[", i, "]` ", shape(grad_ys[i].sizes()), " must be (..., ", num(weights[i].size(0)),
+                ") over x's rows");
+    gs.push_back(rows(grad_ys[i].to(dtype)));
+    stacked.push_back(lora_a[i].to(dtype));
+  }
+  // gb = [s_0 g_0 B_0 | s_1 g_1 B_1 | ...] (T, R); d B_i = s_i g_i^T xa_i (out_i, r_i)
+  auto gb = at::empty({x2.size(0), offsets.back()}, x.options());
+  for (size_t i = 0; i < n; ++i) {
+    const auto b = lora_b[i].to(dtype);
+    gb.narrow(1, offsets[i], offsets[i + 1] - offsets[i]).copy_(at::mm(gs[i], b).mul_(scales[i]));
+    grad_b.push_back(mm_as(gs[i].t(), xa2.narrow(1, offsets[i], offsets[i + 1] - offsets[i]),
+                           lora_b[i].scalar_type()).mul_(scales[i]));
+  }
+  const auto grad_a_all = mm_as(gb.t(), x2, lora_a[0].scalar_type());  // (R, in): x read once
+  std::vector<at::Tensor> grad_a;
+  for (size_t i = 0; i < n; ++i) grad_a.push_back(grad_a_all.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).clone());
+  auto grad_x = at::mm(gb, at::cat(stacked, 0));  // (T, in): the LoRA paths, then each base GEMM onto it
+  for (size_t i = 0; i < n; ++i) grad_x.addmm_(gs[i], weights[i]);
+  return {grad_x.view(x.sizes()), grad_a, grad_b};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hasten, CompositeExplicitAutograd, m) {
   m.impl("lora_linear", &lora_linear);
   m.impl("lora_linear_backward", &lora_linear_backward);
+  m.impl("lora_linear_group", &lora_linear_group);
+  m.impl("lora_linear_group_backward", &lora_linear_group_backward);
 }
 
 }  // namespace hasten

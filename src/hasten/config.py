@@ -187,6 +187,10 @@ class KernelsConfig:
     # PEFT LoRA layers: the frozen base GEMM and the low-rank update in one op that keeps no
     # float32 copy of the layer input (PEFT's float32 adapters keep one per projection).
     fused_lora: bool = True
+    # With fused_lora: the LoRA projections one module feeds the same input (q/k/v, gate/up) in
+    # one op: one thin GEMM and one read of the input for all their adapters, and one input
+    # gradient their base GEMMs accumulate onto (no separate adds).
+    fused_lora_groups: bool = True
 
 
 @dataclass

@@ -53,7 +53,7 @@ def test_fused_layer_is_within_the_bf16_noise_of_peft(tokens, n_in, n_out, rank,
     bf16_layer.lora_A.to(torch.bfloat16)
     bf16_layer.lora_B.to(torch.bfloat16)
     noise_out = _run(bf16_peft, bf16_layer, x, upstream)
-    undo, count, refused = install_fused_lora(model)
+    undo, count, _grouped, refused = install_fused_lora(model)
     assert count == 1 and not refused
     fused_out = _run(model, layer, x, upstream)
     assert layer.lora_A["default"].weight.dtype == adapter_dtype
@@ -105,6 +105,7 @@ def test_lora_model_gradients_are_within_the_bf16_noise_of_peft():
     noise = float((adapter_grads(unpatched) - want).norm() / want.norm())
     handle = hasten.accelerate(patched.get_base_model(), Config())
     assert any(item.startswith("fused LoRA projections (14 layers") for item in handle.active), handle.report()
+    assert any(item.startswith("grouped LoRA projections (10 layers") for item in handle.active), handle.report()
     error = float((adapter_grads(patched) - want).norm() / want.norm())
     assert error <= 1.5 * noise, f"hasten {error:.3e} vs the unpatched bf16 model's {noise:.3e}"
     handle.undo()
@@ -153,7 +154,7 @@ def test_fused_4bit_layer_is_within_the_bf16_noise_of_peft():
     noise_out = _run(model, layer, x, upstream)
     layer.lora_A.float()
     layer.lora_B.float()
-    undo, count, refused = install_fused_lora(model)
+    undo, count, _grouped, refused = install_fused_lora(model)
     assert count == 1 and not refused
     fused_out = _run(model, layer, x, upstream)
     undo()
@@ -205,3 +206,49 @@ def test_expert_lora_split_on_grouped_gemms_is_within_the_bf16_noise_of_peft():
     print(f"expert LoRA: hasten {error:.3e}, PEFT bf16 {noise:.3e}")
     assert error <= 1.5 * noise, f"hasten {error:.3e} vs the unpatched bf16 model's {noise:.3e}"
     handle.undo()
+
+
+@pytest.mark.parametrize("tokens,n_in,outs,biased", [(4097, 4096, (4096, 1024, 1024), False),
+                                                     (1, 640, (2048, 2048), True), (300, 896, (128, 64, 64), True)])
+def test_group_op_is_within_the_bf16_noise_of_one_op_per_projection(tokens, n_in, outs, biased):
+    """hasten::lora_linear_group (q/k/v- and gate/up-like members, float32 adapters of ranks 16
+    and 8) against one hasten::lora_linear per member, both against the float64 computation."""
+    from hasten.ops.lora import lora_linear, lora_linear_group
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+
+    def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) * scale
+
+    x = rand(tokens, n_in)
+    weights = [rand(n, n_in, scale=n_in ** -0.5) for n in outs]
+    biases = [rand(n, scale=0.1) for n in outs] if biased else []
+    ranks = [16 if i % 2 == 0 else 8 for i in range(len(outs))]
+    lora_a = [rand(r, n_in, dtype=torch.float32, scale=n_in ** -0.5) for r in ranks]
+    lora_b = [rand(n, r, dtype=torch.float32, scale=0.05) for n, r in zip(outs, ranks)]
+    scales = [2.0, 0.5, 1.0][:len(outs)]
+    upstream = [rand(tokens, n) for n in outs]
+
+    def run(group: bool, dtype):
+        xx = x.to(dtype).requires_grad_()
+        a = [t.detach().to(torch.float64 if dtype == torch.float64 else t.dtype).requires_grad_() for t in lora_a]
+        b = [t.detach().to(torch.float64 if dtype == torch.float64 else t.dtype).requires_grad_() for t in lora_b]
+        w = [t.to(dtype) for t in weights]
+        bs = [t.to(dtype) for t in biases]
+        if dtype == torch.float64:  # the exact computation, written out
+            ys = [xx @ wi.t() + s * (xx @ ai.t()) @ bi.t() + (bs[i] if bs else 0)
+                  for i, (wi, ai, bi, s) in enumerate(zip(w, a, b, scales))]
+        elif group:
+            ys = lora_linear_group(xx, w, bs, a, b, scales)
+        else:
+            ys = [lora_linear(xx, wi, bs[i] if bs else None, ai, bi, s) for i, (wi, ai, bi, s) in
+                  enumerate(zip(w, a, b, scales))]
+        sum((y.double() * g.double()).sum() for y, g in zip(ys, upstream)).backward()
+        return [torch.cat([y.double().flatten() for y in ys]), xx.grad.double(),
+                torch.cat([t.grad.double().flatten() for t in a]), torch.cat([t.grad.double().flatten() for t in b])]
+
+    exact, grouped, separate = run(False, torch.float64), run(True, torch.bfloat16), run(False, torch.bfloat16)
+    for label, got, theirs, want in zip(("ys", "dx", "dA", "dB"), grouped, separate, exact):
+        error = float((got - want).norm() / want.norm())
+        noise = float((theirs - want).norm() / want.norm())
+        assert error <= 1.5 * noise + 1e-4, f"{label}: group {error:.2e} vs one op per projection {noise:.2e}"

@@ -44,8 +44,9 @@ def _loss_and_grads(model, seed=0):
 def test_fused_layers_give_peft_loss_and_gradients(dropout):
     model = _peft_model(dropout)
     want_loss, want = _loss_and_grads(model)
-    undo, count, refused = install_fused_lora(model)
+    undo, count, grouped, refused = install_fused_lora(model)
     assert count == 2 * len(TARGETS) and not refused
+    assert grouped == 2 * 5  # per layer q/k/v and gate/up: one op each (with dropout, one by one per call)
     got_loss, got = _loss_and_grads(model)
     if dropout == 0.0:
         torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
@@ -57,6 +58,47 @@ def test_fused_layers_give_peft_loss_and_gradients(dropout):
     assert all("forward" not in layer.__dict__ for layer in lora_layers(model))
     again_loss, _ = _loss_and_grads(model)
     torch.testing.assert_close(again_loss, want_loss)
+
+
+def test_groups_off_give_the_same_loss_and_gradients_as_groups_on():
+    model = _peft_model()
+    undo, _, grouped, _ = install_fused_lora(model)
+    grouped_loss, grouped_grads = _loss_and_grads(model)
+    undo()
+    _, _, none, _ = install_fused_lora(model, groups=False)
+    assert grouped == 10 and none == 0
+    loss, grads = _loss_and_grads(model)
+    torch.testing.assert_close(grouped_loss, loss, rtol=1e-6, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grouped_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _TwoInputs(torch.nn.Module):
+    """A parent whose q/k/v-named projections do not all read one tensor (cross-attention-like):
+    k and v read `memory`, q reads x."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 6, bias=False) for _ in range(3))
+
+    def forward(self, x, memory):
+        return self.q_proj(x).sum() + self.k_proj(memory).sum() * 2 + self.v_proj(memory).sum() * 3
+
+
+def test_a_group_fed_two_tensors_turns_off_and_stays_correct():
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_TwoInputs(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj",
+                                                                                                 "v_proj"]))
+    with torch.no_grad():
+        for layer in lora_layers(model):
+            layer.lora_B["default"].weight.normal_()
+    reference = copy.deepcopy(model)
+    _, _, grouped, _ = install_fused_lora(model)
+    assert grouped == 3
+    x, memory = torch.randn(5, 8), torch.randn(5, 8)
+    for _ in range(2):  # the first call finds out and turns the group off; the second runs one by one
+        torch.testing.assert_close(model(x, memory), reference(x, memory), rtol=1e-5, atol=1e-5)
+    assert fallback_counts().get("lora_group_off") == 1
 
 
 def test_states_peft_computes_otherwise_run_peft():
@@ -80,7 +122,7 @@ def test_states_peft_computes_otherwise_run_peft():
 
 def test_dora_and_lora_bias_are_left_to_peft_and_said():
     model = _peft_model(use_dora=True)
-    undo, count, refused = install_fused_lora(model)
+    undo, count, _grouped, refused = install_fused_lora(model)
     assert count == 0 and any("variant" in reason for reason in refused)
     assert fallback_counts().get("lora_not_fused") == 1
 

@@ -62,7 +62,7 @@ def test_fused_4bit_layers_match_peft_within_bf16_rounding():
     assert {type(m).__module__ for m in layers} == {"peft.tuners.lora.bnb"}  # PEFT's QLoRA class
     x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     want = _run(model, x)
-    undo, count, refused = install_fused_lora(model)
+    undo, count, _grouped, refused = install_fused_lora(model)
     assert count == 2 and not refused
     got = _run(model, x)
     for name, g, w in [("y", got[0], want[0]), ("dx", got[1], want[1])] + [
@@ -83,7 +83,7 @@ def test_the_dequantized_weight_is_not_kept_for_the_backward():
 
 def test_a_float32_compute_dtype_is_left_to_peft():
     model = _peft(compute_dtype=torch.float32)
-    _, count, refused = install_fused_lora(model)
+    _, count, _grouped, refused = install_fused_lora(model)
     assert count == 0 and any("bnb_4bit_compute_dtype" in reason for reason in refused)
 
 

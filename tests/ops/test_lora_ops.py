@@ -86,3 +86,47 @@ def test_a_trainable_base_is_refused():
     x, weight, _, a, b = _inputs((3,), 8, 6, 2, seed=6)
     with pytest.raises(NotImplementedError, match="frozen base layer"):
         lora_linear(x, weight.requires_grad_(), None, a.requires_grad_(), b, 1.0)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows,n_in,outs,ranks", [((1,), 8, (6, 3, 3), (2, 1, 4)), ((2, 7), 24, (40, 40), (4, 4)),
+                                                  ((0,), 8, (6, 2), (2, 2)), ((3, 1), 33, (17,), (16,))])
+def test_group_matches_each_projection_written_out(rows, n_in, outs, ranks, with_bias):
+    """hasten::lora_linear_group: q/k/v- and gate/up-like members (ranks and scales of their own),
+    one-token, empty and one-member inputs: outputs and the gradients of x and every adapter."""
+    from hasten.ops.lora import lora_linear_group
+
+    gen = torch.Generator().manual_seed(sum(outs) + n_in)
+    x = torch.randn(*rows, n_in, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(n, n_in, generator=gen, dtype=torch.float64) for n in outs]
+    biases = [torch.randn(n, generator=gen, dtype=torch.float64) for n in outs] if with_bias else []
+    adapters_a = [torch.randn(r, n_in, generator=gen, dtype=torch.float64) for r in ranks]
+    adapters_b = [torch.randn(n, r, generator=gen, dtype=torch.float64) for n, r in zip(outs, ranks)]
+    scales = [0.75, 2.0, 1.0][:len(outs)]
+    leaves = [t.clone().requires_grad_() for t in [x, *adapters_a, *adapters_b]]
+    ref = [t.clone().requires_grad_() for t in [x, *adapters_a, *adapters_b]]
+    n = len(outs)
+    got = lora_linear_group(leaves[0], weights, biases, leaves[1:1 + n], leaves[1 + n:], scales)
+    want = [_reference(ref[0], w, biases[i] if biases else None, ref[1 + i], ref[1 + n + i], scales[i])
+            for i, w in enumerate(weights)]
+    upstream = [torch.randn(w.shape, generator=gen, dtype=w.dtype) for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    sum((g * u).sum() for g, u in zip(got, upstream)).backward()
+    sum((w * u).sum() for w, u in zip(want, upstream)).backward()
+    for i, (g, w) in enumerate(zip(leaves, ref)):
+        torch.testing.assert_close(g.grad, w.grad, msg=f"grad of leaf {i} (x, then each lora_a, then each lora_b)")
+
+
+def test_group_keeps_x_itself_and_the_stacked_rank_sized_product_only():
+    from hasten.ops.lora import lora_linear_group
+
+    x, weight, _, a, b = _inputs((6,), 16, 12, 4, seed=7)
+    x.requires_grad_()
+    a, b = a.requires_grad_(), b.requires_grad_()
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    kept = _saved(lambda: lora_linear_group(x, [weight, weight], [], [a, a2], [b, b2], [1.0, 1.0]))
+    activations = [t for t in kept if t.shape[:-1] == x.shape[:-1]]
+    assert len(activations) == 2 and activations[0] is x and activations[1].shape == (6, 8)  # x and [xa_0 | xa_1]
+    with pytest.raises(NotImplementedError, match="frozen base layers"):
+        lora_linear_group(x, [weight.clone().requires_grad_()], [], [a], [b], [1.0])

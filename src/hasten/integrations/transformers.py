@@ -1173,11 +1173,14 @@ def patch_lora_layers(model: torch.nn.Module, config: Config, handle: Accelerati
     if not config.kernels.fused_lora:
         handle.inactive.append("fused LoRA projections (kernels.fused_lora is false: PEFT's layers run)")
         return
-    undo, count, refused = install_fused_lora(model)
+    undo, count, grouped, refused = install_fused_lora(model, groups=config.kernels.fused_lora_groups)
     handle._undo_steps.append(undo)
     if count:
         handle.active.append(f"fused LoRA projections ({count} layers: base GEMM and low-rank update in one op, "
                              "no float32 copy of the input)")
+    if grouped:
+        handle.active.append(f"grouped LoRA projections ({grouped} layers: q/k/v and gate/up each read their "
+                             "input once)")
     for reason in refused:
         handle.inactive.append(f"fused LoRA projections ({reason}: PEFT's own forward runs them)")
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hasten.observability import record_fallback
-from hasten.ops.lora import lora_linear, lora_linear_quantized
+from hasten.ops.lora import lora_linear, lora_linear_group, lora_linear_quantized
 
 
 # PEFT's LoRA layer classes hasten computes, by (module, name): over a plain nn.Linear, and over
@@ -134,6 +134,103 @@ def _dequantizer(base: nn.Module, dtype: torch.dtype):
     return dequantize
 
 
+# --- projections one module feeds the same tensor: hasten::lora_linear_group ----------------------
+
+# Sibling projection names whose parent's forward passes them one tensor in the model families
+# hasten patches (attention's q/k/v, a gated MLP's gate/up). The names only nominate a group: each
+# call still checks that the members are asked, with that very tensor, for what was computed.
+SHARED_INPUT_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SharedInputGroup:
+    """LoRA projections (over plain frozen bases) of one parent module, computed together.
+
+    The first member called with x computes every member's output in one hasten::lora_linear_group
+    and keeps the others' until they are called with the same tensor x. A member called with
+    another tensor while outputs wait means this parent does not feed its members one tensor (or
+    skips one: layers that reuse another layer's K/V): the group turns off for good, said once,
+    and its members run one by one; the waiting outputs are dropped, never returned."""
+
+    def __init__(self, members: list[nn.Module], names: list[str]):
+        self.members, self.names = members, names
+        self.waiting: dict[int, torch.Tensor] = {}  # member index -> its output for waiting_for
+        self.waiting_for: torch.Tensor | None = None
+        self.off = False
+        self.biased = members[0].get_base_layer().bias is not None  # shared_input_groups: on all or none
+
+    def take(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        """The waiting output of member `index` for x, or None (nothing waits for this call)."""
+        if self.waiting_for is None:
+            return None
+        if x is self.waiting_for and index in self.waiting:
+            y = self.waiting.pop(index)
+            if not self.waiting:
+                self.waiting_for = None
+            return y
+        self.off = True
+        unused = ", ".join(self.names[i] for i in sorted(self.waiting))
+        self.waiting, self.waiting_for = {}, None
+        record_fallback("lora_group_off", f"{self.names[index]} was called with another input while the output "
+                        f"computed for {unused} from its siblings' input waited: this module does not feed "
+                        f"{', '.join(self.names)} one tensor; they run one by one from now on")
+        return None
+
+    def adapter(self, x: torch.Tensor, args, kwargs) -> str | None:
+        """The adapter the group computes for this call, or None when a member must run alone."""
+        if self.off or torch.compiler.is_compiling():  # compiled: no state kept between calls
+            return None
+        adapters = {_fused_adapter(m, x, args, kwargs) for m in self.members}
+        if len(adapters) != 1 or (adapter := adapters.pop()) is None:
+            return None
+        for m in self.members:
+            dropout = m.lora_dropout[adapter]
+            if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
+                return None  # each projection draws its own dropout mask: one by one
+        first = self.members[0]
+        if any(m.lora_A[adapter].weight.dtype != first.lora_A[adapter].weight.dtype or
+               m.lora_B[adapter].weight.dtype != first.lora_B[adapter].weight.dtype for m in self.members):
+            return None
+        return adapter
+
+    def compute(self, index: int, x: torch.Tensor, adapter: str) -> torch.Tensor:
+        bases = [m.get_base_layer() for m in self.members]
+        ys = lora_linear_group(x, [b.weight for b in bases], [b.bias for b in bases] if self.biased else [],
+                               [m.lora_A[adapter].weight for m in self.members],
+                               [m.lora_B[adapter].weight for m in self.members],
+                               [m.scaling[adapter] for m in self.members])
+        self.waiting = {i: y for i, y in enumerate(ys) if i != index}
+        self.waiting_for = x if self.waiting else None
+        return ys[index]
+
+
+def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    group, index = self._hasten_lora_group
+    waiting = group.take(index, x)
+    if waiting is not None:
+        return waiting
+    adapter = group.adapter(x, args, kwargs)
+    if adapter is None:
+        return _forward(self, x, *args, **kwargs)
+    return group.compute(index, x, adapter)
+
+
+def shared_input_groups(model: nn.Module, patched: list[nn.Module]) -> list[SharedInputGroup]:
+    """The groups of `patched` layers (plain bases only) that SHARED_INPUT_NAMES nominates: siblings
+    under one parent, at least two, with one input size."""
+    eligible = {id(m) for m in patched if not _is_bnb_4bit(m.get_base_layer())}
+    groups = []
+    for parent_name, parent in model.named_modules():
+        for names in SHARED_INPUT_NAMES:
+            members = [(n, parent._modules.get(n)) for n in names]  # direct children (PEFT's wrappers forward getattr)
+            members = [(n, m) for n, m in members if m is not None and id(m) in eligible]
+            bases = [m.get_base_layer() for _, m in members]
+            if len(members) < 2 or len({b.in_features for b in bases}) != 1 or len({b.bias is None for b in bases}) != 1:
+                continue  # one input size; a bias on every member or on none
+            prefix = f"{parent_name}." if parent_name else ""
+            groups.append(SharedInputGroup([m for _, m in members], [prefix + n for n, _ in members]))
+    return groups
+
+
 @torch.no_grad()
 def formula_mismatch(module: nn.Module) -> str | None:
     """Run PEFT's forward and hasten's on one random input, with a random lora_B for the probe
@@ -163,9 +260,10 @@ def formula_mismatch(module: nn.Module) -> str | None:
     return None
 
 
-def install_fused_lora(model: nn.Module):
-    """Patch every qualifying PEFT LoRA Linear layer of `model`. Returns (undo, number patched,
-    reasons others were left to PEFT)."""
+def install_fused_lora(model: nn.Module, groups: bool = True):
+    """Patch every qualifying PEFT LoRA Linear layer of `model`; with `groups`, the projections one
+    module feeds the same input run as SharedInputGroups. Returns (undo, number patched, number
+    in groups, reasons others were left to PEFT)."""
     layers = lora_layers(model)
     reasons: dict[str, int] = {}
     patched = []
@@ -183,6 +281,12 @@ def install_fused_lora(model: nn.Module):
             patched = [m for m in patched if _kind(m) != kind]
     for module in patched:
         module.forward = types.MethodType(_forward, module)
+    grouped = []
+    for group in shared_input_groups(model, patched) if groups else []:
+        for index, module in enumerate(group.members):
+            module._hasten_lora_group = (group, index)  # per-model state on the module, dropped by undo
+            module.forward = types.MethodType(_grouped_forward, module)
+            grouped.append(module)
     if reasons:
         record_fallback("lora_not_fused", "; ".join(f"{count} LoRA layers: {why}" for why, count in reasons.items())
                         + "; PEFT's own forward runs them")
@@ -190,5 +294,6 @@ def install_fused_lora(model: nn.Module):
     def undo() -> None:
         for module in patched:
             module.__dict__.pop("forward", None)
+            module.__dict__.pop("_hasten_lora_group", None)
 
-    return undo, len(patched), [f"{count} LoRA layers: {why}" for why, count in reasons.items()]
+    return undo, len(patched), len(grouped), [f"{count} LoRA layers: {why}" for why, count in reasons.items()]

@@ -6,6 +6,9 @@ What autograd keeps: x_lora (x itself without dropout, which the caller holds an
 of one layer keep one tensor between them), xa = x_lora A^T (..., r), and references to the
 weights. No gradient for the base weight or bias: the op refuses them requiring one.
 
+`lora_linear_group`: projections that read the same x (q/k/v, gate/up) in one op: x is read once for
+all members' thin GEMM and for all d A, and d x is one tensor their base GEMMs accumulate onto.
+
 `lora_linear_quantized`: the same over a quantized base (bitsandbytes NF4/FP4, QLoRA), the weight
 dequantized by the caller's function for the forward and again for the backward, never kept.
 """
@@ -56,12 +59,95 @@ def _backward(ctx, grad_y, _grad_xa):
             grad_a if need[4] else None, grad_b if need[5] else None, None)
 
 
+# --- projections that share their input (q/k/v, gate/up): hasten::lora_linear_group ---------------
+
+def _check_group(op, weights, biases, lora_a, lora_b, scales) -> None:
+    """The group's counts and dtypes, as csrc/lora's check_group words them (its members' shapes
+    follow, per op, in the kernel's order)."""
+    n = len(weights)
+    _checks.check(n >= 1, op, "the group needs at least one projection, got none")
+    _checks.check(len(lora_a) == len(lora_b) == len(scales) == n and len(biases) in (0, n), op,
+                  lambda: "weights, lora_a, lora_b and scales must have one entry per projection, and biases none or "
+                  f"one per projection, got {n}, {len(lora_a)}, {len(lora_b)}, {len(scales)} and {len(biases)}")
+    for a, b in zip(lora_a, lora_b):
+        _checks.check(a.dtype == lora_a[0].dtype and b.dtype == lora_b[0].dtype, op,
+                      "every projection's lora_a must share one dtype, and every lora_b one dtype")
+
+
+def _lora_linear_group_fake(x, weights, biases, lora_a, lora_b, scales):
+    op = "lora_linear_group"
+    _check_group(op, weights, biases, lora_a, lora_b, scales)
+    for i, (w, a, b) in enumerate(zip(weights, lora_a, lora_b)):
+        _checks.check_lora_linear_args(op, x, None, w, biases[i] if biases else None, a, b)
+    ranks = sum(a.shape[0] for a in lora_a)
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights], x.new_empty((*x.shape[:-1], ranks))
+
+
+def _lora_linear_group_backward_fake(grad_ys, x, weights, lora_a, lora_b, xa, scales):
+    op = "lora_linear_group_backward"
+    _check_group(op, weights, [], lora_a, lora_b, scales)
+    n, rows = len(weights), x.numel() // x.shape[-1] if x.shape[-1] else 0
+    _checks.check(len(grad_ys) == n, op, lambda: f"one grad_y per projection, got {len(grad_ys)} for {n}")
+    ranks = sum(a.shape[0] for a in lora_a)
+    _checks.check(xa.shape[-1] == ranks and (xa.numel() // ranks if ranks else 0) == rows, op,
+                  lambda: f"`xa` {_checks.shape(xa.shape)} must be (..., {ranks}) over x's rows")
+    for i, (g, w, a, b) in enumerate(zip(grad_ys, weights, lora_a, lora_b)):
+        _checks.check_lora_linear_args(op, x, None, w, None, a, b)
+        _checks.check(g.shape[-1] == w.shape[0] and (g.numel() // w.shape[0] if w.shape[0] else 0) == rows, op,
+                      lambda: f"`grad_ys[{i}]` {_checks.shape(g.shape)} must be (..., {w.shape[0]}) over x's rows")
+    return (x.new_empty(x.shape), [a.new_empty(a.shape) for a in lora_a], [b.new_empty(b.shape) for b in lora_b])
+
+
+def _setup_group(ctx, inputs, output):
+    x, weights, biases, lora_a, lora_b, scales = inputs
+    _ys, xa = output
+    ctx.mark_non_differentiable(xa)
+    if any(w.requires_grad for w in weights) or any(b.requires_grad for b in biases):
+        raise NotImplementedError("hasten::lora_linear_group computes no gradient for the base weights or biases: it "
+                                  "is for frozen base layers (requires_grad=False)")
+    ctx.n, ctx.scales, ctx.x_shape, ctx.ranks = len(weights), list(scales), x.shape, [a.shape[0] for a in lora_a]
+    ctx.biases = len(biases)
+    ctx.x_needs_grad = x.requires_grad
+    ctx.a_needs_grad = [a.requires_grad for a in lora_a]
+    ctx.b_needs_grad = [b.requires_grad for b in lora_b]
+    # d lora_a reads x, d lora_b reads xa; d x reads the weights only
+    ctx.save_for_backward(x if any(ctx.a_needs_grad) else None, xa if any(ctx.b_needs_grad) else None,
+                          *weights, *lora_a, *lora_b)
+
+
+def _backward_group(ctx, grad_ys, _grad_xa):
+    x, xa, *rest = ctx.saved_tensors
+    n = ctx.n
+    weights, lora_a, lora_b = rest[:n], rest[n:2 * n], rest[2 * n:]
+    any_grad = next(g for g in grad_ys if g is not None)
+    if x is None:  # not kept, not read for a gradient anyone asked for: a zero-stride stand-in
+        x = any_grad.new_zeros(()).expand(ctx.x_shape)
+    if xa is None:
+        xa = any_grad.new_zeros(()).expand((*ctx.x_shape[:-1], sum(ctx.ranks)))
+    grads = [g.contiguous() if g is not None else any_grad.new_zeros((*ctx.x_shape[:-1], w.shape[0]))
+             for g, w in zip(grad_ys, weights)]
+    grad_x, grad_a, grad_b = call_in_backward("lora_linear_group_backward", grads, x, list(weights), list(lora_a),
+                                              list(lora_b), xa, ctx.scales)
+    # the inputs' structure: a list for each Tensor[] (the frozen weights and biases: Nones), one
+    # entry for the float[] scales
+    return (grad_x if ctx.x_needs_grad else None, [None] * n, [None] * ctx.biases,
+            [g if need else None for g, need in zip(grad_a, ctx.a_needs_grad)],
+            [g if need else None for g, need in zip(grad_b, ctx.b_needs_grad)], None)
+
+
 def _register() -> None:
     """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
     torch.library.register_fake("hasten::lora_linear", _lora_linear_fake)
     torch.library.register_fake("hasten::lora_linear_backward", _lora_linear_backward_fake)
     register_autograd("lora_linear", _backward, setup_context=_setup)
     no_double_backward("lora_linear_backward")
+    torch.library.register_fake("hasten::lora_linear_group", _lora_linear_group_fake)
+    torch.library.register_fake("hasten::lora_linear_group_backward", _lora_linear_group_backward_fake)
+    # the op's own autograd kernel, not an eager autograd.Function: a Function tracks only tensors
+    # passed to it directly, and this op takes its weights and adapters as lists (two calls per
+    # layer, against seven lora_linear calls, so the kernel's extra host time is small)
+    torch.library.register_autograd("hasten::lora_linear_group", _backward_group, setup_context=_setup_group)
+    no_double_backward("lora_linear_group_backward")
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
@@ -70,6 +156,17 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     after dropout (None: x). Returns (..., out) in x's dtype."""
     load()
     return call("lora_linear", x, x_lora, weight, bias, lora_a, lora_b, float(scale))[0]
+
+
+def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], scales: list[float]) -> list[torch.Tensor]:
+    """[x W_i^T (+ b_i) + s_i (x A_i^T) B_i^T for each member i]: frozen projections that read the
+    same x (q/k/v, gate/up), without dropout on the LoRA path; `biases` empty (none) or one per
+    member. One thin GEMM for all members' A,
+    one read of x for all d A, and one d x the members' base GEMMs accumulate onto."""
+    load()
+    return torch.ops.hasten.lora_linear_group(x, list(weights), list(biases), list(lora_a), list(lora_b),
+                                              [float(s) for s in scales])[0]
 
 
 class _QuantizedLoraLinear(torch.autograd.Function):
