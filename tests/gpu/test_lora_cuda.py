@@ -244,7 +244,7 @@ def test_group_op_is_within_the_bf16_noise_of_one_op_per_projection(tokens, n_in
             ys = [lora_linear(xx, wi, bs[i] if bs else None, ai, bi, s) for i, (wi, ai, bi, s) in
                   enumerate(zip(w, a, b, scales))]
         sum((y.double() * g.double()).sum() for y, g in zip(ys, upstream)).backward()
-        return [torch.cat([y.double().flatten() for y in ys]), xx.grad.double(),
+        return [torch.cat([y.detach().double().flatten() for y in ys]), xx.grad.double(),
                 torch.cat([t.grad.double().flatten() for t in a]), torch.cat([t.grad.double().flatten() for t in b])]
 
     exact, grouped, separate = run(False, torch.float64), run(True, torch.bfloat16), run(False, torch.bfloat16)
