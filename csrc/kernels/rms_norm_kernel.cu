@@ -273,110 +273,6 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
   if (WeightGrad) write_block_partial(block_grad_weight, p);
 }
 
-// --- one block per row, the row in registers (wide rows: hidden >= 2048 in bf16/fp16) ------------
-// The kernels above give a row at most a warp: a 4096-wide bf16 row is 16 vectors per lane, read
-// twice (the sum, then the output; the second read mostly from L2). Here the block's 256 threads
-// share one row, K (1..8) vectors per thread held in registers, so x (and grad_y) are read once:
-// W4's profile had the forward at 0.104 ms and the frozen-weight backward at 0.17 ms on a
-// (16384, 4096) bf16 input, against about 0.06 and 0.09 for the bytes they move.
-
-// Sum over the block; every thread gets it. `scratch` holds one float per warp; every thread of
-// the block must call it.
-__device__ __forceinline__ float block_sum(float value, float* scratch) {
-  value = group_sum(value, 32);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = value;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += scratch[w];
-  __syncthreads();  // scratch is rewritten by the next row
-  return total;
-}
-
-template <typename T, int V, int K>
-__global__ void __launch_bounds__(kThreads) rms_norm_forward_row_kernel(RmsNormParams p) {
-  __shared__ float scratch[kWarps];
-  const int64_t vectors = p.hidden / V;
-  const T* w = static_cast<const T*>(p.weight);
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const T* x = static_cast<const T*>(p.x) + row * p.hidden;
-    T xs[K][V];
-    float squares = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kThreads;
-      if (v >= vectors) continue;
-      load_chunk<T, V>(x, v, xs[k]);
-#pragma unroll
-      for (int i = 0; i < V; ++i) squares += to_float(xs[k][i]) * to_float(xs[k][i]);
-    }
-    const float rstd = rsqrtf(block_sum(squares, scratch) / static_cast<float>(p.hidden) + p.eps);
-    if (threadIdx.x == 0) p.rstd[row] = rstd;
-    T* y = static_cast<T*>(p.y) + row * p.hidden;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kThreads;
-      if (v >= vectors) continue;
-      T weight[V];
-      load_chunk<T, V>(w, v, weight);
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float normalised = to_float(from_float<T>(to_float(xs[k][i]) * rstd));
-        xs[k][i] = from_float<T>((to_float(weight[i]) + p.offset) * normalised);
-      }
-      store_chunk<T, V>(y, v, xs[k]);
-    }
-  }
-}
-
-// The backward of a frozen weight (no grad_weight): grad_x only, x and grad_y read once.
-template <typename T, int V, int K>
-__global__ void __launch_bounds__(kThreads) rms_norm_backward_row_kernel(RmsNormParams p) {
-  __shared__ float scratch[kWarps];
-  const int64_t vectors = p.hidden / V;
-  const T* w = static_cast<const T*>(p.weight);
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const int64_t offset = row * p.hidden;
-    const float rstd = p.rstd[row];
-    T xs[K][V], gs[K][V], ws[K][V];
-    float dot = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kThreads;
-      if (v >= vectors) continue;
-      load_chunk<T, V>(static_cast<const T*>(p.x) + offset, v, xs[k]);
-      load_chunk<T, V>(static_cast<const T*>(p.grad_y) + offset, v, gs[k]);
-      load_chunk<T, V>(w, v, ws[k]);
-#pragma unroll
-      for (int i = 0; i < V; ++i)
-        dot += (to_float(ws[k][i]) + p.offset) * to_float(gs[k][i]) * (to_float(xs[k][i]) * rstd);
-    }
-    const float mean_dot = block_sum(dot, scratch) / static_cast<float>(p.hidden);
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kThreads;
-      if (v >= vectors) continue;
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float n = to_float(xs[k][i]) * rstd;
-        xs[k][i] = from_float<T>(rstd * ((to_float(ws[k][i]) + p.offset) * to_float(gs[k][i]) - n * mean_dot));
-      }
-      store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
-    }
-  }
-}
-
-// Vectors per thread for the row kernels (a power of two up to 8), or 0 when a row is narrower
-// than one vector per thread or wider than 8 (the warp-per-row kernels take those).
-int row_kernel_vectors(int64_t vectors) {
-  for (int k = 1; k <= 8; k *= 2) {
-    if (vectors <= static_cast<int64_t>(k) * kThreads) return vectors >= kThreads ? k : 0;
-  }
-  return 0;
-}
-
-unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(rows < (1 << 20) ? rows : (1 << 20)); }
-
 // Lanes per row: enough for one vector each, a power of two, at most a warp.
 int lanes_per_row(int64_t vectors) {
   int group = 1;
@@ -418,16 +314,6 @@ BackwardLaunch backward_launch(int64_t vectors_per_lane, int64_t hidden, bool we
 template <typename T, int V>
 cudaError_t launch_backward(const RmsNormParams& p, int blocks, cudaStream_t stream) {
   const int64_t vectors = p.hidden / V;
-  if (p.grad_weight_partial == nullptr && V > 1) {  // frozen weight, a wide row: one block per row
-    const unsigned grid = row_blocks(p.rows);
-    switch (row_kernel_vectors(vectors)) {
-      case 1: rms_norm_backward_row_kernel<T, V, 1><<<grid, kThreads, 0, stream>>>(p); return cudaGetLastError();
-      case 2: rms_norm_backward_row_kernel<T, V, 2><<<grid, kThreads, 0, stream>>>(p); return cudaGetLastError();
-      case 4: rms_norm_backward_row_kernel<T, V, 4><<<grid, kThreads, 0, stream>>>(p); return cudaGetLastError();
-      case 8: rms_norm_backward_row_kernel<T, V, 8><<<grid, kThreads, 0, stream>>>(p); return cudaGetLastError();
-      default: break;
-    }
-  }
   const int group = lanes_per_row(vectors);
   const BackwardLaunch launch =
       backward_launch<T, V>((vectors + group - 1) / group, p.hidden, p.grad_weight_partial != nullptr);
@@ -453,15 +339,6 @@ cudaError_t launch_rms_norm_forward(const RmsNormParams& p, cudaStream_t stream)
   if (p.rows == 0 || p.hidden == 0) return cudaSuccess;
   return HASTEN_DISPATCH_ELEMENT(p.type, {
     if (vectors_fit<T>(p, false)) {
-      constexpr int V = kVec<T>;
-      const unsigned grid = row_blocks(p.rows);
-      switch (row_kernel_vectors(p.hidden / V)) {  // a wide row: one block per row
-        case 1: rms_norm_forward_row_kernel<T, V, 1><<<grid, kThreads, 0, stream>>>(p); return cudaGetLastError();
-        case 2: rms_norm_forward_row_kernel<T, V, 2><<<grid, kThreads, 0, stream>>>(p); return cudaGetLastError();
-        case 4: rms_norm_forward_row_kernel<T, V, 4><<<grid, kThreads, 0, stream>>>(p); return cudaGetLastError();
-        case 8: rms_norm_forward_row_kernel<T, V, 8><<<grid, kThreads, 0, stream>>>(p); return cudaGetLastError();
-        default: break;
-      }
       const int group = lanes_per_row(p.hidden / kVec<T>);
       rms_norm_forward_kernel<T, kVec<T>><<<forward_blocks(p.rows, group), kThreads, 0, stream>>>(p, group);
     } else {

@@ -30,13 +30,10 @@ def _both(fn, *inputs):
 # Backward kernels: registers for 1-2 vectors per lane (128; 100 and 200 in fp32); per-warp shared
 # sums for 3-4 (1000 and 1024 in 16-bit, 100 element-wise in 16-bit) and 5-8 (1536 and 2048 in
 # 16-bit, 1000 and 1024 in fp32, 250 element-wise; 64 KiB for 2048); the general kernel for 4096,
-# 1001 and 20000, and 1536/2048 in fp32. The forward takes one block per row from 256 vectors a row
-# up to 2048 (2048, 2304, 4096, 8192, 16384 in 16-bit; 1024 up to 8192 in fp32); 16392 in 16-bit
-# is one vector past them.
+# 1001 and 20000, and 1536/2048 in fp32.
 @pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (16387, 128), (45, 100), (45, 200), (45, 250),
                                          (300, 1000), (2051, 1024), (70, 1536), (600, 2048), (33, 1001),
-                                         (5, 4096), (300, 2304), (65, 8192), (5, 16384), (3, 16392), (9, 20000),
-                                         (0, 64)])
+                                         (5, 4096), (9, 20000), (0, 64)])
 def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows + hidden)
     x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
@@ -50,13 +47,10 @@ def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,hidden", [(37, 128), (2051, 1024), (600, 2048), (16387, 4096), (300, 2304),
-                                         (65, 8192), (5, 16384), (3, 16392), (9, 20000), (0, 64)])
+@pytest.mark.parametrize("rows,hidden", [(37, 128), (2051, 1024), (600, 2048), (16387, 4096), (9, 20000), (0, 64)])
 def test_rms_norm_backward_without_weight_gradient_equals_cpu(dtype, rows, hidden):
     """A frozen weight (LoRA): the backward kernel without the weight gradient's sums gives the
-    grad_x of the full kernel and of the CPU reference, and an empty grad_weight. Rows of 256 to
-    2048 vectors take one block per row (x and grad_y read once): the same formula, its row sum
-    added in another order than the full kernel's, so equal to it within the dtype's noise."""
+    grad_x of the full kernel and of the CPU reference, and an empty grad_weight."""
     gen = torch.Generator().manual_seed(rows + hidden)
     x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
     w = torch.randn(hidden, generator=gen).to(dtype)
@@ -67,7 +61,7 @@ def test_rms_norm_backward_without_weight_gradient_equals_cpu(dtype, rows, hidde
     got, grad_w = torch.ops.hasten.rms_norm_backward(g.cuda(), x.cuda(), w.cuda(), rstd.cuda(), 0.0, False)
     assert grad_w.numel() == 0
     torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[dtype])
-    torch.testing.assert_close(got.float(), full.float(), **TOL[dtype])
+    torch.testing.assert_close(got, full, rtol=0, atol=0)  # the same arithmetic for grad_x
 
 
 @pytest.mark.parametrize("hidden", [128, 1024, 2048, 4096])  # each backward kernel, with Gemma's weight + 1
