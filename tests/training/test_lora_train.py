@@ -19,6 +19,9 @@ def test_lora_trains_adapters_only_and_resumes_on_the_same_losses(tmp_path, monk
     assert (straight.model_dir / "adapter_model.safetensors").is_file()
     assert not (straight.model_dir / "model.safetensors").exists()  # only adapters are saved
     assert straight.losses[-1] < straight.losses[0]
+    summary = json.loads((tmp_path / "a" / "logs" / "summary.json").read_text())
+    # q_proj and v_proj of each layer read one input: a group of two (k_proj has no adapter)
+    assert any(item.startswith("grouped LoRA projections (4 layers") for item in summary["hasten_active"]), summary
     # resume from the step-2 checkpoint of the same run: steps 3-4 repeat exactly
     resumed = loop.train(config, tmp_path / "b", tmp_path / "b" / "logs", progress=False,
                          resume=str(tmp_path / "a" / "checkpoints" / "checkpoint-000002"))
