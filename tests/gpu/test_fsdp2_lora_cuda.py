@@ -7,41 +7,17 @@ quantization state's lookup is for) against the same run without torchrun's stra
 GPUs, FSDP2 over two ranks against DDP over two."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.torchrun import hasten_train
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _train(tmp_path, name, settings, nproc):
-    config = tmp_path / f"{name}.yaml"
-    config.write_text(json.dumps(settings))
-    out = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out),
-           "--no_progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    try:
-        _, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, err[-3000:]
-    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    return out, rows, err
+    return hasten_train(settings, tmp_path / name, nproc=nproc, timeout=240)
 
 
 @pytest.mark.parametrize("quantize", ["none", "nf4"])

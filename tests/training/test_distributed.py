@@ -7,40 +7,21 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:  # torchrun's static rendezvous needs a concrete port
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.torchrun import free_port, hasten_train
 
 
 def _torchrun(tmp_path, name, training, *extra, nproc=2, settings=None):
-    config = tmp_path / f"{name}.yaml"
-    config.write_text(json.dumps({"model": {"default_size": "tiny"},
-                                  "training": {"max_tokens": 256, "learning_rate": 0.003, "warmup_steps": 1,
-                                               "logging_steps": 1, "device": "cpu", **training},
-                                  "logging": {"tensorboard": "false"}, **(settings or {})}))
-    out = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), "-m", "hasten", "train", "--config", str(config),
-           "--output_dir", str(out), "--no_progress", *extra]
-    # its own process group, so a hang cannot leave worker processes behind
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, err[-3000:]
-    (out / "stderr.txt").write_text(err)
-    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    out, rows, _ = hasten_train({"model": {"default_size": "tiny"},
+                                 "training": {"max_tokens": 256, "learning_rate": 0.003, "warmup_steps": 1,
+                                              "logging_steps": 1, "device": "cpu", **training},
+                                 "logging": {"tensorboard": "false"}, **(settings or {})},
+                                tmp_path / name, *extra, nproc=nproc)
     return out, rows
 
 
@@ -179,7 +160,7 @@ def test_elastic_restart_after_a_worker_dies_resumes_the_same_losses(tmp_path):
                                                "logging_steps": 1, "device": "cpu", **training},
                                   "logging": {"tensorboard": "false"}}))
     out = tmp_path / "elastic"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "--max-restarts", "1", "-m", "hasten", "train", "--config", str(config), "--output_dir", str(out),
            "--resume", "auto", "--no_progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -212,7 +193,7 @@ def test_each_elastic_restart_gets_its_own_store_keys():
 
     from hasten.training.distributed import restart_scoped_store
 
-    port = _free_port()
+    port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=10))
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     first = restart_scoped_store(env | {"TORCHELASTIC_RESTART_COUNT": "0"}, 1, timedelta(seconds=10))
@@ -255,7 +236,7 @@ def test_more_local_ranks_than_gpus_is_a_config_error_and_the_cpu_path_uses_no_g
     from hasten.training.distributed import from_environment, shutdown
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+           "MASTER_PORT": str(free_port())}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
