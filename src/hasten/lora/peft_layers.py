@@ -221,10 +221,13 @@ def shared_input_groups(model: nn.Module, patched: list[nn.Module]) -> list[Shar
     groups = []
     for parent_name, parent in model.named_modules():
         for names in SHARED_INPUT_NAMES:
-            members = [(n, parent._modules.get(n)) for n in names]  # direct children (PEFT's wrappers forward getattr)
+            # direct children only: PEFT's wrappers forward getattr to the model they wrap
+            members = [(n, parent._modules.get(n)) for n in names]
             members = [(n, m) for n, m in members if m is not None and id(m) in eligible]
             bases = [m.get_base_layer() for _, m in members]
-            if len(members) < 2 or len({b.in_features for b in bases}) != 1 or len({b.bias is None for b in bases}) != 1:
+            one_input_size = len({b.in_features for b in bases}) == 1
+            biases_alike = len({b.bias is None for b in bases}) == 1
+            if len(members) < 2 or not (one_input_size and biases_alike):
                 continue  # one input size; a bias on every member or on none
             prefix = f"{parent_name}." if parent_name else ""
             groups.append(SharedInputGroup([m for _, m in members], [prefix + n for n, _ in members]))

@@ -159,7 +159,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
-                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], scales: list[float]) -> list[torch.Tensor]:
+                      lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+                      scales: list[float]) -> list[torch.Tensor]:
     """[x W_i^T (+ b_i) + s_i (x A_i^T) B_i^T for each member i]: frozen projections that read the
     same x (q/k/v, gate/up), without dropout on the LoRA path; `biases` empty (none) or one per
     member. One thin GEMM for all members' A,
