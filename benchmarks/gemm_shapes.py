@@ -76,20 +76,15 @@ def main() -> int:
         print(f"{name:>20} ({out_f}x{in_f}): " + "  ".join(
             f"{case} {v['ms']:.3f} ms {v['tflops']:.0f}" for case, v in row.items()))
 
+    # GEMMs of each shape per layer: one per projection, or q/k/v and gate/up as one GEMM each
+    # (o_proj and down_proj stay alone)
+    separate = {name: count for name, _, _, count in PROJECTIONS}
+    grouped_counts = {"q_proj/o_proj": 1, "qkv (one GEMM)": 1, "gate_up (one GEMM)": 1, "down_proj": 1}
+
     def step_ms(case_fwd: str, case_dx: str, grouped: bool) -> float:
-        total = 0.0
-        for name, _, _, count in PROJECTIONS:
-            if grouped and name in ("gate_proj/up_proj",):
-                total += results["gate_up (one GEMM)"][case_fwd]["ms"] + results["gate_up (one GEMM)"][case_dx]["ms"]
-                continue
-            if grouped and name == "k_proj/v_proj":
-                continue  # inside the qkv GEMM
-            if grouped and name == "q_proj/o_proj":  # o_proj alone, q inside the qkv GEMM
-                total += results[name][case_fwd]["ms"] + results[name][case_dx]["ms"]
-                total += results["qkv (one GEMM)"][case_fwd]["ms"] + results["qkv (one GEMM)"][case_dx]["ms"]
-                continue
-            total += count * (results[name][case_fwd]["ms"] + results[name][case_dx]["ms"])
-        return LAYERS * total
+        counts = grouped_counts if grouped else separate
+        return LAYERS * sum(n * (results[name][case_fwd]["ms"] + results[name][case_dx]["ms"])
+                            for name, n in counts.items())
 
     summary = {}
     for library in ("cublas", "cublaslt"):

@@ -156,7 +156,6 @@ class SharedInputGroup:
         self.waiting: dict[int, torch.Tensor] = {}  # member index -> its output for waiting_for
         self.waiting_for: torch.Tensor | None = None
         self.off = False
-        self.biased = members[0].get_base_layer().bias is not None  # shared_input_groups: on all or none
 
     def take(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """The waiting output of member `index` for x, or None (nothing waits for this call)."""
@@ -194,7 +193,8 @@ class SharedInputGroup:
 
     def compute(self, index: int, x: torch.Tensor, adapter: str) -> torch.Tensor:
         bases = [m.get_base_layer() for m in self.members]
-        ys = lora_linear_group(x, [b.weight for b in bases], [b.bias for b in bases] if self.biased else [],
+        biased = bases[0].bias is not None  # on every member or on none (shared_input_groups)
+        ys = lora_linear_group(x, [b.weight for b in bases], [b.bias for b in bases] if biased else [],
                                [m.lora_A[adapter].weight for m in self.members],
                                [m.lora_B[adapter].weight for m in self.members],
                                [m.scaling[adapter] for m in self.members])

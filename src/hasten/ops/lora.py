@@ -163,8 +163,8 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
                       scales: list[float]) -> list[torch.Tensor]:
     """[x W_i^T (+ b_i) + s_i (x A_i^T) B_i^T for each member i]: frozen projections that read the
     same x (q/k/v, gate/up), without dropout on the LoRA path; `biases` empty (none) or one per
-    member. One thin GEMM for all members' A,
-    one read of x for all d A, and one d x the members' base GEMMs accumulate onto."""
+    member. One thin GEMM for all members' A, one read of x for all d A, and one d x the members'
+    base GEMMs accumulate onto."""
     load()
     return torch.ops.hasten.lora_linear_group(x, list(weights), list(biases), list(lora_a), list(lora_b),
                                               [float(s) for s in scales])[0]

@@ -372,11 +372,7 @@ def _load_adapters_distributed(model, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     hf_model = getattr(model, "module", model)
-    adapters_file = folder / "adapter_model.safetensors"
-    if not adapters_file.is_file():
-        raise CheckpointError(f"{folder.parent}: holds full model weights, no LoRA adapters, and this run has "
-                              "lora.enabled true: it was written by a run without LoRA")
-    saved = safetensors.torch.load_file(adapters_file, device="cpu")
+    saved = safetensors.torch.load_file(_adapters_file(folder), device="cpu")
     adapter = hf_model.active_adapter
     trainable = [name.removeprefix("module.") for name, p in model.named_parameters() if p.requires_grad]
     by_saved_name = {name.replace(f".{adapter}", ""): name for name in trainable}
@@ -390,15 +386,22 @@ def _load_adapters_distributed(model, folder: Path) -> None:
                          options=StateDictOptions(full_state_dict=True, strict=False))
 
 
+def _adapters_file(folder: Path) -> Path:
+    """A LoRA checkpoint's adapters (PEFT's save_pretrained), or CheckpointError when the folder
+    holds a run without LoRA."""
+    adapters_file = folder / "adapter_model.safetensors"
+    if not adapters_file.is_file():
+        raise CheckpointError(f"{folder.parent}: holds full model weights, no LoRA adapters, and this run has "
+                              "lora.enabled true: it was written by a run without LoRA")
+    return adapters_file
+
+
 def _load_model_weights(model, folder: Path) -> None:
     adapters_file = folder / "adapter_model.safetensors"
     if _is_peft(model):  # LoRA: the checkpoint holds the adapters (save_pretrained of the PEFT model)
         import peft
 
-        if not adapters_file.is_file():
-            raise CheckpointError(f"{folder.parent}: holds full model weights, no LoRA adapters, and this run has "
-                                  "lora.enabled true: it was written by a run without LoRA")
-        adapters = safetensors.torch.load_file(adapters_file, device="cpu")
+        adapters = safetensors.torch.load_file(_adapters_file(folder), device="cpu")
         result = peft.set_peft_model_state_dict(model, adapters)
         if getattr(result, "unexpected_keys", None):
             raise CheckpointError(f"{folder}: adapter weights this model does not have: {result.unexpected_keys[:5]}")
