@@ -1,9 +1,14 @@
-"""hasten's dense kernels alone at W1's shapes (Qwen3-0.6B, 16,384 packed tokens, bf16): time per
-call of each forward and backward kernel, the bandwidth that implies from the bytes each must move
-at least, and plain PyTorch's forward + backward of the same op for comparison. Shows which kernel
-is off the memory roofline (an H200 moves about 4.8 TB/s at best, ~4 TB/s in practice).
+"""hasten's dense kernels alone at a workload's shapes (16,384 packed tokens, bf16): time per call
+of each forward and backward kernel, the bandwidth that implies from the bytes each must move at
+least, and plain PyTorch's forward + backward of the same op for comparison. Shows which kernel
+is off the memory roofline: the same run times a device-to-device copy and an elementwise add (the
+ceilings; an H200 copies about 4.3 TB/s, reads plus writes).
 
-    python benchmarks/dense_kernels.py [--out benchmarks/results]
+  --shape w1  Qwen3-0.6B (W1): hidden 1024, 16/8 heads of 128 with q/k norms, intermediate 3072
+  --shape w4  Llama-8B (W4, LoRA): hidden 4096, 32/8 heads, intermediate 14336; the norms' weights
+              are frozen there, so their backward computes no weight gradient
+
+    python benchmarks/dense_kernels.py [--shape w1|w4] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import hasten.ops  # noqa: E402
 
 hasten.ops.load()  # hasten._C and the ops' fakes and autograd (the package loads it on first use)
 
-TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 16384, 1024, 16, 8, 128, 3072
+TOKENS = 16384
+# workload: (hidden, heads, kv heads, head_dim, intermediate, norms' weights trainable, q/k norms)
+SHAPES = {"w1": (1024, 16, 8, 128, 3072, True, True), "w4": (4096, 32, 8, 128, 14336, False, False)}
 BF16 = 2
 
 
@@ -42,23 +49,35 @@ def eager_rms_norm(x, w, eps=1e-6):
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rms_rows(name: str, rows: int, hidden: int) -> list[dict]:
+def ceiling_rows(hidden: int) -> list[dict]:
+    """What plain memory traffic reaches on (TOKENS, hidden) bf16: a copy and an add."""
+    x, y = (torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(x)
+    size = x.numel() * BF16
+    return [{"kernel": f"copy ({TOKENS} x {hidden})", "us": time_us(lambda: out.copy_(x)), "min_bytes": 2 * size},
+            {"kernel": f"add ({TOKENS} x {hidden})", "us": time_us(lambda: torch.add(x, y, out=out)),
+             "min_bytes": 3 * size}]
+
+
+def rms_rows(name: str, rows: int, hidden: int, weight_grad: bool = True) -> list[dict]:
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
     g = torch.randn_like(x)
     y, rstd = torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0)
     size = x.numel() * BF16
     fwd = time_us(lambda: torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0))
-    bwd = time_us(lambda: torch.ops.hasten.rms_norm_backward(g, x, w, rstd, 0.0))
-    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
-    eager = time_us(lambda: torch.autograd.grad(eager_rms_norm(xr, wr), (xr, wr), g))
+    bwd = time_us(lambda: torch.ops.hasten.rms_norm_backward(g, x, w, rstd, 0.0, weight_grad))
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(weight_grad)
+    inputs = (xr, wr) if weight_grad else (xr,)
+    eager = time_us(lambda: torch.autograd.grad(eager_rms_norm(xr, wr), inputs, g))
+    frozen = "" if weight_grad else ", frozen weight"
     return [{"kernel": f"{name} forward", "us": fwd, "min_bytes": 2 * size},
-            {"kernel": f"{name} backward", "us": bwd, "min_bytes": 3 * size},
+            {"kernel": f"{name} backward{frozen}", "us": bwd, "min_bytes": 3 * size},
             {"kernel": f"{name} eager fwd+bwd", "us": eager, "min_bytes": 5 * size}]
 
 
-def swiglu_rows() -> list[dict]:
-    gate, up = (torch.randn(TOKENS, INTERMEDIATE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+def swiglu_rows(intermediate: int) -> list[dict]:
+    gate, up = (torch.randn(TOKENS, intermediate, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     grad = torch.randn_like(gate)
     size = gate.numel() * BF16
     fwd = time_us(lambda: torch.ops.hasten.silu_mul(gate, up))
@@ -70,27 +89,38 @@ def swiglu_rows() -> list[dict]:
             {"kernel": "swiglu eager fwd+bwd", "us": eager, "min_bytes": 8 * size}]
 
 
-def rope_rows() -> list[dict]:
-    q = torch.randn(1, HEADS, TOKENS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    cos, sin = (torch.randn(1, TOKENS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    size = q.numel() * BF16
-    fwd = time_us(lambda: torch.ops.hasten.rope(q, cos, sin, False, False))
-    return [{"kernel": "rope q forward", "us": fwd, "min_bytes": 2 * size}]
+def rope_rows(heads: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """q and k as the attention hands them over: (1, heads, T, D) views of (1, T, heads, D)
+    projections, cos and sin (1, T, D) in bf16."""
+    cos, sin = (torch.randn(1, TOKENS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    rows = []
+    for name, n in (("q", heads), ("k", kv_heads)):
+        x = torch.randn(1, TOKENS, n, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        size = x.numel() * BF16
+        for direction, backward in (("forward", False), ("backward", True)):
+            us = time_us(lambda: torch.ops.hasten.rope(x, cos, sin, backward, False))
+            rows.append({"kernel": f"rope {name} ({n} heads) {direction}", "us": us, "min_bytes": 2 * size})
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="w1")
     parser.add_argument("--out", default=str(common.RESULTS))
     args = parser.parse_args()
-    rows = (rms_rows("rms_norm hidden (16384 x 1024)", TOKENS, HIDDEN)
-            + rms_rows("rms_norm q heads (262144 x 128)", TOKENS * HEADS, HEAD_DIM)
-            + swiglu_rows() + rope_rows())
+    hidden, heads, kv_heads, head_dim, intermediate, norm_weight_grad, qk_norms = SHAPES[args.shape]
+    rows = ceiling_rows(hidden) + rms_rows(f"rms_norm hidden ({TOKENS} x {hidden})", TOKENS, hidden, norm_weight_grad)
+    if qk_norms:
+        rows += rms_rows(f"rms_norm q heads ({TOKENS * heads} x {head_dim})", TOKENS * heads, head_dim)
+    rows += swiglu_rows(intermediate) + rope_rows(heads, kv_heads, head_dim)
+    workload = f"{args.shape.upper()}_kernels"
     run_id = common.new_run_id()
     for row in rows:
-        row.update({"workload": "W1_kernels", "variant": "hasten" if "eager" not in row["kernel"] else "eager",
+        variant = "eager" if "eager" in row["kernel"] else "torch" if row["kernel"].startswith(("copy", "add")) else "hasten"
+        row.update({"workload": workload, "variant": variant,
                     **common.environment(), "run_id": run_id, "tb_per_s": row["min_bytes"] / row["us"] / 1e6})
         print(f"{row['kernel']:42s} {row['us']:8.1f} us  {row['tb_per_s']:5.2f} TB/s of the least traffic")
-    common.write_rows(rows, "W1_kernels", Path(args.out))
+    common.write_rows(rows, workload, Path(args.out))
     return 0
 
 

@@ -3,7 +3,9 @@
 # seconds, most important first:
 #   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
 #   gpu     $GPU_TESTS (default tests/gpu/test_lora_cuda.py: the fused LoRA op and a LoRA
-#           model against PEFT)                                                            cap 150 s
+#           model against PEFT)                                                            cap $GPU_CAP (150) s
+#   kernels benchmarks/dense_kernels.py at W4's and W1's shapes: each norm / RoPE / SwiGLU kernel's
+#           bandwidth against a copy's, measured in the same call                            cap 90 s
 #   gemm    benchmarks/gemm_shapes.py: W4's base GEMMs shape by shape                    cap 120 s
 #   w4      benchmarks/lora_sft.py --variants $W4_VARIANTS (Llama-8B shape, LoRA r=16), with
 #           $W4_ARGS (e.g. "--profile hasten")                                              cap 300 s
@@ -14,6 +16,7 @@
 #   w5      benchmarks/moe_lora.py (Qwen3-30B-A3B shape, $W5_LAYERS layers, LoRA on attention and
 #           experts): hasten's split expert LoRA against transformers' grouped_mm + PEFT        cap 300 s
 #   w5_unsloth  the same benchmark's unsloth variant, alone in its process      cap $W5_UNSLOTH_CAP (400)
+#   w1      benchmarks/packed_sft.py --variants $W1_VARIANTS (W1, the dense kernels' other user) cap 300 s
 # bitsandbytes comes from the Unsloth bundle (its CUDA 13 library only); the device image has none.
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue20.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w4" bash scripts/gpu_issue20.sh
@@ -37,8 +40,12 @@ if (( built )); then
     # bundle's other packages (its xformers does not load against this torch)
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import w4_unsloth; w4_unsloth.ensure_bundle('/tmp/unsloth_site')" \
       > "$LOGS/bundle.log" 2>&1 && mkdir -p /tmp/bnb_site && ln -sfn /tmp/unsloth_site/bitsandbytes /tmp/bnb_site/bitsandbytes
-    PYTHONPATH=/tmp/bnb_site${PYTHONPATH:+:$PYTHONPATH} part gpu 150 python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} -q -rs
+    PYTHONPATH=/tmp/bnb_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" kernels "* ]]; then  # the dense kernels alone against a copy, W4's and W1's shapes
+    part kernels 90 bash -c "python3 benchmarks/dense_kernels.py --shape w4 --out '$LOGS' && python3 benchmarks/dense_kernels.py --shape w1 --out '$LOGS'"
+    grep -E "TB/s|Error" "$LOGS/kernels.log" 2>/dev/null | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" gemm "* ]]; then  # W4's base GEMMs one shape at a time (cuBLAS, cuBLASLt, beta 1, grouped)
     part gemm 120 python3 benchmarks/gemm_shapes.py --out "$LOGS"
@@ -77,6 +84,10 @@ if (( built )); then
       --layers "${W5_LAYERS:-24}" --variants unsloth
     grep -E "tok/s|FAILED|vs |Error|unsloth" "$LOGS/w5_unsloth.log" 2>/dev/null | tail -12 | tee -a "$SUMMARY"
     cp "$W5_ROWS"/*.jsonl "$LOGS/" 2>/dev/null
+  fi
+  if [[ $PARTS == *" w1 "* ]]; then
+    part w1 300 python3 benchmarks/packed_sft.py --steps 10 --out "$LOGS" --variants "${W1_VARIANTS:-hasten,liger}"
+    grep -E "tok/s|FAILED|vs |Error" "$LOGS/w1.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
   fi
 fi
 

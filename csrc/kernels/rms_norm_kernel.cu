@@ -4,6 +4,13 @@
 // row's sum needs only warp shuffles, no __syncthreads. Rows move as 16-byte vectors when the
 // hidden size and the pointers allow it, else one element at a time (the same kernel, V = 1).
 //
+// Loads in flight: a lane that loops over its vectors one at a time (a loop of unknown trip count,
+// which nvcc does not unroll) waits out one memory latency per vector, and a (16384, 4096) bf16
+// forward ran at 2.6 TB/s that way (0.104 ms, W4's profile on H200; copies move 4.3). Rows of up to
+// kMaxCachedVectors vectors per lane (the forward) or kMaxCachedBackwardVectors (a frozen weight's
+// backward: x and grad_y) are read into registers with every load issued before the first use,
+// then written from there: each input read once, at the bandwidth of a copy.
+//
 // Backward, the weight gradient: a lane always owns the same columns (vectors lane, lane + group,
 // ...), and x and grad_y of a row are read once into registers. Rows of up to 2 vectors per lane
 // (head norms) keep the lane's weights and grad_weight sums in registers too. Rows of 3 to 8
@@ -25,6 +32,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRegisterVectors = 2;  // grad_weight sums in registers up to this many vectors per lane
 constexpr int kMaxWarpSumVectors = 8;   // in the warp's shared-memory row up to this many
+constexpr int kMaxCachedVectors = 16;   // forward rows held in registers: 64 registers of x at 16
+constexpr int kMaxCachedBackwardVectors = 16;  // frozen-weight backward: x and grad_y, 128 registers
 
 // Sum over the `group` lanes that share a row; every lane of the group gets it. All 32 lanes of
 // the warp must call it (xor offsets below `group` stay inside the group).
@@ -61,6 +70,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
     const T* x = static_cast<const T*>(p.x) + (active ? row : 0) * p.hidden;
     float squares = 0.f;
     if (active) {
+#pragma unroll 4
       for (int64_t v = walk.lane; v < vectors; v += group) {
         T chunk[V];
         load_chunk<T, V>(x, v, chunk);
@@ -72,6 +82,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
     if (!active) continue;
     if (walk.lane == 0) p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.hidden;
+#pragma unroll 4
     for (int64_t v = walk.lane; v < vectors; v += group) {
       T chunk[V], weight[V];
       load_chunk<T, V>(x, v, chunk);
@@ -82,6 +93,57 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
         chunk[i] = from_float<T>((to_float(weight[i]) + p.offset) * normalised);
       }
       store_chunk<T, V>(y, v, chunk);
+    }
+  }
+}
+
+// The forward for rows of at most K vectors per lane: the row's vectors are loaded into registers
+// (all K loads issued before the sum needs the first), summed, normalised and stored from there.
+// The same additions in the same order as rms_norm_forward_kernel: the same rstd and output.
+// Two blocks an SM at K = 16 (registers capped at 128: without the cap nvcc hoists the weight's
+// loads too, 152 registers, one block an SM).
+template <typename T, int V, int K>
+__global__ void __launch_bounds__(kThreads, K >= 16 ? 2 : 1) rms_norm_forward_cached_kernel(RmsNormParams p, int group) {
+  // K > 1 means more vectors than lanes, so a whole warp: a constant stride lets the K loads
+  // share one address register (immediate offsets)
+  const int lanes = K > 1 ? 32 : group;
+  const RowWalk walk = row_walk(lanes);
+  const int64_t vectors = p.hidden / V;
+  const T* w = static_cast<const T*>(p.weight);
+  for (int64_t warp_row = walk.warp_row; warp_row < p.rows; warp_row += walk.step) {
+    const int64_t row = warp_row + walk.group_in_warp;
+    const bool active = row < p.rows;
+    const T* x = static_cast<const T*>(p.x) + (active ? row : 0) * p.hidden;
+    T xs[K][V];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + k * lanes;
+      if (active && v < vectors) load_chunk<T, V>(x, v, xs[k]);
+    }
+    float squares = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + k * lanes;
+      if (!active || v >= vectors) continue;
+#pragma unroll
+      for (int i = 0; i < V; ++i) squares += to_float(xs[k][i]) * to_float(xs[k][i]);
+    }
+    const float rstd = rsqrtf(group_sum(squares, lanes) / static_cast<float>(p.hidden) + p.eps);
+    if (!active) continue;
+    if (walk.lane == 0) p.rstd[row] = rstd;
+    T* y = static_cast<T*>(p.y) + row * p.hidden;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + k * lanes;
+      if (v >= vectors) continue;
+      T weight[V];
+      load_chunk<T, V>(w, v, weight);  // (hidden,): every row reads it, from L1/L2
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float normalised = to_float(from_float<T>(to_float(xs[k][i]) * rstd));
+        xs[k][i] = from_float<T>((to_float(weight[i]) + p.offset) * normalised);
+      }
+      store_chunk<T, V>(y, v, xs[k]);
     }
   }
 }
@@ -240,6 +302,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
     const float rstd = active ? p.rstd[row] : 0.f;
     float dot = 0.f;
     if (active) {
+#pragma unroll 4
       for (int64_t v = walk.lane; v < vectors; v += group) {
         T xs[V], gs[V], ws[V];
         load_chunk<T, V>(x, v, xs);
@@ -255,6 +318,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
     const float mean_dot = group_sum(dot, group) / static_cast<float>(p.hidden);
     if (!active) continue;
     T* gx = static_cast<T*>(p.y) + offset;
+#pragma unroll 4
     for (int64_t v = walk.lane; v < vectors; v += group) {
       T xs[V], gs[V], ws[V];
       load_chunk<T, V>(x, v, xs);
@@ -271,6 +335,59 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
     }
   }
   if (WeightGrad) write_block_partial(block_grad_weight, p);
+}
+
+// The backward of a frozen weight (no grad_weight) for rows of at most K vectors per lane: x and
+// grad_y of the row loaded into registers, all 2K loads issued first; grad_x stored from there.
+// The same arithmetic in the same order as rms_norm_backward_kernel<T, V, false>.
+template <typename T, int V, int K>
+__global__ void __launch_bounds__(kThreads) rms_norm_backward_cached_kernel(RmsNormParams p, int group) {
+  // K > 1 means more vectors than lanes, so a whole warp: a constant stride lets the K loads
+  // share one address register (immediate offsets)
+  const int lanes = K > 1 ? 32 : group;
+  const RowWalk walk = row_walk(lanes);
+  const int64_t vectors = p.hidden / V;
+  const T* w = static_cast<const T*>(p.weight);
+  for (int64_t warp_row = walk.warp_row; warp_row < p.rows; warp_row += walk.step) {
+    const int64_t row = warp_row + walk.group_in_warp;
+    const bool active = row < p.rows;
+    const int64_t offset = (active ? row : 0) * p.hidden;
+    const float rstd = active ? p.rstd[row] : 0.f;
+    T xs[K][V], gs[K][V];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + k * lanes;
+      if (!active || v >= vectors) continue;
+      load_chunk<T, V>(static_cast<const T*>(p.x) + offset, v, xs[k]);
+      load_chunk<T, V>(static_cast<const T*>(p.grad_y) + offset, v, gs[k]);
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + k * lanes;
+      if (!active || v >= vectors) continue;
+      T ws[V];
+      load_chunk<T, V>(w, v, ws);
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        dot += (to_float(ws[i]) + p.offset) * to_float(gs[k][i]) * (to_float(xs[k][i]) * rstd);
+    }
+    const float mean_dot = group_sum(dot, lanes) / static_cast<float>(p.hidden);
+    if (!active) continue;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = walk.lane + k * lanes;
+      if (v >= vectors) continue;
+      T ws[V];
+      load_chunk<T, V>(w, v, ws);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float n = to_float(xs[k][i]) * rstd;
+        xs[k][i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * to_float(gs[k][i]) - n * mean_dot));
+      }
+      store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
+    }
+  }
 }
 
 // Lanes per row: enough for one vector each, a power of two, at most a warp.
@@ -302,7 +419,17 @@ struct BackwardLaunch {
 // The kernel for rows of `vectors_per_lane` vectors per lane (see the top of this file).
 template <typename T, int V>
 BackwardLaunch backward_launch(int64_t vectors_per_lane, int64_t hidden, bool weight_grad) {
-  if (!weight_grad) return {rms_norm_backward_kernel<T, V, false>, 0};
+  if (!weight_grad) {
+    if constexpr (V > 1) {
+      if (vectors_per_lane <= 1) return {rms_norm_backward_cached_kernel<T, V, 1>, 0};
+      if (vectors_per_lane <= 2) return {rms_norm_backward_cached_kernel<T, V, 2>, 0};
+      if (vectors_per_lane <= 4) return {rms_norm_backward_cached_kernel<T, V, 4>, 0};
+      if (vectors_per_lane <= 8) return {rms_norm_backward_cached_kernel<T, V, 8>, 0};
+      if (vectors_per_lane <= kMaxCachedBackwardVectors)
+        return {rms_norm_backward_cached_kernel<T, V, kMaxCachedBackwardVectors>, 0};
+    }
+    return {rms_norm_backward_kernel<T, V, false>, 0};
+  }
   const size_t row = static_cast<size_t>(hidden) * sizeof(float);
   if (vectors_per_lane <= 1) return {rms_norm_backward_registers_kernel<T, V, 1>, row};
   if (vectors_per_lane <= kMaxRegisterVectors) return {rms_norm_backward_registers_kernel<T, V, 2>, row};
@@ -339,8 +466,23 @@ cudaError_t launch_rms_norm_forward(const RmsNormParams& p, cudaStream_t stream)
   if (p.rows == 0 || p.hidden == 0) return cudaSuccess;
   return HASTEN_DISPATCH_ELEMENT(p.type, {
     if (vectors_fit<T>(p, false)) {
-      const int group = lanes_per_row(p.hidden / kVec<T>);
-      rms_norm_forward_kernel<T, kVec<T>><<<forward_blocks(p.rows, group), kThreads, 0, stream>>>(p, group);
+      constexpr int V = kVec<T>;
+      const int group = lanes_per_row(p.hidden / V);
+      const int64_t per_lane = (p.hidden / V + group - 1) / group;
+      const unsigned blocks = forward_blocks(p.rows, group);
+      if (per_lane <= 1) {
+        rms_norm_forward_cached_kernel<T, V, 1><<<blocks, kThreads, 0, stream>>>(p, group);
+      } else if (per_lane <= 2) {
+        rms_norm_forward_cached_kernel<T, V, 2><<<blocks, kThreads, 0, stream>>>(p, group);
+      } else if (per_lane <= 4) {
+        rms_norm_forward_cached_kernel<T, V, 4><<<blocks, kThreads, 0, stream>>>(p, group);
+      } else if (per_lane <= 8) {
+        rms_norm_forward_cached_kernel<T, V, 8><<<blocks, kThreads, 0, stream>>>(p, group);
+      } else if (per_lane <= kMaxCachedVectors) {
+        rms_norm_forward_cached_kernel<T, V, kMaxCachedVectors><<<blocks, kThreads, 0, stream>>>(p, group);
+      } else {
+        rms_norm_forward_kernel<T, V><<<blocks, kThreads, 0, stream>>>(p, group);
+      }
     } else {
       const int group = lanes_per_row(p.hidden);
       rms_norm_forward_kernel<T, 1><<<forward_blocks(p.rows, group), kThreads, 0, stream>>>(p, group);

@@ -1,6 +1,7 @@
 // Rotary embedding on q or k, forward or backward, full or partial, rotate_half or interleaved
-// pairs (rope.cuh). blockIdx.y walks the (batch, head) pairs (looping past the grid's limit), x the
-// (position, item) work of one head. A position's row is split into items, in one launch:
+// pairs (rope.cuh). blockIdx.x walks the (batch, position, item) work, blockIdx.y chunks of heads
+// that one thread covers with one read of cos and sin (rope_kernel). A position's row is split
+// into items, in one launch:
 //   rotation items      first R features; rotate_half: V pairs (j, j + R/2), V consecutive
 //                       elements read from each half; interleaved: V consecutive elements holding
 //                       V/2 pairs (2j, 2j + 1) (one pair, two scalar reads, when V = 1)
@@ -52,13 +53,32 @@ __device__ __forceinline__ void store_elements(T* row, int64_t k, const T (&e)[N
   }
 }
 
+// N consecutive cos (or sin) values from element `start` of a position's row, as floats: 16-byte
+// loads when kVectors (the host checked that the row and `start` are 16-byte aligned and N values
+// fill whole vectors), else N scalar loads.
+template <typename C, int N, bool kVectors>
+__device__ __forceinline__ void load_angles(const C* row, int64_t start, float (&out)[N]) {
+  if constexpr (kVectors) {
+    constexpr int kPer = 16 / sizeof(C);
+    static_assert(N % kPer == 0, "whole 16-byte vectors");
+#pragma unroll
+    for (int c = 0; c < N / kPer; ++c) {
+      C chunk[kPer];
+      load_chunk<C, kPer>(row + start, c, chunk);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) out[c * kPer + i] = to_float(chunk[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(row[start + i]);
+  }
+}
+
 // One pair (x_lo, x_hi) in place, with cos and sin at feature indices lo and hi (rope.cuh).
-template <typename T, typename C>
-__device__ __forceinline__ void rotate_pair(T& x_lo, T& x_hi, const C* cos, const C* sin, int64_t lo, int64_t hi,
+template <typename T>
+__device__ __forceinline__ void rotate_pair(T& x_lo, T& x_hi, float c_lo, float c_hi, float s_lo, float s_hi,
                                             bool backward) {
   const float a = to_float(x_lo), b = to_float(x_hi);
-  const float c_lo = to_float(cos[lo]), c_hi = to_float(cos[hi]);
-  const float s_lo = to_float(sin[lo]), s_hi = to_float(sin[hi]);
   if (!backward) {
     x_lo = from_float<T>(a * c_lo - b * s_lo);
     x_hi = from_float<T>(b * c_hi + a * s_hi);
@@ -68,52 +88,73 @@ __device__ __forceinline__ void rotate_pair(T& x_lo, T& x_hi, const C* cos, cons
   }
 }
 
-template <typename T, typename C, int V, bool kInterleaved>
+// Heads one thread rotates with the cos and sin it loaded once (q's 32 heads: 4 threads).
+constexpr int kHeadsPerThread = 8;
+
+// blockIdx.x / threadIdx.x walk the (batch, position, item) work, blockIdx.y the chunks of
+// kHeadsPerThread heads: a thread reads its item's cos and sin once (16-byte loads where they
+// allow it) and applies them to that item of each head of its chunk. (One head per thread, with
+// cos and sin read per element, ran at about half a copy's bandwidth: W4's profile on H200.)
+template <typename T, typename C, int V, bool kInterleaved, bool kAngleVectors>
 __global__ void __launch_bounds__(kThreads) rope_kernel(RopeParams p) {
   const int64_t half = p.rotary_dim / 2;
   const int64_t rotate = rotation_items<V, kInterleaved>(p);
   const int64_t items_per_row = rotate + pass_through_items<V>(p);
-  const int64_t items = p.length * items_per_row;
+  const int64_t items = p.batch * p.length * items_per_row;
   const C* cos = static_cast<const C*>(p.cos);
   const C* sin = static_cast<const C*>(p.sin);
-  for (int64_t bh = blockIdx.y; bh < p.batch * p.heads; bh += gridDim.y) {
-    const int64_t b = bh / p.heads, h = bh - b * p.heads;
-    const T* x = static_cast<const T*>(p.x) + b * p.x_stride[0] + h * p.x_stride[1];
-    T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1];
+  const int64_t chunks = (p.heads + kHeadsPerThread - 1) / kHeadsPerThread;
+  for (int64_t chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
+    const int64_t first_head = chunk * kHeadsPerThread;
+    const int heads = static_cast<int>(p.heads - first_head < kHeadsPerThread ? p.heads - first_head : kHeadsPerThread);
     for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
          item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      const int64_t l = item / items_per_row, k = item - l * items_per_row;
-      const T* xl = x + l * p.x_stride[2];
-      T* ol = out + l * p.out_stride[2];
+      const int64_t bl = item / items_per_row, k = item - bl * items_per_row;
+      const int64_t b = bl / p.length, l = bl - b * p.length;
+      const T* x = static_cast<const T*>(p.x) + b * p.x_stride[0] + first_head * p.x_stride[1] + l * p.x_stride[2];
+      T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + first_head * p.out_stride[1] + l * p.out_stride[2];
       if (k >= rotate) {  // features R..D-1: unchanged, forward and backward
-        T e[V];
-        load_chunk<T, V>(xl + p.rotary_dim, k - rotate, e);
-        store_chunk<T, V>(ol + p.rotary_dim, k - rotate, e);
+        for (int h = 0; h < heads; ++h) {
+          T e[V];
+          load_chunk<T, V>(x + h * p.x_stride[1] + p.rotary_dim, k - rotate, e);
+          store_chunk<T, V>(out + h * p.out_stride[1] + p.rotary_dim, k - rotate, e);
+        }
         continue;
       }
       const C* cl = cos + b * p.cs_stride[0] + l * p.cs_stride[1];
       const C* sl = sin + b * p.cs_stride[0] + l * p.cs_stride[1];
       if constexpr (kInterleaved) {
         constexpr int kPairs = kPairsPerItem<V, true>;
-        T e[2 * kPairs];  // features 2 kPairs k .. 2 kPairs (k + 1) - 1, pairs (e[2i], e[2i+1])
-        load_elements<T, 2 * kPairs>(xl, k, e);
+        float c[2 * kPairs], s[2 * kPairs];  // features 2 kPairs k .. 2 kPairs (k + 1) - 1
+        load_angles<C, 2 * kPairs, kAngleVectors>(cl, 2 * kPairs * k, c);
+        load_angles<C, 2 * kPairs, kAngleVectors>(sl, 2 * kPairs * k, s);
+#pragma unroll 4
+        for (int h = 0; h < heads; ++h) {
+          T e[2 * kPairs];  // pairs (e[2i], e[2i+1])
+          load_elements<T, 2 * kPairs>(x + h * p.x_stride[1], k, e);
 #pragma unroll
-        for (int i = 0; i < kPairs; ++i) {
-          const int64_t lo = 2 * (k * kPairs + i);
-          rotate_pair<T, C>(e[2 * i], e[2 * i + 1], cl, sl, lo, lo + 1, p.backward);
+          for (int i = 0; i < kPairs; ++i)
+            rotate_pair<T>(e[2 * i], e[2 * i + 1], c[2 * i], c[2 * i + 1], s[2 * i], s[2 * i + 1], p.backward);
+          store_elements<T, 2 * kPairs>(out + h * p.out_stride[1], k, e);
         }
-        store_elements<T, 2 * kPairs>(ol, k, e);
       } else {
-        T lo[V], hi[V];  // features kV .. kV + V - 1 and the same R/2 further
-        load_chunk<T, V>(xl, k, lo);
-        load_chunk<T, V>(xl + half, k, hi);
+        float c_lo[V], c_hi[V], s_lo[V], s_hi[V];  // features kV .. kV + V - 1 and R/2 further
+        load_angles<C, V, kAngleVectors>(cl, k * V, c_lo);
+        load_angles<C, V, kAngleVectors>(cl, half + k * V, c_hi);
+        load_angles<C, V, kAngleVectors>(sl, k * V, s_lo);
+        load_angles<C, V, kAngleVectors>(sl, half + k * V, s_hi);
+#pragma unroll 4
+        for (int h = 0; h < heads; ++h) {
+          const T* xh = x + h * p.x_stride[1];
+          T* oh = out + h * p.out_stride[1];
+          T lo[V], hi[V];
+          load_chunk<T, V>(xh, k, lo);
+          load_chunk<T, V>(xh + half, k, hi);
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
-          const int64_t j = k * V + i;
-          rotate_pair<T, C>(lo[i], hi[i], cl, sl, j, j + half, p.backward);
+          for (int i = 0; i < V; ++i) rotate_pair<T>(lo[i], hi[i], c_lo[i], c_hi[i], s_lo[i], s_hi[i], p.backward);
+          store_chunk<T, V>(oh, k, lo);
+          store_chunk<T, V>(oh + half, k, hi);
         }
-        store_chunk<T, V>(ol, k, lo);
-        store_chunk<T, V>(ol + half, k, hi);
       }
     }
   }
@@ -131,21 +172,43 @@ bool vectors_fit(const RopeParams& p) {
   return fits && aligned16(p.x) && aligned16(p.out);
 }
 
+// Whether cos and sin can be read as 16-byte vectors: each item reads V consecutive values
+// (2 kPairs interleaved) at multiples of V from the row start and from R/2; those values must fill
+// whole vectors, and the rows and R/2 must start on vector boundaries.
+template <typename C, int N>
+bool angle_vectors_fit(const RopeParams& p) {
+  constexpr int64_t kPer = 16 / sizeof(C);
+  if ((N * static_cast<int64_t>(sizeof(C))) % 16 != 0) return false;
+  return aligned16(p.cos) && aligned16(p.sin) && p.cs_stride[0] % kPer == 0 && p.cs_stride[1] % kPer == 0 &&
+         (p.rotary_dim / 2) % kPer == 0;
+}
+
+template <typename T, typename C, int V, bool kInterleaved>
+cudaError_t launch_angles(const RopeParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr int N = kInterleaved ? 2 * kPairsPerItem<V, true> : V;
+  if constexpr ((N * sizeof(C)) % 16 == 0) {
+    if (angle_vectors_fit<C, N>(p)) {
+      rope_kernel<T, C, V, kInterleaved, true><<<grid, kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
+  }
+  rope_kernel<T, C, V, kInterleaved, false><<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, int V, bool kInterleaved>
 cudaError_t launch_for(const RopeParams& p, cudaStream_t stream) {
-  const int64_t items = p.length * (rotation_items<V, kInterleaved>(p) + pass_through_items<V>(p));
+  const int64_t items = p.batch * p.length * (rotation_items<V, kInterleaved>(p) + pass_through_items<V>(p));
   int64_t blocks_x = (items + kThreads - 1) / kThreads;
-  blocks_x = blocks_x < 65535 ? blocks_x : 65535;
-  const int64_t heads = p.batch * p.heads;
-  const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(heads < 65535 ? heads : 65535));
+  blocks_x = blocks_x < (1 << 20) ? blocks_x : (1 << 20);  // the kernel loops past this
+  const int64_t chunks = (p.heads + kHeadsPerThread - 1) / kHeadsPerThread;
+  const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(chunks < 65535 ? chunks : 65535));
   switch (p.cs_type) {
-    case ElementType::kFloat32: rope_kernel<T, float, V, kInterleaved><<<grid, kThreads, 0, stream>>>(p); break;
-    case ElementType::kFloat16: rope_kernel<T, __half, V, kInterleaved><<<grid, kThreads, 0, stream>>>(p); break;
-    case ElementType::kBFloat16:
-      rope_kernel<T, __nv_bfloat16, V, kInterleaved><<<grid, kThreads, 0, stream>>>(p);
-      break;
+    case ElementType::kFloat32: return launch_angles<T, float, V, kInterleaved>(p, grid, stream);
+    case ElementType::kFloat16: return launch_angles<T, __half, V, kInterleaved>(p, grid, stream);
+    case ElementType::kBFloat16: return launch_angles<T, __nv_bfloat16, V, kInterleaved>(p, grid, stream);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 template <typename T, int V>

@@ -30,10 +30,11 @@ def _both(fn, *inputs):
 # Backward kernels: registers for 1-2 vectors per lane (128; 100 and 200 in fp32); per-warp shared
 # sums for 3-4 (1000 and 1024 in 16-bit, 100 element-wise in 16-bit) and 5-8 (1536 and 2048 in
 # 16-bit, 1000 and 1024 in fp32, 250 element-wise; 64 KiB for 2048); the general kernel for 4096,
-# 1001 and 20000, and 1536/2048 in fp32.
+# 1001 and 20000, and 1536/2048 in fp32. Forward: rows held in registers up to 16 vectors a lane
+# (3072 in 16-bit: 12 of 16 slots used), the looping kernel past that (20000; 4096 in fp32).
 @pytest.mark.parametrize("rows,hidden", [(1, 1), (37, 128), (16387, 128), (45, 100), (45, 200), (45, 250),
                                          (300, 1000), (2051, 1024), (70, 1536), (600, 2048), (33, 1001),
-                                         (5, 4096), (9, 20000), (0, 64)])
+                                         (77, 3072), (5, 4096), (9, 20000), (0, 64)])
 def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows + hidden)
     x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
@@ -47,7 +48,8 @@ def test_rms_norm_cuda_equals_cpu(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,hidden", [(37, 128), (2051, 1024), (600, 2048), (16387, 4096), (9, 20000), (0, 64)])
+@pytest.mark.parametrize("rows,hidden", [(37, 128), (2051, 1024), (600, 2048), (300, 3072), (16387, 4096),
+                                         (45, 250), (9, 20000), (0, 64)])
 def test_rms_norm_backward_without_weight_gradient_equals_cpu(dtype, rows, hidden):
     """A frozen weight (LoRA): the backward kernel without the weight gradient's sums gives the
     grad_x of the full kernel and of the CPU reference, and an empty grad_weight."""
@@ -136,7 +138,7 @@ def test_moe_swiglu_layout_still_matches_after_the_shared_kernel(rows, inner):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,heads,length,dim", [(1, 1, 1, 2), (1, 3, 50, 6), (2, 16, 333, 128),
-                                                    (1, 8, 16384, 64)])
+                                                    (1, 8, 16384, 64), (2, 12, 50, 128), (1, 40, 7, 128)])
 def test_rope_cuda_equals_cpu(dtype, batch, heads, length, dim):
     gen = torch.Generator().manual_seed(length)
     x = torch.randn(batch, length, heads, dim, generator=gen).to(dtype).transpose(1, 2)
@@ -152,6 +154,33 @@ def test_rope_cuda_equals_cpu(dtype, batch, heads, length, dim):
         results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
     torch.testing.assert_close(results[1][0], results[0][0], **TOL[dtype])
     torch.testing.assert_close(results[1][1], results[0][1], **TOL[dtype])
+
+
+# A thread reads its item's cos and sin once for up to 8 heads, as 16-byte vectors where they are
+# aligned: float32 angles with bf16 q (two vectors a item), angles one element off the 16-byte grid
+# (scalar reads), and head counts that leave a partial last chunk.
+@pytest.mark.parametrize("angles", ["float32", "misaligned"])
+@pytest.mark.parametrize("heads", [1, 9, 32])
+def test_rope_angle_layouts_cuda_equal_cpu(angles, heads):
+    gen = torch.Generator().manual_seed(heads)
+    length, dim = 37, 128
+    x = torch.randn(1, length, heads, dim, generator=gen).to(torch.bfloat16).transpose(1, 2)
+    emb = torch.randn(1, length, dim, generator=gen)
+    if angles == "float32":
+        cos, sin = emb.cos().cuda(), emb.sin().cuda()
+    else:
+        cos = _misaligned((1, length, dim), torch.bfloat16, gen)
+        sin = _misaligned((1, length, dim), torch.bfloat16, gen)
+        assert cos.data_ptr() % 16 != 0
+    upstream = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaf = x.detach().to(device).requires_grad_()
+        out = rope(leaf, cos.to(device), sin.to(device))
+        out.backward(upstream.to(device))
+        results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
+    torch.testing.assert_close(results[1][0], results[0][0], **TOL[torch.bfloat16])
+    torch.testing.assert_close(results[1][1], results[0][1], **TOL[torch.bfloat16])
 
 
 def test_twenty_steps_with_fused_kernels_follow_the_unfused_curve():

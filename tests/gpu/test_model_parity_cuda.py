@@ -142,11 +142,23 @@ def check_packed_parity(name: str, lengths, report: bool = True) -> dict:
         # this transformers' layer cannot take the boundaries (5.17's Lfm2ShortConv): refused
         # loudly, which is right here, and no parity proven; the report says so
         pytest.skip(f"{name} refused on this transformers version: {refusal}")
+    row = _judge(name, lengths, handle, (loss, got), (want_loss, want), (noise_loss, noise), report)
+    if entry.attention == "hasten":
+        assert "attention_per_sequence" not in fallback_counts(), row
+    return row
+
+
+def _judge(name: str, lengths, handle, hasten_run, reference, unpatched_bf16, report: bool, job: str = "") -> dict:
+    """hasten's (loss, gradients) against the float32 per-sample reference's, allowed NOISE_FACTOR
+    times the unpatched bf16 model's error (`unpatched_bf16`) plus the floors; the report row
+    (`job`: "lora" for the adapters' run, else the full fine-tune)."""
+    (loss, got), (want_loss, want), (noise_loss, noise) = hasten_run, reference, unpatched_bf16
     noise_errors, errors = zoo.relative_errors(noise, want), zoo.relative_errors(got, want)
     whole = float(torch.cat([w.double().flatten() for w in want.values()]).norm())
     allowed = {n: _allowed(want[n], noise[n], whole) for n in want}
     absolute = {n: float((got[n].double() - want[n].double()).norm()) for n in want}
-    row = {"model_type": name, "outcome": entry.attention, "lengths": list(lengths),
+    row = {"model_type": name, **({"job": job} if job else {}), "outcome": zoo.ENTRIES[name].attention,
+           "lengths": list(lengths),
            "loss_error": abs(float(loss) - float(want_loss)), "loss_noise": abs(float(noise_loss) - float(want_loss)),
            "grad_error": _global(got, want), "grad_noise": _global(noise, want),
            "worst_param": max(want, key=lambda n: absolute[n] / max(allowed[n], 1e-30)),
@@ -155,10 +167,60 @@ def check_packed_parity(name: str, lengths, report: bool = True) -> dict:
     row["worst_of_allowed"] = absolute[row["worst_param"]] / max(allowed[row["worst_param"]], 1e-30)
     if report:
         _report(row)
-    if entry.attention == "hasten":
-        assert "attention_per_sequence" not in fallback_counts(), row
     assert row["loss_error"] <= NOISE_FACTOR * row["loss_noise"] + FLOOR, row
     assert row["grad_error"] <= NOISE_FACTOR * row["grad_noise"] + FLOOR, row
     for param in want:  # a dropped feature can hide in one parameter (sinks get zero gradient)
         assert absolute[param] <= allowed[param], (param, errors[param], noise_errors[param], row)
     return row
+
+
+def _with_float32_adapters(model: torch.nn.Module) -> torch.nn.Module:
+    """A PEFT model's base cast as from_pretrained(dtype=torch.bfloat16) loads it, its LoRA adapters
+    float32: what get_peft_model makes of a bf16 base (PEFT's autocast_adapter_dtype)."""
+    zoo.cast_as_loaded(model.get_base_model(), torch.bfloat16)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.float()
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
+def test_peft_lora_packed_bf16_within_noise_of_peft_alone(name):
+    """The job most users run, on every packed type: PEFT LoRA on every linear layer (r 4, random
+    adapters so the update shows, float32 adapters on a bf16 base as PEFT makes them), hasten
+    accelerating the base model (its fused LoRA projections, q/k/v and gate/up grouped); the packed
+    batch's loss and every adapter gradient within the bf16 noise of PEFT's own model run one sample
+    at a time, against the float32 model. (The CPU twin, in float32 to 1e-4:
+    tests/integrations/test_model_parity.py::test_peft_lora_on_every_linear_trains_packed_like_peft_alone.)"""
+    import peft
+
+    import hasten
+    from hasten.config import Config
+
+    entry = zoo.ENTRIES[name]
+    batch_samples = zoo.samples(lengths=LENGTHS)
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(zoo.build(entry), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)).to("cuda")
+    plain_bf16 = _with_float32_adapters(zoo.clone(reference))
+    patched = _with_float32_adapters(zoo.clone(reference))
+    try:
+        with _torch_stateful_functions(reference):
+            want_loss, want = zoo.per_sample_reference(reference, batch_samples, device="cuda")
+            noise_loss, noise = zoo.per_sample_reference(plain_bf16, batch_samples, device="cuda")
+    except AttributeError as exc:  # PEFT's all-linear also wraps llama4_text's and phimoe's routers
+        pytest.skip(f"PEFT's own model fails on {name}: {exc}")
+    handle = hasten.accelerate(patched.get_base_model(), Config())
+    try:
+        patched.zero_grad(set_to_none=True)
+        try:
+            loss = patched(**zoo.packed_batch(batch_samples, "cuda")).loss
+        except PackedBatchRefused as refusal:
+            if "a newer transformers passes them along" not in str(refusal):
+                raise
+            pytest.skip(f"{name} refused on this transformers version: {refusal}")
+        loss.backward()
+        _judge(name, LENGTHS, handle, (loss.detach().float(), zoo.gradients(patched)),
+               (want_loss, want), (noise_loss, noise), report=True, job="lora")
+    finally:
+        handle.undo()
