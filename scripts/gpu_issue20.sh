@@ -40,7 +40,14 @@ if (( built )); then
     # bundle's other packages (its xformers does not load against this torch)
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import w4_unsloth; w4_unsloth.ensure_bundle('/tmp/unsloth_site')" \
       > "$LOGS/bundle.log" 2>&1 && mkdir -p /tmp/bnb_site && ln -sfn /tmp/unsloth_site/bitsandbytes /tmp/bnb_site/bitsandbytes
-    PYTHONPATH=/tmp/bnb_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} -q -rs
+    # GPU_TRANSFORMERS: a transformers wheel for the tests alone (the zoo's types as CI's 5.24 has
+    # them), the benchmarks keeping the image's (Unsloth caps transformers at 5.17)
+    tests_site=/tmp/bnb_site
+    if [[ -n "${GPU_TRANSFORMERS:-}" ]]; then
+      timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_tf $GPU_TRANSFORMERS \
+        >> "$LOGS/wheels.log" 2>&1 && tests_site=/tmp/site_tf:/tmp/bnb_site
+    fi
+    PYTHONPATH=$tests_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" kernels "* ]]; then  # the dense kernels alone against a copy, W4's and W1's shapes

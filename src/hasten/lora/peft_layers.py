@@ -263,15 +263,46 @@ def formula_mismatch(module: nn.Module) -> str | None:
     return None
 
 
+# The names an MoE block gives the child that routes tokens among its experts, or gates a shared
+# expert: a Linear (Mixtral's, Qwen3-MoE's and DeepSeek's `gate` in transformers 5.17, Aria's and
+# Llama 4's `router`, Qwen2-MoE's `shared_expert_gate`) or a router module around one (DBRX's
+# router.layer, Hunyuan's gate.wg, LongCat's router.classifier).
+ROUTING_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
+ROUTING_REASON = ("routes tokens among experts (an MoE router or shared-expert gate): the routing "
+                  "softmax's gradient is a sum over tokens that nearly cancels, and hasten's bf16 "
+                  "update moved these adapters' gradients 5-8x past bf16 noise on the GPU where "
+                  "PEFT's float32 update does not")
+
+
+def routing_layers(model: nn.Module, layers: list[nn.Module]) -> set[int]:
+    """ids of the LoRA `layers` that compute an MoE block's routing: under a module with an
+    `experts` child (transformers' MoE blocks), a child of it named in ROUTING_NAMES (the layer,
+    or the router module whose only LoRA layer it is)."""
+    ids = {id(m) for m in layers}
+    routing: set[int] = set()
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
+        for name, child in block.named_children():
+            if child is experts or name not in ROUTING_NAMES:
+                continue
+            inside = [m for m in child.modules() if id(m) in ids]
+            if len(inside) == 1:
+                routing.add(id(inside[0]))
+    return routing
+
+
 def install_fused_lora(model: nn.Module, groups: bool = True):
     """Patch every qualifying PEFT LoRA Linear layer of `model`; with `groups`, the projections one
-    module feeds the same input run as SharedInputGroups. Returns (undo, number patched, number
-    in groups, reasons others were left to PEFT)."""
+    module feeds the same input run as SharedInputGroups. MoE routers stay PEFT's (ROUTING_REASON).
+    Returns (undo, number patched, number in groups, reasons others were left to PEFT)."""
     layers = lora_layers(model)
+    routing = routing_layers(model, layers)
     reasons: dict[str, int] = {}
     patched = []
     for module in layers:
-        reason = unsupported_reason(module)
+        reason = ROUTING_REASON if id(module) in routing else unsupported_reason(module)
         if reason is None:
             patched.append(module)
         else:
