@@ -53,11 +53,11 @@ __device__ __forceinline__ void store_elements(T* row, int64_t k, const T (&e)[N
   }
 }
 
-// N consecutive cos (or sin) values from element `start` of a position's row, as floats: 16-byte
-// loads when kVectors (the host checked that the row and `start` are 16-byte aligned and N values
-// fill whole vectors), else N scalar loads.
+// N consecutive cos (or sin) values from element `start` of a position's row, kept in their own
+// type (bf16 angles: 4 registers for 8): 16-byte loads when kVectors (the host checked that the
+// row and `start` are 16-byte aligned and N values fill whole vectors), else N scalar loads.
 template <typename C, int N, bool kVectors>
-__device__ __forceinline__ void load_angles(const C* row, int64_t start, float (&out)[N]) {
+__device__ __forceinline__ void load_angles(const C* row, int64_t start, C (&out)[N]) {
   if constexpr (kVectors) {
     constexpr int kPer = 16 / sizeof(C);
     static_assert(N % kPer == 0, "whole 16-byte vectors");
@@ -66,19 +66,20 @@ __device__ __forceinline__ void load_angles(const C* row, int64_t start, float (
       C chunk[kPer];
       load_chunk<C, kPer>(row + start, c, chunk);
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) out[c * kPer + i] = to_float(chunk[i]);
+      for (int i = 0; i < kPer; ++i) out[c * kPer + i] = chunk[i];
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = to_float(row[start + i]);
+    for (int i = 0; i < N; ++i) out[i] = row[start + i];
   }
 }
 
 // One pair (x_lo, x_hi) in place, with cos and sin at feature indices lo and hi (rope.cuh).
-template <typename T>
-__device__ __forceinline__ void rotate_pair(T& x_lo, T& x_hi, float c_lo, float c_hi, float s_lo, float s_hi,
+template <typename T, typename C>
+__device__ __forceinline__ void rotate_pair(T& x_lo, T& x_hi, C cos_lo, C cos_hi, C sin_lo, C sin_hi,
                                             bool backward) {
   const float a = to_float(x_lo), b = to_float(x_hi);
+  const float c_lo = to_float(cos_lo), c_hi = to_float(cos_hi), s_lo = to_float(sin_lo), s_hi = to_float(sin_hi);
   if (!backward) {
     x_lo = from_float<T>(a * c_lo - b * s_lo);
     x_hi = from_float<T>(b * c_hi + a * s_hi);
@@ -88,8 +89,9 @@ __device__ __forceinline__ void rotate_pair(T& x_lo, T& x_hi, float c_lo, float 
   }
 }
 
-// Heads one thread rotates with the cos and sin it loaded once (q's 32 heads: 4 threads).
-constexpr int kHeadsPerThread = 8;
+// Heads one thread rotates with the cos and sin it loaded once (q's 32 heads: 8 threads): their
+// loads (8 of 16 bytes) in flight together, at about 110 registers (two blocks an SM).
+constexpr int kHeadsPerThread = 4;
 
 // blockIdx.x / threadIdx.x walk the (batch, position, item) work, blockIdx.y the chunks of
 // kHeadsPerThread heads: a thread reads its item's cos and sin once (16-byte loads where they
@@ -123,37 +125,48 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(RopeParams p) {
       }
       const C* cl = cos + b * p.cs_stride[0] + l * p.cs_stride[1];
       const C* sl = sin + b * p.cs_stride[0] + l * p.cs_stride[1];
+      // Every head's loads are issued before the first store: the compiler cannot move a load
+      // above a store to `out` itself (x and out may alias as far as it knows).
       if constexpr (kInterleaved) {
         constexpr int kPairs = kPairsPerItem<V, true>;
-        float c[2 * kPairs], s[2 * kPairs];  // features 2 kPairs k .. 2 kPairs (k + 1) - 1
+        C c[2 * kPairs], s[2 * kPairs];  // features 2 kPairs k .. 2 kPairs (k + 1) - 1
         load_angles<C, 2 * kPairs, kAngleVectors>(cl, 2 * kPairs * k, c);
         load_angles<C, 2 * kPairs, kAngleVectors>(sl, 2 * kPairs * k, s);
-#pragma unroll 4
-        for (int h = 0; h < heads; ++h) {
-          T e[2 * kPairs];  // pairs (e[2i], e[2i+1])
-          load_elements<T, 2 * kPairs>(x + h * p.x_stride[1], k, e);
+        T e[kHeadsPerThread][2 * kPairs];  // pairs (e[h][2i], e[h][2i+1])
+#pragma unroll
+        for (int h = 0; h < kHeadsPerThread; ++h)
+          if (h < heads) load_elements<T, 2 * kPairs>(x + h * p.x_stride[1], k, e[h]);
+#pragma unroll
+        for (int h = 0; h < kHeadsPerThread; ++h) {
+          if (h >= heads) break;
 #pragma unroll
           for (int i = 0; i < kPairs; ++i)
-            rotate_pair<T>(e[2 * i], e[2 * i + 1], c[2 * i], c[2 * i + 1], s[2 * i], s[2 * i + 1], p.backward);
-          store_elements<T, 2 * kPairs>(out + h * p.out_stride[1], k, e);
+            rotate_pair<T, C>(e[h][2 * i], e[h][2 * i + 1], c[2 * i], c[2 * i + 1], s[2 * i], s[2 * i + 1],
+                              p.backward);
+          store_elements<T, 2 * kPairs>(out + h * p.out_stride[1], k, e[h]);
         }
       } else {
-        float c_lo[V], c_hi[V], s_lo[V], s_hi[V];  // features kV .. kV + V - 1 and R/2 further
+        C c_lo[V], c_hi[V], s_lo[V], s_hi[V];  // features kV .. kV + V - 1 and R/2 further
         load_angles<C, V, kAngleVectors>(cl, k * V, c_lo);
         load_angles<C, V, kAngleVectors>(cl, half + k * V, c_hi);
         load_angles<C, V, kAngleVectors>(sl, k * V, s_lo);
         load_angles<C, V, kAngleVectors>(sl, half + k * V, s_hi);
-#pragma unroll 4
-        for (int h = 0; h < heads; ++h) {
-          const T* xh = x + h * p.x_stride[1];
-          T* oh = out + h * p.out_stride[1];
-          T lo[V], hi[V];
-          load_chunk<T, V>(xh, k, lo);
-          load_chunk<T, V>(xh + half, k, hi);
+        T lo[kHeadsPerThread][V], hi[kHeadsPerThread][V];
 #pragma unroll
-          for (int i = 0; i < V; ++i) rotate_pair<T>(lo[i], hi[i], c_lo[i], c_hi[i], s_lo[i], s_hi[i], p.backward);
-          store_chunk<T, V>(oh, k, lo);
-          store_chunk<T, V>(oh + half, k, hi);
+        for (int h = 0; h < kHeadsPerThread; ++h) {
+          if (h >= heads) continue;
+          load_chunk<T, V>(x + h * p.x_stride[1], k, lo[h]);
+          load_chunk<T, V>(x + h * p.x_stride[1] + half, k, hi[h]);
+        }
+#pragma unroll
+        for (int h = 0; h < kHeadsPerThread; ++h) {
+          if (h >= heads) break;
+          T* oh = out + h * p.out_stride[1];
+#pragma unroll
+          for (int i = 0; i < V; ++i)
+            rotate_pair<T, C>(lo[h][i], hi[h][i], c_lo[i], c_hi[i], s_lo[i], s_hi[i], p.backward);
+          store_chunk<T, V>(oh, k, lo[h]);
+          store_chunk<T, V>(oh + half, k, hi[h]);
         }
       }
     }

@@ -156,7 +156,7 @@ def test_rope_cuda_equals_cpu(dtype, batch, heads, length, dim):
     torch.testing.assert_close(results[1][1], results[0][1], **TOL[dtype])
 
 
-# A thread reads its item's cos and sin once for up to 8 heads, as 16-byte vectors where they are
+# A thread reads its item's cos and sin once for up to 4 heads, as 16-byte vectors where they are
 # aligned: float32 angles with bf16 q (two vectors a item), angles one element off the 16-byte grid
 # (scalar reads), and head counts that leave a partial last chunk.
 @pytest.mark.parametrize("angles", ["float32", "misaligned"])
