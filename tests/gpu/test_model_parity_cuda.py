@@ -192,6 +192,12 @@ def test_peft_lora_packed_bf16_within_noise_of_peft_alone(name):
     batch's loss and every adapter gradient within the bf16 noise of PEFT's own model run one sample
     at a time, against the float32 model. (The CPU twin, in float32 to 1e-4:
     tests/integrations/test_model_parity.py::test_peft_lora_on_every_linear_trains_packed_like_peft_alone.)"""
+    check_lora_parity(name)
+
+
+def check_lora_parity(name: str, settings: dict | None = None, report: bool = True) -> dict:
+    """test_peft_lora_packed_bf16_within_noise_of_peft_alone for zoo type `name`, hasten configured
+    by `settings` (a Config dict; None: the defaults). Returns the report row."""
     import peft
 
     import hasten
@@ -210,7 +216,7 @@ def test_peft_lora_packed_bf16_within_noise_of_peft_alone(name):
             noise_loss, noise = zoo.per_sample_reference(plain_bf16, batch_samples, device="cuda")
     except AttributeError as exc:  # PEFT's all-linear also wraps llama4_text's and phimoe's routers
         pytest.skip(f"PEFT's own model fails on {name}: {exc}")
-    handle = hasten.accelerate(patched.get_base_model(), Config())
+    handle = hasten.accelerate(patched.get_base_model(), Config.from_dict(settings or {}))
     try:
         patched.zero_grad(set_to_none=True)
         try:
@@ -220,7 +226,7 @@ def test_peft_lora_packed_bf16_within_noise_of_peft_alone(name):
                 raise
             pytest.skip(f"{name} refused on this transformers version: {refusal}")
         loss.backward()
-        _judge(name, LENGTHS, handle, (loss.detach().float(), zoo.gradients(patched)),
-               (want_loss, want), (noise_loss, noise), report=True, job="lora")
+        return _judge(name, LENGTHS, handle, (loss.detach().float(), zoo.gradients(patched)),
+                      (want_loss, want), (noise_loss, noise), report=report, job="lora")
     finally:
         handle.undo()
