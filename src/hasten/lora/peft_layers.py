@@ -263,46 +263,48 @@ def formula_mismatch(module: nn.Module) -> str | None:
     return None
 
 
-# The names an MoE block gives the child that routes tokens among its experts, or gates a shared
-# expert: a Linear (Mixtral's, Qwen3-MoE's and DeepSeek's `gate` in transformers 5.17, Aria's and
-# Llama 4's `router`, Qwen2-MoE's `shared_expert_gate`) or a router module around one (DBRX's
-# router.layer, Hunyuan's gate.wg, LongCat's router.classifier).
-ROUTING_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
-ROUTING_REASON = ("routes tokens among experts (an MoE router or shared-expert gate): the routing "
-                  "softmax's gradient is a sum over tokens that nearly cancels, and hasten's bf16 "
-                  "update moved these adapters' gradients 5-8x past bf16 noise on the GPU where "
-                  "PEFT's float32 update does not")
+# The names an MoE block gives the child that routes tokens among its experts (top-k): a Linear
+# (Mixtral's, Qwen3-MoE's and DeepSeek's `gate` in transformers 5.17, Aria's and Llama 4's
+# `router`) or a router module around one (DBRX's router.layer, Hunyuan's gate.wg, LongCat's
+# router.classifier). A shared expert's sigmoid gate (Qwen2-MoE) selects nothing: not among them.
+ROUTER_NAMES = frozenset({"gate", "router"})
+ROUTER_ADAPTER_REASON = (
+    "the model's MoE routers carry LoRA adapters (target_modules reaches them, as 'all-linear' does "
+    "where a router is a Linear): hasten's fused projections compute the low-rank update in bf16 "
+    "where PEFT computes it in float32, and on the GPU that moved the router adapters' gradients "
+    "5-8x past bf16 noise (DeepSeek-V2, GLM-4-MoE, GLM-4V-MoE: top-k routing amplifies small changes "
+    "of its input; within noise with kernels.fused_lora false). Leave the routers out of "
+    "target_modules to have the projections fused")
 
 
-def routing_layers(model: nn.Module, layers: list[nn.Module]) -> set[int]:
-    """ids of the LoRA `layers` that compute an MoE block's routing: under a module with an
-    `experts` child (transformers' MoE blocks), a child of it named in ROUTING_NAMES (the layer,
-    or the router module whose only LoRA layer it is)."""
-    ids = {id(m) for m in layers}
-    routing: set[int] = set()
-    for block in model.modules():
+def router_adapters(model: nn.Module) -> list[str]:
+    """Names of PEFT LoRA layers (any class: Linear, ParamWrapper) that sit on an MoE router: a
+    child named in ROUTER_NAMES of a module with an `experts` child (transformers' MoE blocks), or
+    inside it."""
+    found = []
+    for block_name, block in model.named_modules():
         experts = getattr(block, "experts", None)
         if not isinstance(experts, nn.Module):
             continue
         for name, child in block.named_children():
-            if child is experts or name not in ROUTING_NAMES:
+            if child is experts or name not in ROUTER_NAMES:
                 continue
-            inside = [m for m in child.modules() if id(m) in ids]
-            if len(inside) == 1:
-                routing.add(id(inside[0]))
-    return routing
+            found += [f"{block_name}.{name}{'.' + sub if sub else ''}" for sub, m in child.named_modules()
+                      if isinstance(getattr(m, "lora_A", None), nn.ModuleDict)]
+    return found
 
 
 def install_fused_lora(model: nn.Module, groups: bool = True):
     """Patch every qualifying PEFT LoRA Linear layer of `model`; with `groups`, the projections one
-    module feeds the same input run as SharedInputGroups. MoE routers stay PEFT's (ROUTING_REASON).
-    Returns (undo, number patched, number in groups, reasons others were left to PEFT)."""
+    module feeds the same input run as SharedInputGroups. None where MoE routers carry adapters
+    (ROUTER_ADAPTER_REASON). Returns (undo, number patched, number in groups, reasons others were
+    left to PEFT)."""
     layers = lora_layers(model)
-    routing = routing_layers(model, layers)
+    routers = router_adapters(model)
     reasons: dict[str, int] = {}
     patched = []
     for module in layers:
-        reason = ROUTING_REASON if id(module) in routing else unsupported_reason(module)
+        reason = ROUTER_ADAPTER_REASON if routers else unsupported_reason(module)
         if reason is None:
             patched.append(module)
         else:
