@@ -79,8 +79,15 @@ TORCH_LIBRARY(hasten, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> (Tensor y, Tensor rstd)");
   // weight_grad false (a frozen weight, as under LoRA): grad_weight is an empty tensor and the kernel
   // skips its per-block sums (at hidden 4096 they took 0.64 ms of a 0.1 ms pass, W4 on H200).
-  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd, float offset, bool weight_grad=True) "
-        "-> (Tensor grad_x, Tensor grad_weight)");
+  // grad_add (the shape and dtype of x): added to grad_x before its one rounding (add_rms_norm's
+  // backward: the gradient its sum gets from the residual stream).
+  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd, float offset, bool weight_grad=True, "
+        "Tensor? grad_add=None) -> (Tensor grad_x, Tensor grad_weight)");
+  // A pre-norm decoder's residual add and the norm after it in one kernel: sum = x + residual
+  // (rounded to x's dtype, as the separate add gives it), y = rms_norm(sum). The backward is
+  // rms_norm_backward of sum with grad_add = the sum's gradient from the residual stream.
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float offset) "
+        "-> (Tensor y, Tensor sum, Tensor rstd)");
 
   // Rotary embedding of x (batch, heads, length, head_dim) with cos, sin (batch or 1, length, R),
   // R even, 0 < R <= head_dim (kernels/rope.cuh): the first R features rotate in pairs, the

@@ -8,6 +8,11 @@
 //             handles, every column written (the caller sums the partials over blocks: float
 //             accumulation, no global atomics). Shared memory holds one float per column: hidden
 //             above about 57k columns is refused (cudaErrorInvalidValue from the attribute call).
+// The residual add fused in (hasten::add_rms_norm, a decoder's `h = residual + x; norm(h)`):
+//   forward   with `residual`: s = round_to_T(x + residual) is written to `sum` and normalised
+//             in place of x (the same value the separate add gives)
+//   backward  with `grad_add`: grad_x = rstd * (...) + grad_add, rounded once (the gradient that
+//             reaches s from its other use, the residual stream, summed in float32)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,6 +29,9 @@ struct RmsNormParams {
   const void* grad_y;  // backward only
   void* y;             // forward: y; backward: grad_x
   float* rstd;         // (R,)
+  const void* residual = nullptr;  // forward: added to x before the norm (R, H); nullptr: none
+  void* sum = nullptr;             // forward with residual: x + residual (R, H)
+  const void* grad_add = nullptr;  // backward: added to grad_x (R, H); nullptr: none
   float* grad_weight_partial;  // backward: (blocks, H), written whole; nullptr: no weight gradient
   int64_t rows, hidden;
   float eps, offset;

@@ -42,6 +42,37 @@ __device__ __forceinline__ float group_sum(float value, int group) {
   return value;
 }
 
+// x's vector v of a row, with the row's residual added when there is one (round_to_T(x + r):
+// what the separate add gives) and that sum stored for the caller (hasten::add_rms_norm).
+// kAdd is whether p.residual is set: a template parameter, so that the kernels without the add
+// compile as they did before it (a runtime branch cost the weight-gradient kernels spills).
+template <typename T, int V, bool kAdd>
+__device__ __forceinline__ void load_input(const RmsNormParams& p, int64_t offset, int64_t v, T (&chunk)[V]) {
+  load_chunk<T, V>(static_cast<const T*>(p.x) + offset, v, chunk);
+  if constexpr (!kAdd) return;
+  T r[V];
+  load_chunk<T, V>(static_cast<const T*>(p.residual) + offset, v, r);
+#pragma unroll
+  for (int i = 0; i < V; ++i) chunk[i] = from_float<T>(to_float(chunk[i]) + to_float(r[i]));
+  store_chunk<T, V>(static_cast<T*>(p.sum) + offset, v, chunk);
+}
+
+// grad_add's vector v of a row as floats (zeros without grad_add): added to grad_x before its
+// one rounding.
+// kAdd: whether p.grad_add is set (as for load_input).
+template <typename T, int V, bool kAdd>
+__device__ __forceinline__ void load_grad_add(const RmsNormParams& p, int64_t offset, int64_t v, float (&out)[V]) {
+  if constexpr (!kAdd) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = 0.f;
+    return;
+  }
+  T chunk[V];
+  load_chunk<T, V>(static_cast<const T*>(p.grad_add) + offset, v, chunk);
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = to_float(chunk[i]);
+}
+
 // The rows one group of lanes visits. Trips are per warp: warp_row (the first row of the warp's
 // groups on this trip) is the same on all 32 lanes, so every lane takes the same trips through
 // the row loop and reaches group_sum's shuffles together, also past the last row.
@@ -59,7 +90,7 @@ __device__ __forceinline__ RowWalk row_walk(int group) {
           static_cast<int>(threadIdx.x % 32) / group, static_cast<int>(threadIdx.x % group)};
 }
 
-template <typename T, int V>
+template <typename T, int V, bool kAdd>
 __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParams p, int group) {
   const RowWalk walk = row_walk(group);
   const int64_t vectors = p.hidden / V;
@@ -67,13 +98,13 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
   for (int64_t warp_row = walk.warp_row; warp_row < p.rows; warp_row += walk.step) {
     const int64_t row = warp_row + walk.group_in_warp;
     const bool active = row < p.rows;
-    const T* x = static_cast<const T*>(p.x) + (active ? row : 0) * p.hidden;
+    const int64_t offset = (active ? row : 0) * p.hidden;
     float squares = 0.f;
     if (active) {
 #pragma unroll 4
       for (int64_t v = walk.lane; v < vectors; v += group) {
         T chunk[V];
-        load_chunk<T, V>(x, v, chunk);
+        load_input<T, V, kAdd>(p, offset, v, chunk);
 #pragma unroll
         for (int i = 0; i < V; ++i) squares += to_float(chunk[i]) * to_float(chunk[i]);
       }
@@ -82,6 +113,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
     if (!active) continue;
     if (walk.lane == 0) p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.hidden;
+    // the normalised input: x, or the sum this lane stored above
+    const T* x = static_cast<const T*>(kAdd ? p.sum : p.x) + offset;
 #pragma unroll 4
     for (int64_t v = walk.lane; v < vectors; v += group) {
       T chunk[V], weight[V];
@@ -102,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
 // The same additions in the same order as rms_norm_forward_kernel: the same rstd and output.
 // Two blocks an SM at K = 16 (registers capped at 128: without the cap nvcc hoists the weight's
 // loads too, 152 registers, one block an SM).
-template <typename T, int V, int K>
+template <typename T, int V, int K, bool kAdd>
 __global__ void __launch_bounds__(kThreads, K >= 16 ? 2 : 1) rms_norm_forward_cached_kernel(RmsNormParams p, int group) {
   // K > 1 means more vectors than lanes, so a whole warp: a constant stride lets the K loads
   // share one address register (immediate offsets)
@@ -113,12 +146,12 @@ __global__ void __launch_bounds__(kThreads, K >= 16 ? 2 : 1) rms_norm_forward_ca
   for (int64_t warp_row = walk.warp_row; warp_row < p.rows; warp_row += walk.step) {
     const int64_t row = warp_row + walk.group_in_warp;
     const bool active = row < p.rows;
-    const T* x = static_cast<const T*>(p.x) + (active ? row : 0) * p.hidden;
+    const int64_t offset = (active ? row : 0) * p.hidden;
     T xs[K][V];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = walk.lane + k * lanes;
-      if (active && v < vectors) load_chunk<T, V>(x, v, xs[k]);
+      if (active && v < vectors) load_input<T, V, kAdd>(p, offset, v, xs[k]);
     }
     float squares = 0.f;
 #pragma unroll
@@ -163,7 +196,7 @@ __device__ __forceinline__ void write_block_partial(const float* sums, const Rms
 
 // Register-resident backward: the lane's vectors k = 0..K-1 are columns (lane + k * group) * V ..
 // + V - 1 of every row it visits (those at or past `vectors` are skipped).
-template <typename T, int V, int K>
+template <typename T, int V, int K, bool kAdd>
 __global__ void __launch_bounds__(kThreads) rms_norm_backward_registers_kernel(RmsNormParams p, int group) {
   extern __shared__ float block_grad_weight[];  // (hidden,)
   zero_block_sums(block_grad_weight, p.hidden);
@@ -201,12 +234,14 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_registers_kernel(R
     for (int k = 0; k < K; ++k) {
       const int64_t v = walk.lane + static_cast<int64_t>(k) * group;
       if (v >= vectors) continue;
+      float add[V];
+      load_grad_add<T, V, kAdd>(p, offset, v, add);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float n = to_float(xs[k][i]) * rstd;
         const float gy = to_float(gs[k][i]);
         grad_weight[k][i] += gy * to_float(from_float<T>(n));
-        xs[k][i] = from_float<T>(rstd * ((to_float(weight[k][i]) + p.offset) * gy - n * mean_dot));
+        xs[k][i] = from_float<T>(rstd * ((to_float(weight[k][i]) + p.offset) * gy - n * mean_dot) + add[i]);
       }
       store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
     }
@@ -225,8 +260,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_registers_kernel(R
 // A full warp per row, K (3..8) vectors per lane. The warp's grad_weight sums live in shared
 // memory as (V, vectors): element i of vector v at i * vectors + v, so the 32 lanes (consecutive v)
 // hit 32 different banks. Registers capped so that four blocks (K = 4) or two (K = 8) fit an SM.
-template <typename T, int V, int K>
-__global__ void __launch_bounds__(kThreads, K <= 4 ? 4 : 2)
+// With grad_add (kAdd) one block fewer an SM: at the cap of the plain kernel it spilled.
+template <typename T, int V, int K, bool kAdd>
+__global__ void __launch_bounds__(kThreads, (K <= 4 ? 4 : 2) - (kAdd ? 1 : 0))
     rms_norm_backward_warp_sums_kernel(RmsNormParams p, int group) {
   extern __shared__ float warp_grad_weight[];  // (kWarps, V, vectors)
   const int64_t vectors = p.hidden / V;
@@ -262,12 +298,14 @@ __global__ void __launch_bounds__(kThreads, K <= 4 ? 4 : 2)
       if (v >= vectors) continue;
       T ws[V];
       load_chunk<T, V>(w, v, ws);  // the weight row stays in L1: 2-4 KB read by every row
+      float add[V];
+      load_grad_add<T, V, kAdd>(p, offset, v, add);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float n = to_float(xs[k][i]) * rstd;
         const float gy = to_float(gs[k][i]);
         mine[i * vectors + v] += gy * to_float(from_float<T>(n));
-        xs[k][i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * gy - n * mean_dot));
+        xs[k][i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * gy - n * mean_dot) + add[i]);
       }
       store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
     }
@@ -286,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, K <= 4 ? 4 : 2)
 // General backward for rows of any width: x and grad_y are read twice per row, and grad_weight
 // is added into shared memory per element. WeightGrad false (no grad_weight_partial: a frozen
 // weight) drops those adds and the partials: grad_x alone, a streaming pass.
-template <typename T, int V, bool WeightGrad = true>
+template <typename T, int V, bool WeightGrad, bool kAdd>
 __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormParams p, int group) {
   extern __shared__ float block_grad_weight[];  // (hidden,) with WeightGrad
   if (WeightGrad) zero_block_sums(block_grad_weight, p.hidden);
@@ -321,15 +359,17 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
 #pragma unroll 4
     for (int64_t v = walk.lane; v < vectors; v += group) {
       T xs[V], gs[V], ws[V];
+      float add[V];
       load_chunk<T, V>(x, v, xs);
       load_chunk<T, V>(g, v, gs);
       load_chunk<T, V>(w, v, ws);
+      load_grad_add<T, V, kAdd>(p, offset, v, add);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float n = to_float(xs[i]) * rstd;
         const float gy = to_float(gs[i]);
         if (WeightGrad) atomicAdd(&block_grad_weight[v * V + i], gy * to_float(from_float<T>(n)));
-        xs[i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * gy - n * mean_dot));
+        xs[i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * gy - n * mean_dot) + add[i]);
       }
       store_chunk<T, V>(gx, v, xs);
     }
@@ -340,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
 // The backward of a frozen weight (no grad_weight) for rows of at most K vectors per lane: x and
 // grad_y of the row loaded into registers, all 2K loads issued first; grad_x stored from there.
 // The same arithmetic in the same order as rms_norm_backward_kernel<T, V, false>.
-template <typename T, int V, int K>
+template <typename T, int V, int K, bool kAdd>
 __global__ void __launch_bounds__(kThreads) rms_norm_backward_cached_kernel(RmsNormParams p, int group) {
   // K > 1 means more vectors than lanes, so a whole warp: a constant stride lets the K loads
   // share one address register (immediate offsets)
@@ -380,10 +420,12 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_cached_kernel(RmsN
       if (v >= vectors) continue;
       T ws[V];
       load_chunk<T, V>(w, v, ws);
+      float add[V];
+      load_grad_add<T, V, kAdd>(p, offset, v, add);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float n = to_float(xs[k][i]) * rstd;
-        xs[k][i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * to_float(gs[k][i]) - n * mean_dot));
+        xs[k][i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * to_float(gs[k][i]) - n * mean_dot) + add[i]);
       }
       store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
     }
@@ -399,8 +441,9 @@ int lanes_per_row(int64_t vectors) {
 
 template <typename T>
 bool vectors_fit(const RmsNormParams& p, bool backward) {
+  // nullptr is aligned: the residual, its sum and grad_add count only where they are given
   return p.hidden % kVec<T> == 0 && aligned16(p.x) && aligned16(p.weight) && aligned16(p.y) &&
-         (!backward || aligned16(p.grad_y));
+         aligned16(p.residual) && aligned16(p.sum) && aligned16(p.grad_add) && (!backward || aligned16(p.grad_y));
 }
 
 unsigned forward_blocks(int64_t rows, int group) {
@@ -417,39 +460,66 @@ struct BackwardLaunch {
 };
 
 // The kernel for rows of `vectors_per_lane` vectors per lane (see the top of this file).
-template <typename T, int V>
+template <typename T, int V, bool kAdd>
 BackwardLaunch backward_launch(int64_t vectors_per_lane, int64_t hidden, bool weight_grad) {
   if (!weight_grad) {
     if constexpr (V > 1) {
-      if (vectors_per_lane <= 1) return {rms_norm_backward_cached_kernel<T, V, 1>, 0};
-      if (vectors_per_lane <= 2) return {rms_norm_backward_cached_kernel<T, V, 2>, 0};
-      if (vectors_per_lane <= 4) return {rms_norm_backward_cached_kernel<T, V, 4>, 0};
-      if (vectors_per_lane <= 8) return {rms_norm_backward_cached_kernel<T, V, 8>, 0};
+      if (vectors_per_lane <= 1) return {rms_norm_backward_cached_kernel<T, V, 1, kAdd>, 0};
+      if (vectors_per_lane <= 2) return {rms_norm_backward_cached_kernel<T, V, 2, kAdd>, 0};
+      if (vectors_per_lane <= 4) return {rms_norm_backward_cached_kernel<T, V, 4, kAdd>, 0};
+      if (vectors_per_lane <= 8) return {rms_norm_backward_cached_kernel<T, V, 8, kAdd>, 0};
       if (vectors_per_lane <= kMaxCachedBackwardVectors)
-        return {rms_norm_backward_cached_kernel<T, V, kMaxCachedBackwardVectors>, 0};
+        return {rms_norm_backward_cached_kernel<T, V, kMaxCachedBackwardVectors, kAdd>, 0};
     }
-    return {rms_norm_backward_kernel<T, V, false>, 0};
+    return {rms_norm_backward_kernel<T, V, false, kAdd>, 0};
   }
   const size_t row = static_cast<size_t>(hidden) * sizeof(float);
-  if (vectors_per_lane <= 1) return {rms_norm_backward_registers_kernel<T, V, 1>, row};
-  if (vectors_per_lane <= kMaxRegisterVectors) return {rms_norm_backward_registers_kernel<T, V, 2>, row};
-  if (vectors_per_lane <= 4) return {rms_norm_backward_warp_sums_kernel<T, V, 4>, kWarps * row};
-  if (vectors_per_lane <= kMaxWarpSumVectors) return {rms_norm_backward_warp_sums_kernel<T, V, 8>, kWarps * row};
-  return {rms_norm_backward_kernel<T, V>, row};
+  if (vectors_per_lane <= 1) return {rms_norm_backward_registers_kernel<T, V, 1, kAdd>, row};
+  if (vectors_per_lane <= kMaxRegisterVectors) return {rms_norm_backward_registers_kernel<T, V, 2, kAdd>, row};
+  if (vectors_per_lane <= 4) return {rms_norm_backward_warp_sums_kernel<T, V, 4, kAdd>, kWarps * row};
+  if (vectors_per_lane <= kMaxWarpSumVectors) return {rms_norm_backward_warp_sums_kernel<T, V, 8, kAdd>, kWarps * row};
+  return {rms_norm_backward_kernel<T, V, true, kAdd>, row};
 }
 
-template <typename T, int V>
+template <typename T, int V, bool kAdd>
 cudaError_t launch_backward(const RmsNormParams& p, int blocks, cudaStream_t stream) {
   const int64_t vectors = p.hidden / V;
   const int group = lanes_per_row(vectors);
   const BackwardLaunch launch =
-      backward_launch<T, V>((vectors + group - 1) / group, p.hidden, p.grad_weight_partial != nullptr);
+      backward_launch<T, V, kAdd>((vectors + group - 1) / group, p.hidden, p.grad_weight_partial != nullptr);
   if (launch.shared > 48 * 1024) {  // above the default: ask for more (fails past the device's limit)
     const cudaError_t err = cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(launch.shared));
     if (err != cudaSuccess) return err;
   }
   launch.kernel<<<blocks, kThreads, launch.shared, stream>>>(p, group);
+  return cudaGetLastError();
+}
+
+template <typename T, bool kAdd>
+cudaError_t launch_forward(const RmsNormParams& p, cudaStream_t stream) {
+  if (vectors_fit<T>(p, false)) {
+    constexpr int V = kVec<T>;
+    const int group = lanes_per_row(p.hidden / V);
+    const int64_t per_lane = (p.hidden / V + group - 1) / group;
+    const unsigned blocks = forward_blocks(p.rows, group);
+    if (per_lane <= 1) {
+      rms_norm_forward_cached_kernel<T, V, 1, kAdd><<<blocks, kThreads, 0, stream>>>(p, group);
+    } else if (per_lane <= 2) {
+      rms_norm_forward_cached_kernel<T, V, 2, kAdd><<<blocks, kThreads, 0, stream>>>(p, group);
+    } else if (per_lane <= 4) {
+      rms_norm_forward_cached_kernel<T, V, 4, kAdd><<<blocks, kThreads, 0, stream>>>(p, group);
+    } else if (per_lane <= 8) {
+      rms_norm_forward_cached_kernel<T, V, 8, kAdd><<<blocks, kThreads, 0, stream>>>(p, group);
+    } else if (per_lane <= kMaxCachedVectors) {
+      rms_norm_forward_cached_kernel<T, V, kMaxCachedVectors, kAdd><<<blocks, kThreads, 0, stream>>>(p, group);
+    } else {
+      rms_norm_forward_kernel<T, V, kAdd><<<blocks, kThreads, 0, stream>>>(p, group);
+    }
+  } else {
+    const int group = lanes_per_row(p.hidden);
+    rms_norm_forward_kernel<T, 1, kAdd><<<forward_blocks(p.rows, group), kThreads, 0, stream>>>(p, group);
+  }
   return cudaGetLastError();
 }
 
@@ -464,38 +534,19 @@ int rms_norm_backward_blocks(int64_t rows, int device) {
 
 cudaError_t launch_rms_norm_forward(const RmsNormParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.hidden == 0) return cudaSuccess;
+  if ((p.residual == nullptr) != (p.sum == nullptr)) return cudaErrorInvalidValue;
   return HASTEN_DISPATCH_ELEMENT(p.type, {
-    if (vectors_fit<T>(p, false)) {
-      constexpr int V = kVec<T>;
-      const int group = lanes_per_row(p.hidden / V);
-      const int64_t per_lane = (p.hidden / V + group - 1) / group;
-      const unsigned blocks = forward_blocks(p.rows, group);
-      if (per_lane <= 1) {
-        rms_norm_forward_cached_kernel<T, V, 1><<<blocks, kThreads, 0, stream>>>(p, group);
-      } else if (per_lane <= 2) {
-        rms_norm_forward_cached_kernel<T, V, 2><<<blocks, kThreads, 0, stream>>>(p, group);
-      } else if (per_lane <= 4) {
-        rms_norm_forward_cached_kernel<T, V, 4><<<blocks, kThreads, 0, stream>>>(p, group);
-      } else if (per_lane <= 8) {
-        rms_norm_forward_cached_kernel<T, V, 8><<<blocks, kThreads, 0, stream>>>(p, group);
-      } else if (per_lane <= kMaxCachedVectors) {
-        rms_norm_forward_cached_kernel<T, V, kMaxCachedVectors><<<blocks, kThreads, 0, stream>>>(p, group);
-      } else {
-        rms_norm_forward_kernel<T, V><<<blocks, kThreads, 0, stream>>>(p, group);
-      }
-    } else {
-      const int group = lanes_per_row(p.hidden);
-      rms_norm_forward_kernel<T, 1><<<forward_blocks(p.rows, group), kThreads, 0, stream>>>(p, group);
-    }
-    return cudaGetLastError();
+    return p.residual != nullptr ? launch_forward<T, true>(p, stream) : launch_forward<T, false>(p, stream);
   });
 }
 
 cudaError_t launch_rms_norm_backward(const RmsNormParams& p, int blocks, cudaStream_t stream) {
   if (p.hidden == 0) return cudaSuccess;  // no rows still launches: the blocks write zero partials
   return HASTEN_DISPATCH_ELEMENT(p.type, {
-    if (vectors_fit<T>(p, true)) return launch_backward<T, kVec<T>>(p, blocks, stream);
-    return launch_backward<T, 1>(p, blocks, stream);
+    const bool vectors = vectors_fit<T>(p, true);
+    if (p.grad_add != nullptr)
+      return vectors ? launch_backward<T, kVec<T>, true>(p, blocks, stream) : launch_backward<T, 1, true>(p, blocks, stream);
+    return vectors ? launch_backward<T, kVec<T>, false>(p, blocks, stream) : launch_backward<T, 1, false>(p, blocks, stream);
   });
 }
 

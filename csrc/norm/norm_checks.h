@@ -29,4 +29,23 @@ inline void check_rms_norm_backward_args(const at::Tensor& grad_y, const at::Ten
   check_same_device(x, rstd, op, "x", "rstd");
 }
 
+// add_rms_norm: x and residual of one shape, dtype and device (the norm's checks on x and weight).
+inline void check_add_rms_norm_args(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight) {
+  const char* op = "add_rms_norm";
+  check_rms_norm_args(op, x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes(), "hasten::", op, ": `residual` must have the shape of `x` ",
+              shape(x.sizes()), ", got ", shape(residual.sizes()));
+  check_same_dtype(x, residual, op, "x", "residual");
+  check_same_device(x, residual, op, "x", "residual");
+}
+
+// rms_norm_backward's grad_add: the shape and dtype of grad_x.
+inline void check_grad_add(const at::Tensor& grad_add, const at::Tensor& x) {
+  const char* op = "rms_norm_backward";
+  TORCH_CHECK(grad_add.sizes() == x.sizes(), "hasten::", op, ": `grad_add` must have the shape of `x` ",
+              shape(x.sizes()), ", got ", shape(grad_add.sizes()));
+  check_same_dtype(x, grad_add, op, "x", "grad_add");
+  check_same_device(x, grad_add, op, "x", "grad_add");
+}
+
 }  // namespace hasten

@@ -1,8 +1,9 @@
-// CPU reference of hasten::rms_norm and rms_norm_backward (the CUDA kernels' contract).
+// CPU reference of hasten::rms_norm, add_rms_norm and rms_norm_backward (the CUDA kernels' contract).
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <cmath>
+#include <optional>
 #include <tuple>
 
 #include "norm_checks.h"
@@ -38,12 +39,25 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x_in, const at
   return {y, rstd};
 }
 
+// x + residual (rounded to x's dtype, as the separate add gives it), then rms_norm of that sum.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                                const at::Tensor& weight, double eps, double offset) {
+  check_device(x, "add_rms_norm", "x", c10::DeviceType::CPU);
+  check_add_rms_norm_args(x, residual, weight);
+  const auto sum = at::add(x, residual).contiguous();
+  auto [y, rstd] = rms_norm_cpu(sum, weight, eps, offset);
+  return {y, sum, rstd};
+}
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_y_in, const at::Tensor& x_in,
                                                          const at::Tensor& weight, const at::Tensor& rstd_in,
-                                                         double offset, bool weight_grad) {
+                                                         double offset, bool weight_grad,
+                                                         const std::optional<at::Tensor>& grad_add_in) {
   check_device(x_in, "rms_norm_backward", "x", c10::DeviceType::CPU);
   check_rms_norm_backward_args(grad_y_in, x_in, weight, rstd_in);
+  if (grad_add_in) check_grad_add(*grad_add_in, x_in);
   const auto x = x_in.contiguous(), g = grad_y_in.contiguous(), w = weight.contiguous(), rstd = rstd_in.contiguous();
+  const auto grad_add = grad_add_in ? grad_add_in->contiguous() : at::Tensor();
   const int64_t hidden = x.size(-1), rows = rows_of(x);
   auto grad_x = at::empty_like(x);
   auto grad_w = at::zeros({hidden}, x.options().dtype(at::kDouble));
@@ -53,6 +67,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
     const scalar_t* wp = w.data_ptr<scalar_t>();
     const float* rp = rstd.data_ptr<float>();
     scalar_t* gx = grad_x.data_ptr<scalar_t>();
+    const scalar_t* ga = grad_add.defined() ? grad_add.data_ptr<scalar_t>() : nullptr;
     double* gw = grad_w.data_ptr<double>();
     for (int64_t r = 0; r < rows; ++r) {
       const double rs = rp[r];
@@ -62,7 +77,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
       const double mean_dot = dot / hidden;
       for (int64_t c = 0; c < hidden; ++c) {
         const double n = double(xp[r * hidden + c]) * rs, gy = double(gp[r * hidden + c]);
-        gx[r * hidden + c] = static_cast<scalar_t>(rs * ((double(wp[c]) + offset) * gy - n * mean_dot));
+        const double add = ga ? double(ga[r * hidden + c]) : 0.0;  // the sum's other gradient, one rounding
+        gx[r * hidden + c] = static_cast<scalar_t>(rs * ((double(wp[c]) + offset) * gy - n * mean_dot) + add);
         if (weight_grad) gw[c] += gy * double(static_cast<scalar_t>(static_cast<float>(n)));
       }
     }
@@ -75,6 +91,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
 
 TORCH_LIBRARY_IMPL(hasten, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("add_rms_norm", &add_rms_norm_cpu);
   m.impl("rms_norm_backward", &rms_norm_backward_cpu);
 }
 

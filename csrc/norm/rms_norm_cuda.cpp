@@ -1,10 +1,11 @@
-// CUDA glue of hasten::rms_norm and rms_norm_backward: checks, device guard, one launch each
+// CUDA glue of hasten::rms_norm, add_rms_norm and rms_norm_backward: checks, device guard, one launch each
 // (plus one ATen sum of the backward's per-block weight-gradient partials).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <optional>
 #include <tuple>
 
 #include "../kernels/rms_norm.cuh"
@@ -37,13 +38,42 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const a
   return {y, rstd};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                                                 const at::Tensor& weight, double eps, double offset) {
+  check_device(x_in, "add_rms_norm", "x", c10::DeviceType::CUDA);
+  check_add_rms_norm_args(x_in, residual_in, weight);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = x_in.contiguous(), residual = residual_in.contiguous(), w = weight.contiguous();
+  const int64_t hidden = x.size(-1), rows = rows_of(x);
+  auto y = at::empty_like(x);
+  auto sum = at::empty_like(x);
+  auto rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  kernels::RmsNormParams p{};
+  p.x = x.data_ptr();
+  p.residual = residual.data_ptr();
+  p.sum = sum.data_ptr();
+  p.weight = w.data_ptr();
+  p.y = y.data_ptr();
+  p.rstd = rstd.data_ptr<float>();
+  p.rows = rows;
+  p.hidden = hidden;
+  p.eps = static_cast<float>(eps);
+  p.offset = static_cast<float>(offset);
+  p.type = element_type(x, "add_rms_norm");
+  check_launch(kernels::launch_rms_norm_forward(p, c10::cuda::getCurrentCUDAStream()), "add_rms_norm");
+  return {y, sum, rstd};
+}
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_y_in, const at::Tensor& x_in,
                                                           const at::Tensor& weight, const at::Tensor& rstd_in,
-                                                          double offset, bool weight_grad) {
+                                                          double offset, bool weight_grad,
+                                                          const std::optional<at::Tensor>& grad_add_in) {
   check_device(x_in, "rms_norm_backward", "x", c10::DeviceType::CUDA);
   check_rms_norm_backward_args(grad_y_in, x_in, weight, rstd_in);
+  if (grad_add_in) check_grad_add(*grad_add_in, x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto x = x_in.contiguous(), g = grad_y_in.contiguous(), w = weight.contiguous(), rstd = rstd_in.contiguous();
+  const auto grad_add = grad_add_in ? grad_add_in->contiguous() : at::Tensor();
   const int64_t hidden = x.size(-1), rows = rows_of(x);
   const int blocks = kernels::rms_norm_backward_blocks(rows, x.get_device());
   auto grad_x = at::empty_like(x);
@@ -55,6 +85,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   p.y = grad_x.data_ptr();
   p.rstd = rstd.data_ptr<float>();
   p.grad_weight_partial = weight_grad ? partial.data_ptr<float>() : nullptr;
+  p.grad_add = grad_add.defined() ? grad_add.data_ptr() : nullptr;
   p.rows = rows;
   p.hidden = hidden;
   p.offset = static_cast<float>(offset);
@@ -68,6 +99,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
 
 TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
   m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("add_rms_norm", &add_rms_norm_cuda);
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);
 }
 

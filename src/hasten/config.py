@@ -180,6 +180,10 @@ class KernelsConfig:
     fused_cross_entropy: bool = True
     # RMSNorm in one C++/CUDA kernel each way (Llama/Qwen semantics, weight offset variants).
     rms_norm: bool = True
+    # With rms_norm: a decoder layer's `h = residual + h; residual = h; h = norm(h)` in one kernel
+    # each way (the add, the norm, and in backward the sum of the stream's two gradients). Off by
+    # default until its GPU kernel has run on the GPU machine (CPU-tested only).
+    fused_residual: bool = False
     # silu(gate) * up of the dense MLPs in one kernel; backward keeps only gate and up.
     swiglu: bool = True
     # Rotary embedding of q and k in one kernel each (transformers' rotate_half convention).

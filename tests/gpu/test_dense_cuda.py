@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
+from hasten.ops.dense import add_rms_norm, gelu_tanh_mul, rms_norm, rope, silu_mul
 from tests.gpu.training_curves import learnable_batches, train_curve
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
@@ -76,6 +76,39 @@ def test_rms_norm_weight_offset_cuda_equals_cpu(hidden):
     torch.testing.assert_close(gpu_grads[0], cpu_grads[0], **TOL[torch.bfloat16])
     scale = cpu_grads[1].abs().max().clamp_min(1.0)
     torch.testing.assert_close(gpu_grads[1] / scale, cpu_grads[1] / scale, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["trained_weight", "frozen_weight"])
+# each kernel family with the residual add: cached rows (128, 1024, 3072 and 4096 in bf16), the
+# weight-gradient kernels (registers, per-warp sums, general), the looping forward (20000), the
+# element path (250 off the 16-byte grid in bf16; 100 in fp32)
+@pytest.mark.parametrize("rows,hidden", [(37, 128), (2051, 1024), (300, 3072), (4099, 4096), (9, 20000), (45, 250),
+                                         (1, 1), (0, 64)])
+def test_add_rms_norm_cuda_equals_cpu(dtype, weight_grad, rows, hidden):
+    """hasten::add_rms_norm on the GPU against the CPU reference: the sum bitwise (one rounding of
+    x + residual either way), y, and the backward with grad_add (the sum's gradient from the
+    residual stream) for x, residual and the weight."""
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x, residual, grad_y, grad_sum = ((torch.randn(rows, hidden, generator=gen) * 2).to(dtype) for _ in range(4))
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.detach().to(device).requires_grad_(i < 2 or weight_grad) for i, t in enumerate((x, residual, w))]
+        y, total = add_rms_norm(*leaves, 1e-6)
+        torch.autograd.backward((y, total), (grad_y.to(device), grad_sum.to(device)))
+        results.append((y.detach().cpu().float(), total.detach().cpu().float(),
+                        [t.grad.cpu().float() if t.grad is not None else None for t in leaves]))
+    (y_cpu, sum_cpu, grads_cpu), (y_gpu, sum_gpu, grads_gpu) = results
+    assert torch.equal(sum_gpu, sum_cpu)
+    torch.testing.assert_close(y_gpu, y_cpu, **TOL[dtype])
+    torch.testing.assert_close(grads_gpu[0], grads_cpu[0], **TOL[dtype])
+    assert torch.equal(grads_gpu[0], grads_gpu[1])
+    if weight_grad:
+        scale = grads_cpu[2].abs().max().clamp_min(1.0)
+        torch.testing.assert_close(grads_gpu[2] / scale, grads_cpu[2] / scale, **TOL[dtype])
+    else:
+        assert grads_gpu[2] is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

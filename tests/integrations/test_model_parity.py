@@ -264,6 +264,24 @@ def test_selective_checkpointing_equals_each_sample_alone(name):
         handle.undo()
 
 
+@pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
+def test_fused_residual_add_equals_each_sample_alone(name):
+    """kernels.fused_residual on every packed type: the decoder layers whose forward has the
+    `h = residual + h; residual = h; h = self.<norm>(h)` run on a norm hasten patched get it
+    rewritten onto hasten::add_rms_norm (Llama, Qwen, Mistral, Gemma's pre-feedforward norm...);
+    the others keep their forward and say why. Either way the model's loss and gradients."""
+    entry = zoo.ENTRIES[name]
+    batch_samples = zoo.samples()
+    patched, want_loss, want = _reference_and_copy(entry, batch_samples)
+    config = Config.from_dict({"kernels": {"fused_residual": True}})
+    handle, loss, got = zoo.packed_run(patched, batch_samples, config)
+    try:
+        _assert_equal_to_reference(name, loss, got, want_loss, want)
+    finally:
+        handle.undo()
+    assert not any("forward" in m.__dict__ for m in patched.modules())
+
+
 @pytest.mark.parametrize("activations", ["none", "selective"])
 @pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
 def test_peft_lora_on_every_linear_trains_packed_like_peft_alone(name, activations):

@@ -1,10 +1,11 @@
-"""hasten::rms_norm, silu_mul, gelu_tanh_mul and rope (with their backward ops) against plain PyTorch, CPU."""
+"""hasten::rms_norm, add_rms_norm, silu_mul, gelu_tanh_mul and rope (with their backward ops) against plain
+PyTorch, CPU."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
+from hasten.ops.dense import add_rms_norm, gelu_tanh_mul, rms_norm, rope, silu_mul
 
 
 def _reference_rms_norm(x, weight, eps):
@@ -74,6 +75,47 @@ def test_rms_norm_with_a_frozen_weight_computes_no_weight_gradient():
     torch.testing.assert_close(leaf.grad, full_x.grad, rtol=0, atol=0)
     _, rstd = torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0)
     assert torch.ops.hasten.rms_norm_backward(torch.ones_like(x), x, w, rstd, 0.0, False)[1].numel() == 0
+
+
+def _decoder_step(fused: bool, x, residual, weight, offset):
+    """A pre-norm decoder's `h = residual + x; y = norm(h)`, then both used downstream (y by the
+    MLP, h by the next residual add): the loss reads both, so both gradients flow into h."""
+    if fused:
+        y, h = add_rms_norm(x, residual, weight, 1e-6, offset)
+    else:
+        h = residual + x
+        y = rms_norm(h, weight, 1e-6, offset)
+    gen = torch.Generator().manual_seed(7)
+    loss = (y.float() * torch.randn(y.shape, generator=gen)).sum() + (h.float() * torch.randn(h.shape, generator=gen)).sum()
+    loss.backward()
+    return y.detach(), h.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset,weight_grad", [(0.0, True), (1.0, True), (0.0, False)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (2, 5, 64)])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, offset, weight_grad, shape):
+    """The fused residual add: the same sum and output as `residual + x` then rms_norm (bitwise:
+    the sum is rounded as the add rounds it), and the same gradients for x, residual and weight
+    (float32: to rounding; bf16: the fused backward adds the two gradients of the sum in float32
+    and rounds once, the separate path rounds each first, so within a bf16 step)."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    base = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)] + [torch.randn(shape[-1], generator=gen).to(dtype)]
+    runs = []
+    for fused in (True, False):
+        x, residual, weight = (t.clone().requires_grad_(i < 2 or weight_grad) for i, t in enumerate(base))
+        y, h = _decoder_step(fused, x, residual, weight, offset)
+        runs.append((y, h, x.grad, residual.grad, weight.grad))
+    (y, h, gx, gr, gw), (y0, h0, gx0, gr0, gw0) = runs
+    assert torch.equal(h, h0) and torch.equal(y, y0)
+    assert torch.equal(gx, gr)  # d(x + r)/dx = d(x + r)/dr
+    tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[dtype]
+    torch.testing.assert_close(gx, gx0, **tol)
+    torch.testing.assert_close(gr, gr0, **tol)
+    if weight_grad:
+        torch.testing.assert_close(gw, gw0, **tol)
+    else:
+        assert gw is None
 
 
 def test_rms_norm_bfloat16_in_bf16_noise_and_offset():

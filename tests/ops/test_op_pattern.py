@@ -19,7 +19,7 @@ from hasten.ops import moe as moe_ops
 from hasten.ops import op_names
 
 ops = torch.ops.hasten
-DIFFERENTIABLE = {"rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "varlen_attention", "linear_cross_entropy",
+DIFFERENTIABLE = {"rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "varlen_attention", "linear_cross_entropy",
                   "moe_permute", "moe_combine", "swiglu", "clamped_swiglu", "lora_linear",
                   "lora_linear_group"}
 BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
@@ -62,6 +62,10 @@ def _cases(requires_grad: bool):
         ("rms_norm", (t(2, 3, 8), t(8), 1e-5, 1.0)),  # Gemma's weight + 1
         ("rms_norm_backward", (t(3, 17, grad=False), x_rms.detach(), w_rms.detach(), rstd, 0.0)),
         ("rms_norm_backward", (t(3, 17, grad=False), x_rms.detach(), w_rms.detach(), rstd, 0.0, False)),
+        ("rms_norm_backward", (t(3, 17, grad=False), x_rms.detach(), w_rms.detach(), rstd, 0.0, True,
+                               t(3, 17, grad=False))),  # add_rms_norm's: the residual stream's gradient added
+        ("add_rms_norm", (t(3, 17), t(3, 17), t(17), 1e-6, 0.0)),
+        ("add_rms_norm", (t(2, 3, 8), t(2, 3, 8), t(8), 1e-5, 1.0)),
         ("silu_mul", (t(4, 6), t(4, 6))),
         ("silu_mul_backward", (t(4, 6, grad=False), t(4, 6, grad=False), t(4, 6, grad=False))),
         ("gelu_tanh_mul", (t(4, 6), t(4, 6))),
@@ -180,6 +184,9 @@ def _bad_inputs():
         ("rms_norm", (f(2, 8, dtype=torch.float64), f(8, dtype=torch.float64), 1e-6, 0.0)),
         ("rms_norm", (f(2, 8), f(8, dtype=torch.bfloat16), 1e-6, 0.0)),
         ("rms_norm_backward", (f(2, 7), f(2, 8), f(8), torch.ones(2), 0.0)),
+        ("rms_norm_backward", (f(2, 8), f(2, 8), f(8), torch.ones(2), 0.0, True, f(2, 7))),  # grad_add's shape
+        ("add_rms_norm", (f(2, 8), f(2, 7), f(8), 1e-6, 0.0)),
+        ("add_rms_norm", (f(2, 8), f(2, 8, dtype=torch.bfloat16), f(8), 1e-6, 0.0)),
         ("silu_mul", (f(2, 3), f(3, 2))),
         ("silu_mul_backward", (f(2, 3), f(2, 3), f(2, 3, dtype=torch.bfloat16))),
         ("gelu_tanh_mul", (f(2, 3), f(3, 2))),

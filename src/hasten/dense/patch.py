@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hasten.dense.residual import NORM_SPEC_ATTRIBUTE
 from hasten.dense.spec import MlpSpec, NormSpec, RotarySpec
 from hasten.observability import record_fallback
 from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
@@ -309,7 +310,14 @@ def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
 
     for module in patched:
         module.forward = types.MethodType(forward, module)
-    return _restore_forwards(patched), len(patched), refused
+        setattr(module, NORM_SPEC_ATTRIBUTE, spec)  # what the fused residual add may compute for it
+
+    def undo() -> None:
+        for module in patched:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop(NORM_SPEC_ATTRIBUTE, None)
+
+    return undo, len(patched), refused
 
 
 

@@ -1225,6 +1225,8 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
         if not count and not refused:
             handle.inactive.append(f"fused {norm_name} (no {spec.norm.class_suffix} modules with a 1-D weight and "
                                    f"`{spec.norm.eps_attribute}` in this model)")
+        if kernels.fused_residual and count and spec.norm.kind == "rms":
+            _install_fused_residual(handle, target, done)
     mlp_name = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU"}.get(spec.mlp.kind)
     if kernels.swiglu and mlp_name is None:
         handle.inactive.append("fused MLP (an ungated MLP: the model's own activation runs between its projections)"
@@ -1253,6 +1255,21 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
             handle.inactive.append(f"fused RoPE ({refused})")
     if done:
         handle.active.append("fused kernels (" + ", ".join(done) + ")")
+
+
+def _install_fused_residual(handle: AccelerationHandle, model: torch.nn.Module, done: list[str]) -> None:
+    """kernels.fused_residual: each decoder layer's residual add with the RMSNorm after it
+    (hasten/dense/residual.py), where the norm is one hasten patched."""
+    from hasten.dense.residual import NORM_SPEC_ATTRIBUTE, install_fused_residual
+    from hasten.memory.offload import decoder_layers
+
+    fused_norms = {id(m) for m in model.modules() if NORM_SPEC_ATTRIBUTE in m.__dict__}
+    undo, count, refused = install_fused_residual(decoder_layers(model), fused_norms)
+    handle._undo_steps.append(undo)
+    if count:
+        done.append(f"residual add + RMSNorm x{count}")
+    for reason in refused:
+        handle.inactive.append(f"fused residual add ({reason})")
 
 
 def accelerate(model: PreTrainedModel, config: Config | None = None) -> AccelerationHandle:

@@ -90,6 +90,23 @@ def check_rms_norm_backward_args(grad_y, x, weight, rstd) -> None:
     check_same_device(x, rstd, op, "x", "rstd")
 
 
+def check_add_rms_norm_args(x, residual, weight) -> None:
+    op = "add_rms_norm"
+    check_rms_norm_args(op, x, weight)
+    check(residual.shape == x.shape, op, lambda: f"`residual` must have the shape of `x` {shape(x.shape)}, got "
+          f"{shape(residual.shape)}")
+    check_same_dtype(x, residual, op, "x", "residual")
+    check_same_device(x, residual, op, "x", "residual")
+
+
+def check_grad_add(grad_add, x) -> None:
+    op = "rms_norm_backward"
+    check(grad_add.shape == x.shape, op, lambda: f"`grad_add` must have the shape of `x` {shape(x.shape)}, got "
+          f"{shape(grad_add.shape)}")
+    check_same_dtype(x, grad_add, op, "x", "grad_add")
+    check_same_device(x, grad_add, op, "x", "grad_add")
+
+
 def check_swiglu_args(op: str, gate_up: torch.Tensor) -> None:
     check_dim(gate_up, 2, op, "gate_up", "2-D (rows, 2 * inner)")
     check(gate_up.shape[1] % 2 == 0, op, lambda: f"`gate_up` must hold [gate | up] halves, got an odd width "

@@ -1,5 +1,5 @@
-"""Dense-path ops with autograd: RMSNorm, gated MLP products on two tensors (silu_mul for SwiGLU,
-gelu_tanh_mul for GeGLU), rotary embedding.
+"""Dense-path ops with autograd: RMSNorm (and the residual add before it, add_rms_norm), gated MLP
+products on two tensors (silu_mul for SwiGLU, gelu_tanh_mul for GeGLU), rotary embedding.
 
 Shapes: x (..., H) for RMSNorm; gate and up (..., I) for silu_mul and gelu_tanh_mul; q or k
 (B, heads, L, D) with cos, sin (B or 1, L, R), R <= D the rotary dim, for rope. Each is one
@@ -22,10 +22,18 @@ def _rms_norm_fake(x, weight, eps, offset):
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-def _rms_norm_backward_fake(grad_y, x, weight, rstd, offset, weight_grad=True):
+def _rms_norm_backward_fake(grad_y, x, weight, rstd, offset, weight_grad=True, grad_add=None):
     _checks.check_rms_norm_backward_args(grad_y, x, weight, rstd)
+    if grad_add is not None:
+        _checks.check_grad_add(grad_add, x)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(weight) if weight_grad else weight.new_empty((0,)))
+
+
+def _add_rms_norm_fake(x, residual, weight, eps, offset):
+    _checks.check_add_rms_norm_args(x, residual, weight)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 def _gated_mul_fake(op: str):
@@ -67,6 +75,26 @@ def _rms_norm_backward(ctx, grad_y, _grad_rstd):
             None, None)
 
 
+def _add_rms_norm_setup(ctx, inputs, output):
+    _x, _residual, weight, _eps, offset = inputs
+    _y, total, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.offset = offset
+    ctx.save_for_backward(total, weight, rstd)  # the norm's backward reads the sum, not its parts
+
+
+def _add_rms_norm_backward(ctx, grad_y, grad_sum, _grad_rstd):
+    """d sum = the norm's backward + the sum's own gradient (the residual stream), in one kernel;
+    x and residual both get it (d(x + r)/dx = d(x + r)/dr = 1)."""
+    total, weight, rstd = ctx.saved_tensors
+    if grad_y is None:  # the normalised output unused: the sum's gradient alone
+        grad_y = torch.zeros_like(total)
+    grad, grad_weight = call_in_backward("rms_norm_backward", grad_y, total, weight, rstd, ctx.offset,
+                                         ctx.needs_input_grad[2], grad_sum)
+    return (grad if ctx.needs_input_grad[0] else None, grad if ctx.needs_input_grad[1] else None,
+            grad_weight if ctx.needs_input_grad[2] else None, None, None)
+
+
 def _gated_mul_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)  # both gradients need both gate and up
 
@@ -104,12 +132,14 @@ def _register() -> None:
     lib = "hasten::"
     torch.library.register_fake(lib + "rms_norm", _rms_norm_fake)
     torch.library.register_fake(lib + "rms_norm_backward", _rms_norm_backward_fake)
+    torch.library.register_fake(lib + "add_rms_norm", _add_rms_norm_fake)
     for op in ("silu_mul", "gelu_tanh_mul"):
         torch.library.register_fake(lib + op, _gated_mul_fake(op))
         torch.library.register_fake(lib + op + "_backward", _gated_mul_backward_fake(op + "_backward"))
         register_autograd(op, _gated_mul_backward(op + "_backward"), setup_context=_gated_mul_setup)
     torch.library.register_fake(lib + "rope", _rope_fake)
     register_autograd("rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+    register_autograd("add_rms_norm", _add_rms_norm_backward, setup_context=_add_rms_norm_setup)
     register_autograd("rope", _rope_backward, setup_context=_rope_setup)
     for op in ("rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward"):
         no_double_backward(op)
@@ -120,6 +150,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     before the weight multiplies it (transformers' Llama/Qwen order)."""
     load()
     return call("rms_norm", x, weight, float(eps), float(offset))[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) for s = x + residual: a pre-norm decoder's `h = residual + x` and the norm
+    after it in one kernel each way (s rounded to x's dtype as the separate add rounds it)."""
+    load()
+    y, total, _rstd = call("add_rms_norm", x, residual, weight, float(eps), float(offset))
+    return y, total
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

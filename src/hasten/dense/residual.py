@@ -1,0 +1,168 @@
+"""The residual add of a pre-norm decoder layer fused with the RMSNorm after it (hasten::add_rms_norm).
+
+A decoder layer's forward (Llama's and the many written like it) contains
+
+    hidden_states = residual + hidden_states        # the attention's output joins the stream
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+
+(Gemma 2/3: the same three statements before `pre_feedforward_layernorm`). One kernel each way can
+do all three: the sum and the norm in one pass, and in backward the norm's gradient and the
+gradient the sum gets from the residual stream summed in the same pass (otherwise autograd adds
+them with one more kernel). The layer class's own source is rewritten, not re-implemented: its
+forward is parsed, each run of exactly those three statements becomes
+
+    hidden_states, residual = <add_norm>(self.post_attention_layernorm, hidden_states, residual)
+
+(the branch joining the stream may have its own name: Llama 4's `residual + attention_states`),
+and the rest is compiled unchanged in the modeling module's namespace (its decorators included),
+so the attention's and MLP's calls stay the model's own, argument for argument. A class whose
+forward has no such run, or whose source cannot be read, keeps its forward, with the reason. At
+each call <add_norm> takes the fused op only where it computes what the statements compute (the
+norm is hasten's patched RMSNorm, no hooks on it, one shape and dtype); otherwise it runs the
+three statements as written.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import types
+
+import torch
+from torch import nn
+
+from hasten.dense.spec import NormSpec
+from hasten.ops.dense import add_rms_norm
+
+# The name the rewritten forward calls <add_norm> by (a closure variable: the modeling module's
+# namespace is not touched).
+_HELPER = "_hasten_add_norm"
+# Set by install_fused_norms on each norm it patched: the NormSpec the patched forward computes.
+NORM_SPEC_ATTRIBUTE = "_hasten_norm_spec"
+
+
+def add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor):
+    """(norm(residual + hidden_states), residual + hidden_states): fused where it is the same."""
+    spec: NormSpec | None = getattr(norm, NORM_SPEC_ATTRIBUTE, None)
+    weight = getattr(norm, "weight", None)
+    if (spec is not None and spec.kind == "rms" and "forward" in norm.__dict__ and isinstance(weight, torch.Tensor)
+            and hidden_states.shape == residual.shape and hidden_states.dtype == residual.dtype == weight.dtype
+            and hidden_states.device == residual.device
+            and not (norm._forward_hooks or norm._forward_pre_hooks or nn.modules.module._global_forward_hooks
+                     or nn.modules.module._global_forward_pre_hooks)):
+        return add_rms_norm(hidden_states, residual, weight, getattr(norm, spec.eps_attribute), spec.weight_offset)
+    total = residual + hidden_states
+    return norm(total), total
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _single_target(statement: ast.stmt) -> str | None:
+    if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+        return _name(statement.targets[0])
+    return None
+
+
+def _match(body: list[ast.stmt], i: int, norms: frozenset[str]) -> tuple[str, str, str, str] | None:
+    """(hidden, branch, residual, norm attribute) when body[i:i+3] is `h = r + a; r = h;
+    h = self.norm(h)` (a: the branch joining the stream, often h itself; Llama 4 names it
+    attention_states) with `norm` one of `norms` (a post-norm layer's `h = self.mlp(h)` in that
+    place is no match)."""
+    if i + 3 > len(body):
+        return None
+    first, second, third = body[i:i + 3]
+    hidden = _single_target(first)
+    if hidden is None or not (isinstance(first.value, ast.BinOp) and isinstance(first.value.op, ast.Add)):
+        return None
+    left, right = _name(first.value.left), _name(first.value.right)
+    residual = _single_target(second)
+    if None in (left, right, residual) or _name(second.value) != hidden or residual == hidden:
+        return None
+    if residual not in (left, right) or left == right:
+        return None
+    branch = right if left == residual else left
+    if _single_target(third) != hidden:
+        return None
+    call = third.value
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and _name(call.args[0]) == hidden
+            and isinstance(call.func, ast.Attribute) and _name(call.func.value) == "self" and call.func.attr in norms):
+        return None
+    return hidden, branch, residual, call.func.attr
+
+
+def _rewrite(body: list[ast.stmt], candidates: frozenset[str]) -> tuple[list[ast.stmt], list[str]]:
+    """The statements with every match on one of the `candidates` norms fused, and those norms."""
+    out, norms, i = [], [], 0
+    while i < len(body):
+        found = _match(body, i, candidates)
+        if found is None:
+            out.append(body[i])
+            i += 1
+            continue
+        hidden, branch, residual, norm = found
+        fused = ast.parse(f"{hidden}, {residual} = {_HELPER}(self.{norm}, {branch}, {residual})").body[0]
+        out.append(ast.copy_location(fused, body[i]))
+        norms.append(norm)
+        i += 3
+    return out, norms
+
+
+def fused_forward(cls: type, candidates: frozenset[str]) -> tuple[types.FunctionType | None, list[str], str | None]:
+    """(the rewritten forward of decoder-layer class `cls`, the norms it fuses, None) or (None, [],
+    why not); `candidates`: the attribute names of the layer's norms hasten patched."""
+    function = cls.forward
+    try:
+        source_lines, first_line = inspect.getsourcelines(function)
+        filename = inspect.getsourcefile(function) or f"<{cls.__module__}>"
+    except (OSError, TypeError) as exc:
+        return None, [], f"{cls.__name__}.forward's source cannot be read ({exc})"
+    if "__class__" in inspect.unwrap(function).__code__.co_freevars:
+        return None, [], f"{cls.__name__}.forward uses super() (a closure the rewrite cannot carry)"
+    tree = ast.parse(textwrap.dedent("".join(source_lines)))
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        return None, [], f"{cls.__name__}.forward is not a plain function definition"
+    definition = tree.body[0]
+    definition.body, norms = _rewrite(definition.body, candidates)
+    if not norms:
+        return None, [], (f"{cls.__name__}.forward has no `h = residual + h; residual = h; h = self.<norm>(h)` "
+                          "to fuse (its residual stream is written otherwise)")
+    # def _hasten_factory(_hasten_add_norm): <the forward, decorators and all>; return forward
+    module = ast.parse(f"def _hasten_factory({_HELPER}):\n    pass\n")
+    module.body[0].body = [definition, ast.Return(value=ast.Name(id=definition.name, ctx=ast.Load()))]
+    ast.fix_missing_locations(module)
+    ast.increment_lineno(module, first_line - 1)  # tracebacks point at the modeling file's lines
+    namespace: dict = {}
+    # the namespace the forward was written in (an inherited forward: its parent's module)
+    exec(compile(module, filename, "exec"), inspect.unwrap(function).__globals__, namespace)  # noqa: S102
+    return namespace["_hasten_factory"](add_norm), norms, None
+
+
+def install_fused_residual(layers: list[nn.Module], fused_norms: set[int]):
+    """Give each decoder layer in `layers` its class's forward rewritten on the norms among its
+    children that are `fused_norms` (ids of the norms hasten patched). Returns (undo, number of
+    layers, reasons classes were left alone)."""
+    rewritten: dict[tuple, tuple] = {}
+    reasons: set[str] = set()
+    patched = []
+    for layer in layers:
+        # the layer's own norms hasten patched, by attribute name (one rewrite per class and set)
+        candidates = frozenset(name for name, child in layer.named_children() if id(child) in fused_norms)
+        key = (type(layer), candidates)
+        if key not in rewritten:
+            rewritten[key] = fused_forward(type(layer), candidates)
+        forward, _norms, why = rewritten[key]
+        if forward is None:
+            reasons.add(why)
+            continue
+        layer.forward = types.MethodType(forward, layer)
+        patched.append(layer)
+
+    def undo() -> None:
+        for layer in patched:
+            layer.__dict__.pop("forward", None)
+
+    return undo, len(patched), sorted(reasons)

@@ -1,0 +1,207 @@
+"""The residual add fused with the RMSNorm after it (kernels.fused_residual): the decoder layer's
+own forward rewritten on its `h = residual + h; residual = h; h = self.<norm>(h)` runs, the rest of
+it (the attention's and MLP's calls, decorators) the model's own; classes whose residual stream is
+written otherwise (Granite's multiplier, Phi-3's dropout, OLMo 2's post-norms) keep their forward,
+said once. Every packed zoo type with it on: tests/integrations/test_model_parity.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import hasten
+from hasten.config import Config
+from hasten.dense.residual import NORM_SPEC_ATTRIBUTE, add_norm, fused_forward, install_fused_residual
+from hasten.dense.spec import NormSpec
+from hasten.ops.dense import rms_norm
+from tests.tiny_models import MODELS, packed_batch
+
+ON = Config.from_dict({"kernels": {"fused_residual": True}})
+
+
+class _Norm(nn.Module):
+    def __init__(self, hidden: int, patched: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden))
+        self.variance_epsilon = 1e-6
+        if patched:  # as install_fused_norms leaves a norm it patched
+            self.forward = lambda x: rms_norm(x, self.weight, self.variance_epsilon)
+            setattr(self, NORM_SPEC_ATTRIBUTE, NormSpec())
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _renamed(old: str, new: str):
+    """A kwarg-renaming decorator like transformers' deprecate_kwarg: must survive the rewrite."""
+    def decorate(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+        return wrapper
+    return decorate
+
+
+class _Layer(nn.Module):
+    """Two fusable runs, the second written `h + r`, a decorator, an attention call with kwargs."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = _Norm(hidden), _Norm(hidden)
+        self.pre_mlp_layernorm = _Norm(hidden)
+        self.attn, self.mlp = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    @_renamed("scale_old", "scale")
+    def forward(self, hidden_states, scale=1.0):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.attn(hidden_states) * scale
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = hidden_states + residual
+        residual = hidden_states
+        hidden_states = self.pre_mlp_layernorm(hidden_states)
+        hidden_states = residual + self.mlp(hidden_states)
+        return hidden_states
+
+
+class _Multiplied(_Layer):
+    def forward(self, hidden_states):  # Granite's residual multiplier: not the pattern
+        residual = hidden_states
+        hidden_states = self.attn(self.input_layernorm(hidden_states))
+        hidden_states = residual + hidden_states * 0.5
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+
+
+class _Inherited(_Layer):
+    pass
+
+
+class _NamedBranch(_Layer):
+    def forward(self, hidden_states):  # Llama 4: the attention's output keeps its own name
+        residual = hidden_states
+        attention_states = self.attn(self.input_layernorm(hidden_states))
+        hidden_states = residual + attention_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states) + attention_states
+
+
+def _loss_and_grads(layer, x, **kwargs):
+    layer.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_()
+    out = layer(leaf, **kwargs)
+    loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+    loss.backward()
+    return out.detach(), [leaf.grad] + [p.grad for p in layer.parameters()]
+
+
+def test_the_rewrite_fuses_every_run_and_keeps_the_rest_of_the_forward():
+    torch.manual_seed(0)
+    layer = _Layer()
+    x = torch.randn(2, 5, 16)
+    want, want_grads = _loss_and_grads(layer, x, scale_old=0.5)  # through the decorator
+    fused = {id(m) for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_mlp_layernorm)}
+    undo, count, reasons = install_fused_residual([layer], fused)
+    assert (count, reasons) == (1, [])
+    _, norms, _ = fused_forward(_Layer, frozenset({"post_attention_layernorm", "pre_mlp_layernorm", "input_layernorm"}))
+    assert norms == ["post_attention_layernorm", "pre_mlp_layernorm"]
+    got, got_grads = _loss_and_grads(layer, x, scale_old=0.5)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    undo()
+    assert "forward" not in layer.__dict__
+
+
+def test_the_fused_op_runs_where_the_rewrite_calls_it(monkeypatch):
+    import hasten.dense.residual as residual
+
+    seen = []
+    real = residual.add_rms_norm
+    monkeypatch.setattr(residual, "add_rms_norm", lambda *a: seen.append(a[0].shape) or real(*a))
+    layer = _Layer()
+    install_fused_residual([layer], {id(m) for m in layer.modules() if isinstance(m, _Norm)})
+    layer(torch.randn(1, 3, 16))
+    assert seen == [(1, 3, 16), (1, 3, 16)]
+
+
+def test_layers_written_otherwise_keep_their_forward_and_say_why():
+    layer = _Multiplied()
+    undo, count, reasons = install_fused_residual([layer], {id(m) for m in layer.modules() if isinstance(m, _Norm)})
+    assert count == 0 and "forward" not in layer.__dict__
+    assert reasons == ["_Multiplied.forward has no `h = residual + h; residual = h; h = self.<norm>(h)` to fuse "
+                       "(its residual stream is written otherwise)"]
+    undo()
+
+
+def test_a_norm_hasten_did_not_patch_is_not_fused():
+    layer = _Layer()  # only the first norm is hasten's: the runs name the other two
+    undo, count, reasons = install_fused_residual([layer], {id(layer.input_layernorm)})
+    assert count == 0 and reasons and "has no" in reasons[0]
+    undo()
+
+
+@pytest.mark.parametrize("cls", [_Inherited, _NamedBranch])
+def test_an_inherited_forward_and_a_named_branch(cls):
+    """An inherited forward compiles in the namespace it was written in; a branch with its own
+    name (Llama 4's attention_states) is fused and keeps its value for later statements."""
+    layer = cls()
+    x = torch.randn(1, 4, 16)
+    want, _ = _loss_and_grads(layer, x)
+    undo, count, _ = install_fused_residual([layer], {id(m) for m in layer.modules() if isinstance(m, _Norm)})
+    got, _ = _loss_and_grads(layer, x)
+    assert count == 1
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    undo()
+
+
+@pytest.mark.parametrize("case", ["hook", "dtype", "unpatched"])
+def test_add_norm_runs_the_statements_as_written_where_the_op_would_differ(case, monkeypatch):
+    import hasten.dense.residual as residual
+
+    monkeypatch.setattr(residual, "add_rms_norm", lambda *a: pytest.fail("the fused op ran"))
+    norm = _Norm(8, patched=case != "unpatched")
+    x, r = torch.randn(2, 8), torch.randn(2, 8)
+    if case == "hook":
+        norm.register_forward_hook(lambda module, args, out: out * 2)
+    if case == "dtype":  # float32 activations, a bf16 weight: the patched norm's own fallback case
+        norm.weight.data = norm.weight.data.bfloat16()
+        norm.forward = lambda t: t * norm.weight.float()
+    y, total = add_norm(norm, x, r)
+    assert torch.equal(total, r + x)
+    assert torch.equal(y, norm(r + x))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_accelerate_reports_the_fused_layers_and_undo_restores_them(name):
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    reference = MODELS[name]().train()
+    reference.load_state_dict(model.state_dict())
+    handle = hasten.accelerate(model, ON)
+    fused = [item for item in handle.active if item.startswith("fused kernels")]
+    assert fused and "residual add + RMSNorm x" in fused[0], handle.report()
+    batch = packed_batch()
+    off = hasten.accelerate(reference, Config())
+    loss, want = model(**batch).loss, reference(**batch).loss
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    handle.undo()
+    off.undo()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_off_by_default():
+    model = MODELS["llama"]()
+    handle = hasten.accelerate(model, Config())
+    assert not any("residual add" in item for item in handle.active)
+    handle.undo()
