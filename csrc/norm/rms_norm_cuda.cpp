@@ -15,17 +15,22 @@
 namespace hasten {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const at::Tensor& weight, double eps,
-                                                 double offset) {
-  check_device(x_in, "rms_norm", "x", c10::DeviceType::CUDA);
-  check_rms_norm_args("rms_norm", x_in, weight);
+// One forward launch: y = rms_norm(x), or with a residual y = rms_norm(x + residual) and the sum.
+// Returns (y, sum (undefined without a residual), rstd).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const char* op, const at::Tensor& x_in,
+                                                       const at::Tensor* residual_in, const at::Tensor& weight,
+                                                       double eps, double offset) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const auto x = x_in.contiguous(), w = weight.contiguous();
+  const auto residual = residual_in ? residual_in->contiguous() : at::Tensor();
   const int64_t hidden = x.size(-1), rows = rows_of(x);
   auto y = at::empty_like(x);
+  auto sum = residual_in ? at::empty_like(x) : at::Tensor();
   auto rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
   kernels::RmsNormParams p{};
   p.x = x.data_ptr();
+  p.residual = residual_in ? residual.data_ptr() : nullptr;
+  p.sum = residual_in ? sum.data_ptr() : nullptr;
   p.weight = w.data_ptr();
   p.y = y.data_ptr();
   p.rstd = rstd.data_ptr<float>();
@@ -33,35 +38,24 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const a
   p.hidden = hidden;
   p.eps = static_cast<float>(eps);
   p.offset = static_cast<float>(offset);
-  p.type = element_type(x, "rms_norm");
-  check_launch(kernels::launch_rms_norm_forward(p, c10::cuda::getCurrentCUDAStream()), "rms_norm");
+  p.type = element_type(x, op);
+  check_launch(kernels::launch_rms_norm_forward(p, c10::cuda::getCurrentCUDAStream()), op);
+  return {y, sum, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                 double offset) {
+  check_device(x, "rms_norm", "x", c10::DeviceType::CUDA);
+  check_rms_norm_args("rms_norm", x, weight);
+  auto [y, unused_sum, rstd] = forward("rms_norm", x, nullptr, weight, eps, offset);
   return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x_in, const at::Tensor& residual_in,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const at::Tensor& residual,
                                                                  const at::Tensor& weight, double eps, double offset) {
-  check_device(x_in, "add_rms_norm", "x", c10::DeviceType::CUDA);
-  check_add_rms_norm_args(x_in, residual_in, weight);
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const auto x = x_in.contiguous(), residual = residual_in.contiguous(), w = weight.contiguous();
-  const int64_t hidden = x.size(-1), rows = rows_of(x);
-  auto y = at::empty_like(x);
-  auto sum = at::empty_like(x);
-  auto rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  kernels::RmsNormParams p{};
-  p.x = x.data_ptr();
-  p.residual = residual.data_ptr();
-  p.sum = sum.data_ptr();
-  p.weight = w.data_ptr();
-  p.y = y.data_ptr();
-  p.rstd = rstd.data_ptr<float>();
-  p.rows = rows;
-  p.hidden = hidden;
-  p.eps = static_cast<float>(eps);
-  p.offset = static_cast<float>(offset);
-  p.type = element_type(x, "add_rms_norm");
-  check_launch(kernels::launch_rms_norm_forward(p, c10::cuda::getCurrentCUDAStream()), "add_rms_norm");
-  return {y, sum, rstd};
+  check_device(x, "add_rms_norm", "x", c10::DeviceType::CUDA);
+  check_add_rms_norm_args(x, residual, weight);
+  return forward("add_rms_norm", x, &residual, weight, eps, offset);
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_y_in, const at::Tensor& x_in,

@@ -169,6 +169,20 @@ def test_moe_swiglu_layout_still_matches_after_the_shared_kernel(rows, inner):
                                **TOL[torch.bfloat16])
 
 
+def _rope_cuda_equals_cpu(x, cos, sin, upstream, interleaved=False) -> torch.Tensor:
+    """rope forward and backward of x (B, heads, L, D) on the GPU against the CPU reference, within
+    x's dtype's tolerance; returns the GPU output (float32, on the CPU)."""
+    results = []
+    for device in ("cpu", "cuda"):
+        leaf = x.detach().to(device).requires_grad_()
+        out = rope(leaf, cos.to(device), sin.to(device), interleaved=interleaved)
+        out.backward(upstream.to(device))
+        results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
+    torch.testing.assert_close(results[1][0], results[0][0], **TOL[x.dtype])
+    torch.testing.assert_close(results[1][1], results[0][1], **TOL[x.dtype])
+    return results[1][0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,heads,length,dim", [(1, 1, 1, 2), (1, 3, 50, 6), (2, 16, 333, 128),
                                                     (1, 8, 16384, 64), (2, 12, 50, 128), (1, 40, 7, 128)])
@@ -179,14 +193,7 @@ def test_rope_cuda_equals_cpu(dtype, batch, heads, length, dim):
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     upstream = torch.randn(x.shape, generator=gen).to(dtype)
-    results = []
-    for device in ("cpu", "cuda"):
-        leaf = x.detach().to(device).requires_grad_()
-        out = rope(leaf, cos.to(device), sin.to(device))
-        out.backward(upstream.to(device))
-        results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
-    torch.testing.assert_close(results[1][0], results[0][0], **TOL[dtype])
-    torch.testing.assert_close(results[1][1], results[0][1], **TOL[dtype])
+    _rope_cuda_equals_cpu(x, cos, sin, upstream)
 
 
 # A thread reads its item's cos and sin once for up to 4 heads, as 16-byte vectors where they are
@@ -206,14 +213,7 @@ def test_rope_angle_layouts_cuda_equal_cpu(angles, heads):
         sin = _misaligned((1, length, dim), torch.bfloat16, gen)
         assert cos.data_ptr() % 16 != 0
     upstream = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
-    results = []
-    for device in ("cpu", "cuda"):
-        leaf = x.detach().to(device).requires_grad_()
-        out = rope(leaf, cos.to(device), sin.to(device))
-        out.backward(upstream.to(device))
-        results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
-    torch.testing.assert_close(results[1][0], results[0][0], **TOL[torch.bfloat16])
-    torch.testing.assert_close(results[1][1], results[0][1], **TOL[torch.bfloat16])
+    _rope_cuda_equals_cpu(x, cos, sin, upstream)
 
 
 def test_twenty_steps_with_fused_kernels_follow_the_unfused_curve():
@@ -244,12 +244,5 @@ def test_rope_partial_and_interleaved_cuda_equals_cpu(dtype, interleaved, heads,
     cos = torch.randn(2, length, rotary, generator=gen).to(dtype)  # per element: any cos, sin
     sin = torch.randn(2, length, rotary, generator=gen).to(dtype)
     upstream = torch.randn(x.shape, generator=gen).to(dtype)
-    results = []
-    for device in ("cpu", "cuda"):
-        leaf = x.detach().to(device).requires_grad_()
-        out = rope(leaf, cos.to(device), sin.to(device), interleaved=interleaved)
-        out.backward(upstream.to(device))
-        results.append((out.detach().cpu().float(), leaf.grad.cpu().float()))
-    torch.testing.assert_close(results[1][0], results[0][0], **TOL[dtype])
-    torch.testing.assert_close(results[1][1], results[0][1], **TOL[dtype])
-    assert torch.equal(results[1][0][..., rotary:], x[..., rotary:].float())  # the pass-through is a copy
+    out = _rope_cuda_equals_cpu(x, cos, sin, upstream, interleaved=interleaved)
+    assert torch.equal(out[..., rotary:], x[..., rotary:].float())  # the pass-through is a copy
