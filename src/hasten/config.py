@@ -182,7 +182,7 @@ class KernelsConfig:
     rms_norm: bool = True
     # With rms_norm: a decoder layer's `h = residual + h; residual = h; h = norm(h)` in one kernel
     # each way (the add, the norm, and in backward the sum of the stream's two gradients). Off by
-    # default until its GPU kernel has run on the GPU machine (CPU-tested only).
+    # default until W1 and W4 measure it (its kernel passed its GPU tests; no speed figure yet).
     fused_residual: bool = False
     # silu(gate) * up of the dense MLPs in one kernel; backward keeps only gate and up.
     swiglu: bool = True
