@@ -77,10 +77,13 @@ def test_rms_norm_with_a_frozen_weight_computes_no_weight_gradient():
     assert torch.ops.hasten.rms_norm_backward(torch.ones_like(x), x, w, rstd, 0.0, False)[1].numel() == 0
 
 
-def _decoder_step(fused: bool, x, residual, weight, offset):
+def _decoder_step(fused, x, residual, weight, offset):
     """A pre-norm decoder's `h = residual + x; y = norm(h)`, then both used downstream (y by the
     MLP, h by the next residual add): the loss reads both, so both gradients flow into h."""
-    if fused:
+    if fused == "torch":  # plain PyTorch: the add, transformers' RMSNorm formula
+        h = residual + x
+        y = _reference_rms_norm(h, weight + offset, 1e-6)
+    elif fused:
         y, h = add_rms_norm(x, residual, weight, 1e-6, offset)
     else:
         h = residual + x
@@ -102,12 +105,19 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype, offset, weight_grad, shape
     gen = torch.Generator().manual_seed(sum(shape))
     base = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)] + [torch.randn(shape[-1], generator=gen).to(dtype)]
     runs = []
-    for fused in (True, False):
+    for fused in (True, False, "torch"):
         x, residual, weight = (t.clone().requires_grad_(i < 2 or weight_grad) for i, t in enumerate(base))
         y, h = _decoder_step(fused, x, residual, weight, offset)
         runs.append((y, h, x.grad, residual.grad, weight.grad))
-    (y, h, gx, gr, gw), (y0, h0, gx0, gr0, gw0) = runs
+    (y, h, gx, gr, gw), (y0, h0, gx0, gr0, gw0), (y1, h1, gx1, gr1, gw1) = runs
     assert torch.equal(h, h0) and torch.equal(y, y0)
+    # and plain PyTorch's add and transformers' RMSNorm formula (weight + offset), gradients too
+    torch.testing.assert_close(h, h1, rtol=0, atol=0)
+    loose = {torch.float32: dict(rtol=1e-4, atol=1e-5)}.get(dtype, dict(rtol=3e-2, atol=3e-2))
+    torch.testing.assert_close(y.float(), y1.float(), **loose)
+    torch.testing.assert_close(gx.float(), gx1.float(), **loose)
+    if weight_grad:
+        torch.testing.assert_close(gw.float(), gw1.float(), **loose)
     assert torch.equal(gx, gr)  # d(x + r)/dx = d(x + r)/dr
     tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[dtype]
     torch.testing.assert_close(gx, gx0, **tol)

@@ -258,10 +258,12 @@ def rope_mismatch(original, head_dim: int, spec: RotarySpec = _HALVES, rotary_di
     return None
 
 
-def _restore_forwards(modules: list[nn.Module]):
+def _restore_forwards(modules: list[nn.Module], *attributes: str):
+    """undo() for modules given an instance forward (and the instance `attributes`)."""
     def undo() -> None:
         for module in modules:
-            module.__dict__.pop("forward", None)
+            for name in ("forward", *attributes):
+                module.__dict__.pop(name, None)
     return undo
 
 
@@ -311,13 +313,7 @@ def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
     for module in patched:
         module.forward = types.MethodType(forward, module)
         setattr(module, NORM_SPEC_ATTRIBUTE, spec)  # what the fused residual add may compute for it
-
-    def undo() -> None:
-        for module in patched:
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop(NORM_SPEC_ATTRIBUTE, None)
-
-    return undo, len(patched), refused
+    return _restore_forwards(patched, NORM_SPEC_ATTRIBUTE), len(patched), refused
 
 
 

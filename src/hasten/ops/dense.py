@@ -87,8 +87,7 @@ def _add_rms_norm_backward(ctx, grad_y, grad_sum, _grad_rstd):
     """d sum = the norm's backward + the sum's own gradient (the residual stream), in one kernel;
     x and residual both get it (d(x + r)/dx = d(x + r)/dr = 1)."""
     total, weight, rstd = ctx.saved_tensors
-    if grad_y is None:  # the normalised output unused: the sum's gradient alone
-        grad_y = torch.zeros_like(total)
+    # an unused output's gradient arrives as zeros (autograd materialises it), never None
     grad, grad_weight = call_in_backward("rms_norm_backward", grad_y, total, weight, rstd, ctx.offset,
                                          ctx.needs_input_grad[2], grad_sum)
     return (grad if ctx.needs_input_grad[0] else None, grad if ctx.needs_input_grad[1] else None,
