@@ -200,8 +200,11 @@ def test_accelerate_reports_the_fused_layers_and_undo_restores_them(name):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-def test_off_by_default():
+def test_on_by_default_and_off_by_its_switch():
     model = MODELS["llama"]()
     handle = hasten.accelerate(model, Config())
-    assert not any("residual add" in item for item in handle.active)
+    assert any("residual add + RMSNorm" in item for item in " ".join(handle.active).split(", ")), handle.active
+    handle.undo()
+    handle = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_residual": False}}))
+    assert not any("residual add" in item for item in handle.active), handle.active
     handle.undo()
