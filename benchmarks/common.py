@@ -76,17 +76,6 @@ def training_step(model, inputs: list[dict], optimizer, losses: list):
     return step
 
 
-def fresh_gemm_tuning():
-    """training.gemm_tuning as hasten train switches it on, with a new results file, so the tuning
-    is redone (in the first warm-up step: its seconds are the row's `warmup_s`) and measured."""
-    import tempfile
-
-    from hasten.training.gemm_tuning import enable_gemm_tuning
-
-    folder = Path(tempfile.mkdtemp(prefix="hasten_gemm_tuning_"))
-    return enable_gemm_tuning(torch.device("cuda"), folder / "gemm_tuning.csv")
-
-
 def measure_training(build, steps: int, tokens: int, after=None) -> dict:
     """`build()` -> (model, micro-batches, handles to undo, notes); train it with fused AdamW: 2
     warm-up steps, `steps` timed, one more with host syncs counted. Returns a row's measured fields.
@@ -111,7 +100,7 @@ def measure_training(build, steps: int, tokens: int, after=None) -> dict:
         losses = []
         step = training_step(model, inputs, optimizer, losses)
         started = time.perf_counter()
-        time_steps(step, warmup=2, iters=0)  # compiles, tunings, first allocations
+        time_steps(step, warmup=2, iters=0)  # compiles, first allocations
         sync()
         warmup_s = time.perf_counter() - started
         times = time_steps(step, warmup=0, iters=steps)
@@ -120,8 +109,6 @@ def measure_training(build, steps: int, tokens: int, after=None) -> dict:
             step()
         extra = after(step, handles) if after is not None else {}
         step_s = median(times)
-        notes = notes + [f"gemm_tuning: {h.tuned_shapes()} GEMM shapes tuned ({h.results_file.parent})"
-                         for h in handles if hasattr(h, "tuned_shapes")]
         return {"tokens_per_s": tokens / step_s, "step_s": step_s, "peak_gib": peak, "warmup_s": round(warmup_s, 2),
                 "host_syncs_per_step": syncs.count, **extra, "losses": [round(float(v), 5) for v in losses],
                 "trainable_params": sum(p.numel() for p in params),

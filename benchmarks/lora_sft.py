@@ -10,9 +10,6 @@ the result), W1's batch of 16,384 tokens in 61 samples. One run measures, on the
   hasten_ungrouped  hasten with kernels.fused_lora_groups off: q/k/v and gate/up as separate ops
   hasten_residual_unfused  hasten with kernels.fused_residual off: each layer's residual add a separate
                   PyTorch add before the fused RMSNorm (what hasten ran before it)
-  hasten_gemm_tuned  hasten with training.gemm_tuning: each GEMM shape on the fastest cuBLAS /
-                  cuBLASLt algorithm, timed in the first warm-up step (PyTorch's TunableOp; a fresh
-                  results file each run, so the tuning is redone and its seconds are in the notes)
   hasten_lean     the same with full activation checkpointing
   hasten_offload  full checkpointing with each layer's checkpointed input on the host (offload all)
   hasten_tiled    hasten_offload with the MLP in tiles of 4,096 tokens (hasten's lowest-memory setting)
@@ -152,15 +149,13 @@ def build(name: str, samples):
         offload = {"training": {"checkpoint": {"activations": "full", "offload": "all"}}}
         tiled = {"training": {"checkpoint": {"activations": "full", "offload": "all", "mlp_tile_tokens": 4096}}}
         settings = {"hasten": {}, "hasten_ungrouped": {"kernels": {"fused_lora_groups": False}},
-                    "hasten_residual_unfused": {"kernels": {"fused_residual": False}}, "hasten_gemm_tuned": {},
+                    "hasten_residual_unfused": {"kernels": {"fused_residual": False}},
                     "hasten_lean": full, "hasten_offload": offload, "hasten_tiled": tiled,
                     "hasten_nf4": {}, "hasten_nf4_lean": full, "hasten_nf4_offload": offload,
                     "hasten_nf4_tiled": tiled, "hasten_peft_layers": {"kernels": {"fused_lora": False}, **full}}[name]
         handle = hasten.accelerate(model.get_base_model(), Config.from_dict(settings))
         handles.append(handle)
         notes.append(handle.report().replace("\n", " | "))
-        if name == "hasten_gemm_tuned":
-            handles.append(common.fresh_gemm_tuning())
         return model, [packed], handles, notes
     model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
@@ -236,11 +231,11 @@ def main() -> int:
         common.write_rows([row], workload, args.out)
         common.print_training_row(row, reference)
     base = {r["variant"]: r for r in rows if r["step_s"] is not None}
-    for mine in ("hasten", "hasten_gemm_tuned", "hasten_lean", "hasten_offload", "hasten_tiled", "hasten_nf4",
+    for mine in ("hasten", "hasten_lean", "hasten_offload", "hasten_tiled", "hasten_nf4",
                  "hasten_nf4_lean", "hasten_nf4_offload", "hasten_nf4_tiled"):
-        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten", "hasten_residual_unfused", "hasten_ungrouped",
+        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_residual_unfused", "hasten_ungrouped",
                     "hasten_peft_layers", "hf_peft_padded", "hf_peft_bnb", "unsloth_nf4"):
-            if mine in base and ref in base and mine != ref and (ref != "hasten" or mine == "hasten_gemm_tuned"):
+            if mine in base and ref in base:
                 common.print_ratio(base[mine], base[ref])
     return 0
 

@@ -26,8 +26,6 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
                      graphs in the warm-up, recompiles over the timed steps and graph breaks are in the notes
   hasten_residual_unfused  hasten with kernels.fused_residual off: each decoder layer's residual add
                      a separate PyTorch add before the fused RMSNorm (what hasten ran before it)
-  hasten_gemm_tuned  hasten with training.gemm_tuning: each GEMM shape on the fastest cuBLAS / cuBLASLt
-                     algorithm, timed in the first warm-up step (PyTorch's TunableOp; a fresh results file)
   hasten_graphed_optimizer  hasten with the AdamW step captured in a CUDA graph (GraphedAdamW, one eager
                      warm-up step; training.cuda_graphs: optimizer in hasten train)
   liger              hasten's packed attention with every kernels.* switch off, and Liger-Kernel's
@@ -311,7 +309,7 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
                   "hasten_fa2": {"attention": {"backend": "torch_varlen"}},
                   "hasten_no_cache": {"training": {"metadata_cache": False}},
                   "hasten_compiled": {}, "hasten_graphed_optimizer": {},
-                  "hasten_residual_unfused": {"kernels": {"fused_residual": False}}, "hasten_gemm_tuned": {}}
+                  "hasten_residual_unfused": {"kernels": {"fused_residual": False}}}
     if name in hasten_cfg:
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
         handles.append(handle)
@@ -332,7 +330,7 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
         handles.append(compiled)
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), DEVICE)
     if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat",
-                "hasten_fa2", "liger", "hasten_compiled", "hasten_graphed_optimizer", "hasten_residual_unfused", "hasten_gemm_tuned"):
+                "hasten_fa2", "liger", "hasten_compiled", "hasten_graphed_optimizer", "hasten_residual_unfused"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):
         inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")}]
@@ -359,12 +357,9 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
     correct = err <= isolation.tolerance
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    gemm_tuning = common.fresh_gemm_tuning() if name == "hasten_gemm_tuned" else None
-    if gemm_tuning is not None:
-        handles.append(gemm_tuning)
     compiled_before = dynamo_counts()
     started = time.perf_counter()
-    common.time_steps(step, warmup=2, iters=0)  # warm-up: compiles, captures, GEMM tuning; never timed
+    common.time_steps(step, warmup=2, iters=0)  # warm-up: compiles, captures; never timed
     common.sync()
     warmup_s = time.perf_counter() - started
     compiled_warm = dynamo_counts()
@@ -380,8 +375,6 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
                            f"{compiled_warm['graphs'] - compiled_before['graphs']} in the 2 warm-up steps, "
                            f"recompiles in the {steps} timed steps {compiled_after['graphs'] - compiled_warm['graphs']}; "
                            f"graph breaks {compiled_after['graph_breaks']}")
-    if gemm_tuning is not None:
-        extra_notes.append(f"gemm_tuning: {gemm_tuning.tuned_shapes()} GEMM shapes tuned ({gemm_tuning.results_file.parent})")
     if isinstance(optimizer, GraphedAdamW):
         extra_notes.append(f"optimizer graph: captured {optimizer.captured}, replays {optimizer.replays}, eager "
                            f"steps {optimizer.eager_steps}, disabled {optimizer.disabled_reason}")
@@ -460,7 +453,7 @@ def main() -> int:
             if ref in base:
                 print(f"hasten vs {ref}: {base['hasten']['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
                       f"peak {base['hasten']['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")
-        for mine in ("hasten_compiled", "hasten_graphed_optimizer", "hasten_gemm_tuned"):
+        for mine in ("hasten_compiled", "hasten_graphed_optimizer"):
             if mine in base:
                 print(f"{mine} vs hasten: {base[mine]['tokens_per_s'] / base['hasten']['tokens_per_s']:.3f}x tokens/s, "
                       f"peak {base[mine]['peak_gib']:.1f} vs {base['hasten']['peak_gib']:.1f} GiB")

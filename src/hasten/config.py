@@ -129,11 +129,6 @@ class TrainingConfig:
     # every layer runs eagerly, said once (fallback torch_compile). Needs metadata_cache: true,
     # attention.verify: false and no activation offload.
     compile: bool = False
-    # GEMMs on the fastest cuBLAS / cuBLASLt algorithm for each shape, timed at the shape's first
-    # call (PyTorch's TunableOp; the first step takes longer) instead of cuBLAS's heuristic pick.
-    # Results kept in OUTPUT_DIR/gemm_tuning<device>.csv and reused by a resumed run. GPU only: on
-    # the CPU said once (fallback gemm_tuning).
-    gemm_tuning: bool = False
     # CUDA graphs: false (none), or optimizer: the AdamW step is captured once in a CUDA graph and
     # replayed every step (the LR schedule is read from a device tensor; gradients are zeroed in
     # place, never freed, so each parameter keeps its gradient's memory through the forward).

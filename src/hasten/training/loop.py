@@ -37,7 +37,6 @@ from hasten.integrations.transformers import patch_lora_layers
 from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
 from hasten.training.compile import compile_decoder_layers
-from hasten.training.gemm_tuning import GEMM_TUNING_FILE, enable_gemm_tuning
 from hasten.training.checkpoint import (CheckpointError, CheckpointWriteError, TrainerState, load_checkpoint,
                                        read_trainer_state, remove_stale_temporaries, save_checkpoint,
                                        save_final_model)
@@ -249,7 +248,6 @@ class _Run:
     tokenizer: Any = None
     handle: Any = None            # hasten.accelerate's; undone at tear-down
     compiled: Any = None          # training.compile's CompiledLayers; undone at tear-down
-    gemm_tuning: Any = None       # training.gemm_tuning's GemmTuning; undone at tear-down
     trainable: list = field(default_factory=list)
     sampler: TokenBudgetBatchSampler | None = None
     collator: PackingCollator | None = None
@@ -357,12 +355,6 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
             logger.info("hasten: training.compile: %d decoder layers compile with torch.compile (each layer one "
                         "graph, dynamic shapes, shared by the layers); the first steps include the compile time",
                         len(run.compiled.layers))
-    if t.gemm_tuning:  # TunableOp: each GEMM shape's fastest cuBLAS / cuBLASLt algorithm, timed once
-        run.gemm_tuning = enable_gemm_tuning(device, run.output_dir / GEMM_TUNING_FILE)
-        if run.gemm_tuning is not None and ctx.is_main:
-            logger.info("hasten: training.gemm_tuning: each GEMM shape's algorithm is timed at its first call "
-                        "(the first step takes longer); results in %s (device ordinal in the name)",
-                        run.output_dir / GEMM_TUNING_FILE)
 
     _set_up_data(run)
     run.trainable = [p for p in run.model.parameters() if p.requires_grad]
@@ -797,8 +789,6 @@ def _finish(run: _Run, interrupted_by: str | None) -> TrainResult:
                "distributed": ctx.strategy,
                "compile": (None if run.compiled is None else
                            {"layers": len(run.compiled.layers), "failure": run.compiled.failure}),
-               "gemm_tuning": (None if run.gemm_tuning is None else
-                               {"tuned_shapes": run.gemm_tuning.tuned_shapes()}),
                "resumed_from": str(run.resume_from) if run.resume_from else None,
                "last_checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None}
     if ctx.is_main:
@@ -818,8 +808,6 @@ def _tear_down(run: _Run) -> None:
             stack.callback(run.handle.undo)
         if run.compiled is not None:  # before hasten's undo (callbacks run last-registered first)
             stack.callback(run.compiled.undo)
-        if run.gemm_tuning is not None:
-            stack.callback(run.gemm_tuning.undo)
         if run.tensorboard is not None:
             stack.callback(run.tensorboard.close)
         if run.metrics is not None:
