@@ -106,23 +106,28 @@ class LogitSpec:
     softcap_key  config key of tanh softcapping, cap * tanh(logits / cap) (Gemma 2/3)
     scale_key    config key of a logit scale (Cohere `logit_scale` multiplies, Granite
                  `logits_scaling` divides: `scale_divides`)
-    unapplied_keys  config keys of logit transforms the text config sets but the model's forward
-                 does not apply (a multimodal wrapper whose head is lm_head alone: Aya Vision's
-                 text config keeps Cohere 2's logit_scale): the fused loss applies none of them
+    scale_where_forward_names  the scale applies only where the source of the model class's
+                 forward names `scale_key`: a multimodal wrapper whose text config carries the
+                 key while its head, release by release, may or may not apply it (Aya Vision:
+                 lm_head alone up to transformers 5.24, times the text config's logit_scale from
+                 5.25 on)
     """
 
     softcap_key: str | None = None
     scale_key: str | None = None
     scale_divides: bool = False
-    unapplied_keys: tuple[str, ...] = ()
+    scale_where_forward_names: bool = False
 
     def accounted_keys(self) -> set[str]:
-        """The logit-transform config keys this spec accounts for: applied or known unapplied."""
-        return {key for key in (self.softcap_key, self.scale_key) if key} | set(self.unapplied_keys)
+        """The logit-transform config keys this spec accounts for (applied, or known unapplied)."""
+        return {key for key in (self.softcap_key, self.scale_key) if key}
 
-    def scale(self, config) -> float:
-        """The factor the logits are multiplied by (1.0: none)."""
+    def scale(self, config, forward_source: str | None = None) -> float:
+        """The factor the logits are multiplied by (1.0: none); `forward_source`: the source of the
+        model class's forward, read where `scale_where_forward_names`."""
         if self.scale_key is None:
+            return 1.0
+        if self.scale_where_forward_names and self.scale_key not in (forward_source or ""):
             return 1.0
         value = getattr(config, self.scale_key, None)
         if value is None:

@@ -137,15 +137,18 @@ _QWEN3_NEXT = ArchSpec("moe", norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True
 
 # Aya Vision and Command A Vision: Cohere 2's text model (LayerNorm without bias, attention and MLP in
 # parallel on one norm, interleaved rotary, windows on the layers layer_types marks, NoPE on the
-# others), a SigLIP tower; the head is lm_head alone: the text config's logit_scale, which
-# Cohere2ForCausalLM applies, these wrappers do not (unapplied_keys)
+# others), a SigLIP tower; the text config's logit_scale, which Cohere2ForCausalLM applies, these
+# wrappers' heads applied in no release up to transformers 5.24; Aya Vision's does from 5.25 on
+# (Command A Vision's not yet): applied where the wrapper's forward names it
 _AYA_VISION = ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerNorm"),
-                       rotary=RotarySpec(interleaved=True), logits=LogitSpec(unapplied_keys=("logit_scale",)),
+                       rotary=RotarySpec(interleaved=True),
+                       logits=LogitSpec(scale_key="logit_scale", scale_where_forward_names=True),
                        attention=(_LAYER_WINDOWS,),
                        model_code=("attention and MLP in parallel on one norm",
                                    "the SigLIP vision tower, its pixel-shuffle downsampling and SwiGLU projector"),
                        vision=_IMAGES_VISION,
-                       notes="the wrapper's logits are lm_head(hidden) without the text config's logit_scale")
+                       notes="the wrapper's logits: lm_head(hidden), times the text config's logit_scale where "
+                             "its forward applies it (Aya Vision from transformers 5.25 on)")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- dense: Llama-style pre-norm decoders ------------------------------------------------

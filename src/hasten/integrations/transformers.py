@@ -1150,7 +1150,21 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
         return
     from hasten.loss import FusedLossUnsupported, install_fused_cross_entropy
 
-    softcap, scale = spec.logits.softcap(text), spec.logits.scale(text)
+    try:
+        forward_source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError) as exc:
+        forward_source = None
+        if spec.logits.scale_where_forward_names:  # only this release's code says whether the head scales
+            reason = (f"{type(model).__name__}.forward's source cannot be read ({exc}), and only it says whether "
+                      f"its logits are scaled by {spec.logits.scale_key}")
+            record_fallback("fused_cross_entropy", f"{reason}; transformers' own loss path runs (logits materialised)")
+            handle.inactive.append(f"fused cross-entropy ({reason})")
+            return
+    softcap, scale = spec.logits.softcap(text), spec.logits.scale(text, forward_source)
+    if forward_source is not None and (reason := _head_code_disagrees(model, spec, softcap, scale, forward_source)):
+        record_fallback("fused_cross_entropy", f"{reason}; transformers' own loss path runs (logits materialised)")
+        handle.inactive.append(f"fused cross-entropy ({reason})")
+        return
     try:
         handle._undo_steps.append(install_fused_cross_entropy(model, softcap=softcap, logit_scale=scale))
     except FusedLossUnsupported as exc:
@@ -1161,6 +1175,30 @@ def _patch_loss(model: PreTrainedModel, config: Config, handle: AccelerationHand
     applied += [f"logit scale {scale:g}"] if scale != 1.0 else []
     handle.active.append("fused cross-entropy (LM head + loss in chunks, no full logits"
                          + ("".join(f", {item}" for item in applied)) + "; training forwards return logits=None)")
+
+
+def _head_code_disagrees(model: PreTrainedModel, spec, softcap: float | None, scale: float,
+                         forward_source: str) -> str | None:
+    """Why the table entry's logit transforms are not what the model's head applies, or None. No
+    probe runs the LM head, and releases change what it applies (transformers 5.25's Aya Vision head
+    multiplies by logit_scale, 5.24's did not), so the entry is held to the head's own code: each
+    transform the config switches on must be applied by the fused loss exactly when the source of
+    the model class's forward names its config key."""
+    applied = {key for key, on in ((spec.logits.softcap_key, softcap is not None),
+                                   (spec.logits.scale_key, scale != 1.0)) if key and on}
+    named = {key for key in logit_transforms(model) if key in forward_source}
+    if applied == named:
+        return None
+    parts = [f"{type(model).__name__}.forward applies {key}, which the table entry does not" for key in sorted(named - applied)]
+    parts += [f"the table entry applies {key}, which {type(model).__name__}.forward does not name"
+              for key in sorted(applied - named)]
+    return "; ".join(parts) + f" (model type '{model_type_of(model.config)}', transformers {_transformers_version()})"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def patch_lora_layers(model: torch.nn.Module, config: Config, handle: AccelerationHandle) -> None:
