@@ -146,3 +146,42 @@ def test_each_configuration_of_a_norm_class_is_checked_not_only_the_first():
     assert count == len(norms) - 1 and "forward" not in vars(doubled), (count, refused)
     assert any("FlaggedRMSNorm computes something other than" in reason for reason in refused), refused
     undo()
+
+
+def test_a_norm_class_keeping_its_epsilon_under_the_other_name_is_patched_with_its_own():
+    """transformers renames where a norm class keeps its epsilon (5.25: Llama 4's, Gemma 3n's and
+    Gemma 4's RMSNorm went from `eps` to `variance_epsilon`). Each class is read under its own name,
+    one class of a model following a rename and another not, and the result is the model's: a
+    small-magnitude row shows the epsilon, and a wrong one fails the class's check."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hasten.dense.patch import install_fused_norms
+    from hasten.dense.spec import NormSpec
+
+    class OldNameRMSNorm(torch.nn.Module):  # the same formula, its epsilon as `eps`
+        def __init__(self, hidden, eps):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(hidden))
+            self.eps = eps
+
+        def forward(self, hidden_states):
+            variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden_states.float() * torch.rsqrt(variance + self.eps)).to(hidden_states.dtype)
+
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    norms = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, LlamaRMSNorm)]
+    for parent, name, child in norms[::2]:  # every other norm renamed: both names in one model
+        renamed = OldNameRMSNorm(child.weight.shape[0], 0.5)  # large: an epsilon read wrong shows
+        renamed.weight.data.copy_(child.weight.data + torch.randn_like(child.weight) * 0.1)
+        setattr(parent, name, renamed)
+    x = torch.randn(3, 7, norms[0][2].weight.shape[0]) * 1e-1
+    modules = [parent.get_submodule(name) for parent, name, _ in norms]
+    want = [m(x) for m in modules]
+    for spec in (NormSpec(), NormSpec(eps_attribute="eps")):  # the table's name either way
+        undo, count, refused = install_fused_norms(model, spec)
+        assert count == len(norms) and not refused, (count, refused)
+        for module, expected in zip(modules, want):
+            torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-6)
+        undo()

@@ -23,6 +23,7 @@ original code, counted once per reason.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import sys
 import types
@@ -50,6 +51,7 @@ _HALVES = RotarySpec()
 
 
 def _is_norm(module: nn.Module, spec: NormSpec) -> bool:
+    spec = _own_eps_name(module, spec)
     weight = getattr(module, "weight", None)
     return (type(module).__name__.endswith(spec.class_suffix) and isinstance(weight, torch.Tensor)
             and weight.dim() == 1 and isinstance(getattr(module, spec.eps_attribute, None), float)
@@ -76,7 +78,7 @@ def _norm_formula(spec: NormSpec) -> str:
 
 def _fused_norm(module: nn.Module, x: torch.Tensor, spec: NormSpec) -> torch.Tensor:
     """What the patched norm computes (the kernel's formula, spec's layout)."""
-    eps = getattr(module, spec.eps_attribute)
+    eps = getattr(module, _own_eps_name(module, spec).eps_attribute)
     if spec.kind == "layer":  # torch's one-kernel LayerNorm, float32 as the models compute it
         return F.layer_norm(x.float(), x.shape[-1:], module.weight.float() + spec.weight_offset, None,
                             eps).to(x.dtype)
@@ -296,6 +298,21 @@ def _checked_by_class(candidates: list[nn.Module], check) -> tuple[list[nn.Modul
     return passed, sorted({reason for reason in verdicts.values() if reason is not None})
 
 
+# The names transformers' norm classes keep their epsilon under. Releases rename it (5.25: Llama 4's,
+# Gemma 3n's and Gemma 4's RMSNorm went from `eps` to `variance_epsilon`); the number and its place
+# in the formula stay, which rms_norm_mismatch checks on every class before it is patched.
+_EPS_NAMES = ("variance_epsilon", "eps")
+
+
+def _own_eps_name(module: nn.Module, spec: NormSpec) -> NormSpec:
+    """`spec` with the epsilon name `module` uses, where the table's is not its (one class of a
+    model may follow a rename and another not)."""
+    if isinstance(getattr(module, spec.eps_attribute, None), float):
+        return spec
+    found = next((name for name in _EPS_NAMES if isinstance(getattr(module, name, None), float)), None)
+    return spec if found is None else dataclasses.replace(spec, eps_attribute=found)
+
+
 def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
     """Returns (undo, number of modules patched, reasons other norm classes were left alone)."""
     if not spec.fused:
@@ -312,7 +329,8 @@ def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
 
     for module in patched:
         module.forward = types.MethodType(forward, module)
-        setattr(module, NORM_SPEC_ATTRIBUTE, spec)  # what the fused residual add may compute for it
+        # what the fused residual add may compute for it, the epsilon under the module's own name
+        setattr(module, NORM_SPEC_ATTRIBUTE, _own_eps_name(module, spec))
     return _restore_forwards(patched, NORM_SPEC_ATTRIBUTE), len(patched), refused
 
 
