@@ -86,6 +86,25 @@ def test_a_layer_that_fails_to_compile_runs_eagerly_said_once(monkeypatch):
     assert all("forward" not in layer.__dict__ for layer in compiled.layers)  # undone
 
 
+def test_compiling_lets_dynamo_skip_replaying_side_effects_in_the_checkpoint_recompute_until_undone():
+    """transformers 5.25's layers set and reset a context variable around each attention forward (the
+    `kernels` package's class wrapper); inside a traced activation checkpoint that side effect made
+    every layer fail to compile. While layers are compiled dynamo skips its replay; undo restores."""
+    import torch._dynamo.config as dynamo_config
+    from transformers import Qwen3ForCausalLM
+
+    from hasten.training.compile import _SKIP_REPLAY
+    from hasten.training.defaults import embedded_model_config
+
+    if not hasattr(dynamo_config, _SKIP_REPLAY):
+        pytest.skip(f"this torch has no torch._dynamo.config.{_SKIP_REPLAY}")
+    before = getattr(dynamo_config, _SKIP_REPLAY)
+    compiled = compile_decoder_layers(Qwen3ForCausalLM(embedded_model_config("tiny")))
+    assert getattr(dynamo_config, _SKIP_REPLAY) is True
+    compiled.undo()
+    assert getattr(dynamo_config, _SKIP_REPLAY) == before
+
+
 @pytest.mark.parametrize("training,attention,named", [
     ({"checkpoint": {"offload": "auto"}}, {}, "training.checkpoint.offload: auto"),
     ({"checkpoint": {"double_buffer": True}}, {}, "training.checkpoint.double_buffer: true"),

@@ -24,6 +24,10 @@ from torch import nn
 from hasten.observability import record_fallback
 
 
+# torch._dynamo.config's switch for a checkpointed region's side effects (torch >= 2.9; absent: left alone)
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
 def _layer_forward(layer: nn.Module, *args, **kwargs):
     # the class's forward, looked up when traced: FSDP2's subclass of the layer, if any, included
     return type(layer).forward(layer, *args, **kwargs)
@@ -35,6 +39,17 @@ class CompiledLayers:
     def __init__(self, layers: list[nn.Module]) -> None:
         self.layers = layers
         self.failure: str | None = None  # why compiling failed (the layers then run eagerly)
+        # An activation checkpoint traced inside the graph refuses any Python side effect in the
+        # layer (eager checkpointing replays it in the recompute; a graph cannot). transformers 5.25
+        # has one in every layer: the `kernels` package's class wrapper (use_kernelized_func, on
+        # Llama's and Qwen's attention, among others) sets and resets a context variable around each
+        # forward to route hub-kernel functions. Set and reset, it leaves nothing behind, so its replay
+        # is not needed: dynamo may skip it while these layers are compiled. (A layer's side effect
+        # that did matter would then happen once, not twice as under eager recompute; the compiled
+        # run is checked against the eager one in tests/training/test_train_compile.py.)
+        self._skip_before = getattr(torch._dynamo.config, _SKIP_REPLAY, None)
+        if self._skip_before is not None:
+            setattr(torch._dynamo.config, _SKIP_REPLAY, True)
         self._compiled = torch.compile(_layer_forward, fullgraph=True, dynamic=True)
         for layer in layers:
             layer.forward = functools.partial(self._forward, layer)
@@ -54,6 +69,8 @@ class CompiledLayers:
     def undo(self) -> None:
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
+        if self._skip_before is not None:
+            setattr(torch._dynamo.config, _SKIP_REPLAY, self._skip_before)
 
 
 def compile_decoder_layers(model: nn.Module) -> CompiledLayers:
