@@ -182,7 +182,9 @@ class KernelsConfig:
     rms_norm: bool = True
     # With rms_norm: a decoder layer's `h = residual + h; residual = h; h = norm(h)` in one kernel
     # each way (the add, the norm, and in backward the sum of the stream's two gradients): one
-    # read and one write of the hidden state fewer per norm, and one kernel launch fewer.
+    # read and one write of the hidden state fewer per fused norm, and one launch fewer. Only the
+    # add inside a layer fuses (the one before its post-attention norm; the next layer's input norm
+    # sits across the layer boundary): W1 and W4 measured 1.00x with it on or off.
     fused_residual: bool = True
     # silu(gate) * up of the dense MLPs in one kernel; backward keeps only gate and up.
     swiglu: bool = True
