@@ -23,8 +23,8 @@ original code, counted once per reason.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import sys
 import types
 import weakref

@@ -119,7 +119,8 @@ class LogitSpec:
     scale_where_forward_names: bool = False
 
     def accounted_keys(self) -> set[str]:
-        """The logit-transform config keys this spec accounts for (applied, or known unapplied)."""
+        """The logit-transform config keys this spec accounts for (applied, where
+        `scale_where_forward_names`, where the head's code applies it)."""
         return {key for key in (self.softcap_key, self.scale_key) if key}
 
     def scale(self, config, forward_source: str | None = None) -> float:

@@ -1189,16 +1189,12 @@ def _head_code_disagrees(model: PreTrainedModel, spec, softcap: float | None, sc
     named = {key for key in logit_transforms(model) if key in forward_source}
     if applied == named:
         return None
-    parts = [f"{type(model).__name__}.forward applies {key}, which the table entry does not" for key in sorted(named - applied)]
-    parts += [f"the table entry applies {key}, which {type(model).__name__}.forward does not name"
-              for key in sorted(applied - named)]
-    return "; ".join(parts) + f" (model type '{model_type_of(model.config)}', transformers {_transformers_version()})"
-
-
-def _transformers_version() -> str:
     import transformers
 
-    return transformers.__version__
+    head = f"{type(model).__name__}.forward"
+    parts = [f"{head} applies {key}, which the table entry does not" for key in sorted(named - applied)]
+    parts += [f"the table entry applies {key}, which {head} does not name" for key in sorted(applied - named)]
+    return "; ".join(parts) + f" (model type '{model_type_of(model.config)}', transformers {transformers.__version__})"
 
 
 def patch_lora_layers(model: torch.nn.Module, config: Config, handle: AccelerationHandle) -> None:
