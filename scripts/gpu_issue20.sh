@@ -3,7 +3,7 @@
 # seconds, most important first:
 #   build   pip install -e . (carried wheels from .whl/ via scripts/gpu_parts.sh)            cap 300 s
 #   gpu     $GPU_TESTS (default tests/gpu/test_lora_cuda.py: the fused LoRA op and a LoRA
-#           model against PEFT)                                                            cap $GPU_CAP (150) s
+#           model against PEFT), $GPU_K a -k expression (spaces allowed)                   cap $GPU_CAP (150) s
 #   kernels benchmarks/dense_kernels.py at W4's and W1's shapes: each norm / RoPE / SwiGLU kernel's
 #           bandwidth against a copy's, measured in the same call                            cap 90 s
 #   gemm    benchmarks/gemm_shapes.py: W4's base GEMMs shape by shape                    cap 120 s
@@ -47,7 +47,9 @@ if (( built )); then
       timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_tf $GPU_TRANSFORMERS \
         >> "$LOGS/wheels.log" 2>&1 && tests_site=/tmp/site_tf:/tmp/bnb_site
     fi
-    PYTHONPATH=$tests_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} -q -rs
+    # GPU_TESTS: node ids and files, split on spaces; GPU_K: one -k expression, passed whole
+    PYTHONPATH=$tests_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} \
+      ${GPU_K:+-k "$GPU_K"} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" kernels "* ]]; then  # the dense kernels alone against a copy, W4's and W1's shapes
