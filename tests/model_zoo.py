@@ -427,6 +427,19 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                              routed_scaling_factor=2.5, attention_bias=True), "hasten",
           feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases,
           notes="Glm4MoeForCausalLM's classes under model_type sarvam_moe"),
+    # Param2: sarvam_moe's case under its own model type (transformers 5.25), partial rotary to show it
+    Entry("param2moe", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                            first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
+                            routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+                            partial_rotary_factor=0.5), "hasten",
+          feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases,
+          notes="Glm4MoeForCausalLM's classes under model_type param2moe"),
+    # MiniCPM 5 MoE (transformers 5.25): gated attention, float32 router with groups and a correction bias,
+    # a shared expert, a dense first layer
+    Entry("minicpm5_moe", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                               mlp_layer_types=["dense", "sparse", "sparse"], n_shared_experts=1, n_group=2,
+                               topk_group=1, routed_scaling_factor=2.5), "hasten",
+          feature_off=dict(routed_scaling_factor=1.0), tensor_setup=_random_correction_biases),
     # Sarvam-105B: deepseek_v3's case with a plain query projection (q_lora_rank None, as published)
     Entry("sarvam_mla", dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
                              v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,

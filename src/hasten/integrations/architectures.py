@@ -736,6 +736,28 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                        "shared experts", "dense first layers (first_k_dense_replace)"),
                            notes="Glm4MoeForCausalLM's classes (modeling_glm4_moe); partial_rotary_factor 1.0 unless "
                                  "the config sets it (the rotary width is read from cos at every call)"),
+    # Param2 (BharatGen Param2-17B-A2.4B, transformers 5.25): Glm4MoeForCausalLM's classes under model_type
+    # param2moe, as sarvam_moe: q/k RMSNorms per head, the sigmoid group-limited router with a correction
+    # bias, shared experts, dense first layers; full rotary unless the config sets a fraction
+    "param2moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
+                          attention=("qkv bias (attention_bias, the checkpoints' use_qkv_bias) where set",),
+                          model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
+                                      "shared experts", "dense first layers (first_k_dense_replace)"),
+                          notes="Glm4MoeForCausalLM's classes (modeling_glm4_moe); partial_rotary_factor 1.0 "
+                                "unless the config sets it (the rotary width is read from cos at every call)"),
+    # MiniCPM 5 MoE (transformers 5.25): Llama's attention with the query projection doubled into a
+    # query and a per-channel output gate (q_gate_proj; the output times sigmoid(gate) before o_proj), GQA,
+    # Llama's rotary halves; DeepSeek-V3's MoE block with its router computed in float32 (sigmoid, a
+    # correction bias, group-limited top-k, routed scaling), shared experts; dense layers where
+    # mlp_layer_types says
+    "minicpm5_moe": ArchSpec("moe",
+                             attention=("the attention output gated per channel by sigmoid(gate) from q_gate_proj, "
+                                        "in the model's own attention module",),
+                             model_code=("the router in float32: sigmoid with a correction bias, group-limited "
+                                         "top-k, routed scaling", "shared experts",
+                                         "dense layers where mlp_layer_types says"),
+                             notes="MiniCPM5MoeForCausalLM (modeling_minicpm5_moe): DeepseekV3's model and MoE "
+                                   "classes around Llama's gated attention"),
     # Sarvam-105B: DeepseekV3ForCausalLM's classes (multi-head latent attention, here with a plain query
     # projection: q_lora_rank None, the sigmoid group-limited router, shared experts, dense first layers)
     "sarvam_mla": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
