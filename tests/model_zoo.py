@@ -605,6 +605,15 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                                             head_dim=8)),
           tensor_setup=_random_correction_biases,
           notes="Kimi_K25ForConditionalGeneration; a packed batch with images or videos is refused"),
+    # LLaVA-OneVision-1.5 (transformers 5.25): a Qwen3 text model with windows on the layers layer_types
+    # marks, a tiny vision tower (text-only batches never run it)
+    Entry("llava_onevision1_5", dict(text_config=dict(model_type="qwen3", sliding_window=WINDOW, layer_types=SLIDING_3,
+                                                      use_sliding_window=True),
+                                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                        out_hidden_size=64, patch_size=14)), "hasten",
+          feature_off=dict(text_config=dict(model_type="qwen3", sliding_window=WINDOW, layer_types=FULL_3,
+                                            use_sliding_window=True)),
+          notes="LlavaOnevision15ForConditionalGeneration; a packed batch with images or videos is refused"),
     # EXAONE 4.5: exaone4's case (windows of 5, NoPE on the full layer), a tiny windowed vision tower
     Entry("exaone4_5", dict(text_config=dict(model_type="exaone4", sliding_window=WINDOW, layer_types=SLIDING_3),
                             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,

@@ -1002,6 +1002,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # EXAONE 4.5 (Exaone4_5_ForConditionalGeneration): EXAONE 4's text model (norms after attention and
     # MLP, q/k norms per head, windows on the layers layer_types marks, NoPE on the full layers where
     # a window is set), a Qwen2.5-VL-style windowed tower; text positions are the token positions (1-D)
+    # LLaVA-OneVision-1.5 (LlavaOnevision15ForConditionalGeneration, transformers 5.25): a Qwen3 text model
+    # (AutoModel of its text_config: q/k RMSNorms per head, SwiGLU, rotary halves, one-dimensional text
+    # positions), a windowed vision tower with its merger (image/video batches only)
+    "llava_onevision1_5": ArchSpec("dense", norm=NormSpec(qk_norm=True),
+                                   attention=(_LAYER_WINDOWS, "qkv bias where the text config sets it"),
+                                   model_code=("the vision tower and its merger (image/video batches only)",),
+                                   vision=_QWEN_VL_VISION,
+                                   notes="the text model is the checkpoint's text_config type (Qwen3): its pieces "
+                                         "run on hasten's kernels where they pass the probes"),
     "exaone4_5": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True), attention=(_LAYER_WINDOWS,),
                           model_code=("the windowed vision tower and its merger",), vision=_QWEN_VL_VISION),
     # GLM-4.6V (Glm46VForConditionalGeneration): GLM-4.1V's text model (glm4v_text: glm4v's entry), mrope
