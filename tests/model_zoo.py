@@ -614,6 +614,14 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
           feature_off=dict(text_config=dict(model_type="qwen3", sliding_window=WINDOW, layer_types=FULL_3,
                                             use_sliding_window=True)),
           notes="LlavaOnevision15ForConditionalGeneration; a packed batch with images or videos is refused"),
+    # Ovis2.5 (transformers 5.25): the same Qwen3 text case, a tiny vision tower
+    Entry("ovis2_5", dict(text_config=dict(model_type="qwen3", sliding_window=WINDOW, layer_types=SLIDING_3,
+                                           use_sliding_window=True),
+                          vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                             num_attention_heads=2, vocab_size=32, image_size=64)), "hasten",
+          feature_off=dict(text_config=dict(model_type="qwen3", sliding_window=WINDOW, layer_types=FULL_3,
+                                            use_sliding_window=True)),
+          notes="Ovis2_5ForConditionalGeneration; a packed batch with images or videos is refused"),
     # EXAONE 4.5: exaone4's case (windows of 5, NoPE on the full layer), a tiny windowed vision tower
     Entry("exaone4_5", dict(text_config=dict(model_type="exaone4", sliding_window=WINDOW, layer_types=SLIDING_3),
                             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,

@@ -514,7 +514,7 @@ def test_a_longrope_rotary_limits_packed_rows_to_its_original_context():
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen2_5_vl", "glm4v", "glm4v_moe", "mistral3", "gemma4",
-                                        "llava_onevision1_5"])
+                                        "llava_onevision1_5", "ovis2_5"])
 @pytest.mark.parametrize("pixels", ["pixel_values", "pixel_values_videos"])
 def test_vl_wrappers_train_text_packed_and_refuse_packed_images_and_videos(model_type, pixels):
     """Vision-language wrappers (Qwen, GLM-4V, Mistral 3, Gemma 4): hasten's attention (and fused experts) in the text model, text-only

@@ -1011,6 +1011,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                    vision=_QWEN_VL_VISION,
                                    notes="the text model is the checkpoint's text_config type (Qwen3): its pieces "
                                          "run on hasten's kernels where they pass the probes"),
+    # Ovis2.5 (Ovis2_5ForConditionalGeneration, transformers 5.25): EXAONE 4.5's wrapper around a Qwen3 text
+    # model (AutoModel of its text_config), a windowed SigLIP-style tower, a visual vocabulary projector
+    # (image/video batches only)
+    "ovis2_5": ArchSpec("dense", norm=NormSpec(qk_norm=True),
+                        attention=(_LAYER_WINDOWS, "qkv bias where the text config sets it"),
+                        model_code=("the vision tower and its visual-vocabulary projector (image/video batches only)",),
+                        vision=_QWEN_VL_VISION,
+                        notes="the text model is the checkpoint's text_config type (Qwen3): its pieces run on "
+                              "hasten's kernels where they pass the probes"),
     "exaone4_5": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True), attention=(_LAYER_WINDOWS,),
                           model_code=("the windowed vision tower and its merger",), vision=_QWEN_VL_VISION),
     # GLM-4.6V (Glm46VForConditionalGeneration): GLM-4.1V's text model (glm4v_text: glm4v's entry), mrope
