@@ -77,8 +77,9 @@ def _norm_formula(spec: NormSpec) -> str:
 
 
 def _fused_norm(module: nn.Module, x: torch.Tensor, spec: NormSpec) -> torch.Tensor:
-    """What the patched norm computes (the kernel's formula, spec's layout)."""
-    eps = getattr(module, _own_eps_name(module, spec).eps_attribute)
+    """What the patched norm computes (the kernel's formula, spec's layout; spec.eps_attribute the
+    module's own name for its epsilon, _own_eps_name)."""
+    eps = getattr(module, spec.eps_attribute)
     if spec.kind == "layer":  # torch's one-kernel LayerNorm, float32 as the models compute it
         return F.layer_norm(x.float(), x.shape[-1:], module.weight.float() + spec.weight_offset, None,
                             eps).to(x.dtype)
@@ -100,7 +101,7 @@ def rms_norm_mismatch(module: nn.Module, spec: NormSpec = _LLAMA_NORM) -> str | 
             # rows of small, unit and large magnitude, off-centre (a centred norm shows): eps shows in the first
             x = torch.randn(3, 4, hidden, generator=gen) * torch.tensor([1e-3, 1.0, 30.0]).view(3, 1, 1) + 0.5
             want = type(probe).forward(probe, x)
-            got = _fused_norm(probe, x, spec)
+            got = _fused_norm(probe, x, _own_eps_name(probe, spec))
     except Exception as exc:  # a forward that cannot run on a copy cannot be vouched for
         return f"{type(module).__name__} could not be checked ({type(exc).__name__}: {exc})"
     error = _relative_error(got, want)
@@ -325,7 +326,7 @@ def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
             record_fallback("fused_rms_norm", f"input {hidden_states.dtype} and weight {self.weight.dtype} differ "
                             "(mixed precision without a bf16 model); transformers' RMSNorm runs")
             return type(self).forward(self, hidden_states)
-        return _fused_norm(self, hidden_states, spec)
+        return _fused_norm(self, hidden_states, self.__dict__[NORM_SPEC_ATTRIBUTE])  # the module's own eps name
 
     for module in patched:
         module.forward = types.MethodType(forward, module)

@@ -150,6 +150,25 @@ _AYA_VISION = ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerN
                        notes="the wrapper's logits: lm_head(hidden), times the text config's logit_scale where "
                              "its forward applies it (Aya Vision from transformers 5.25 on)")
 
+# GLM-4-MoE's classes (modeling_glm4_moe) under another model type: Sarvam-30B, Param2
+_GLM4_MOE_CLASSES = ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
+                             attention=("qkv bias (attention_bias, the checkpoints' use_qkv_bias) where set",),
+                             model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
+                                         "shared experts", "dense first layers (first_k_dense_replace)"),
+                             notes="Glm4MoeForCausalLM's classes (modeling_glm4_moe); partial_rotary_factor 1.0 "
+                                   "unless the config sets it (the rotary width is read from cos at every call)")
+
+# A vision-language wrapper around a Qwen3 text model (AutoModel of its text_config: q/k RMSNorms per
+# head, SwiGLU, rotary halves, one-dimensional text positions), its vision tower on image/video
+# batches only: LLaVA-OneVision-1.5, Ovis2.5 (transformers 5.25)
+_QWEN3_TEXT_VL = ArchSpec("dense", norm=NormSpec(qk_norm=True),
+                          attention=(_LAYER_WINDOWS, "qkv bias where the text config sets it"),
+                          model_code=("the vision tower and its merger or visual-vocabulary projector "
+                                      "(image/video batches only)",),
+                          vision=_QWEN_VL_VISION,
+                          notes="the text model is the checkpoint's text_config type (Qwen3): its pieces run on "
+                                "hasten's kernels where they pass the probes")
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- dense: Llama-style pre-norm decoders ------------------------------------------------
     "llama": _LLAMA,
@@ -728,23 +747,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "iquestcoder": ArchSpec("dense", attention=("projection biases (attention_bias) where set",),
                             notes="LlamaForCausalLM's classes (modeling_llama) under model_type iquestcoder; head_dim "
                                   "a config value (128)"),
-    # Sarvam-30B: Glm4MoeForCausalLM's classes (q/k RMSNorms per head, the sigmoid group-limited router
-    # with a correction bias, shared experts, dense first layers) with full rotary by default
-    "sarvam_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
-                           attention=("qkv bias (attention_bias, the checkpoints' use_qkv_bias) where set",),
-                           model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
-                                       "shared experts", "dense first layers (first_k_dense_replace)"),
-                           notes="Glm4MoeForCausalLM's classes (modeling_glm4_moe); partial_rotary_factor 1.0 unless "
-                                 "the config sets it (the rotary width is read from cos at every call)"),
-    # Param2 (BharatGen Param2-17B-A2.4B, transformers 5.25): Glm4MoeForCausalLM's classes under model_type
-    # param2moe, as sarvam_moe: q/k RMSNorms per head, the sigmoid group-limited router with a correction
-    # bias, shared experts, dense first layers; full rotary unless the config sets a fraction
-    "param2moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
-                          attention=("qkv bias (attention_bias, the checkpoints' use_qkv_bias) where set",),
-                          model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
-                                      "shared experts", "dense first layers (first_k_dense_replace)"),
-                          notes="Glm4MoeForCausalLM's classes (modeling_glm4_moe); partial_rotary_factor 1.0 "
-                                "unless the config sets it (the rotary width is read from cos at every call)"),
+    # Sarvam-30B and Param2 (Param2-17B-A2.4B, transformers 5.25): Glm4MoeForCausalLM's classes under
+    # their own model types (q/k RMSNorms per head, the sigmoid group-limited router with a correction
+    # bias, shared experts, dense first layers) with full rotary by default
+    "sarvam_moe": _GLM4_MOE_CLASSES,
+    "param2moe": _GLM4_MOE_CLASSES,
     # MiniCPM 5 MoE (transformers 5.25): Llama's attention with the query projection doubled into a
     # query and a per-channel output gate (q_gate_proj; the output times sigmoid(gate) before o_proj), GQA,
     # Llama's rotary halves; DeepSeek-V3's MoE block with its router computed in float32 (sigmoid, a
@@ -1002,24 +1009,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # EXAONE 4.5 (Exaone4_5_ForConditionalGeneration): EXAONE 4's text model (norms after attention and
     # MLP, q/k norms per head, windows on the layers layer_types marks, NoPE on the full layers where
     # a window is set), a Qwen2.5-VL-style windowed tower; text positions are the token positions (1-D)
-    # LLaVA-OneVision-1.5 (LlavaOnevision15ForConditionalGeneration, transformers 5.25): a Qwen3 text model
-    # (AutoModel of its text_config: q/k RMSNorms per head, SwiGLU, rotary halves, one-dimensional text
-    # positions), a windowed vision tower with its merger (image/video batches only)
-    "llava_onevision1_5": ArchSpec("dense", norm=NormSpec(qk_norm=True),
-                                   attention=(_LAYER_WINDOWS, "qkv bias where the text config sets it"),
-                                   model_code=("the vision tower and its merger (image/video batches only)",),
-                                   vision=_QWEN_VL_VISION,
-                                   notes="the text model is the checkpoint's text_config type (Qwen3): its pieces "
-                                         "run on hasten's kernels where they pass the probes"),
-    # Ovis2.5 (Ovis2_5ForConditionalGeneration, transformers 5.25): EXAONE 4.5's wrapper around a Qwen3 text
-    # model (AutoModel of its text_config), a windowed SigLIP-style tower, a visual vocabulary projector
-    # (image/video batches only)
-    "ovis2_5": ArchSpec("dense", norm=NormSpec(qk_norm=True),
-                        attention=(_LAYER_WINDOWS, "qkv bias where the text config sets it"),
-                        model_code=("the vision tower and its visual-vocabulary projector (image/video batches only)",),
-                        vision=_QWEN_VL_VISION,
-                        notes="the text model is the checkpoint's text_config type (Qwen3): its pieces run on "
-                              "hasten's kernels where they pass the probes"),
+    # LLaVA-OneVision-1.5 (a windowed tower and merger), Ovis2.5 (EXAONE 4.5's wrapper, a SigLIP-style
+    # tower and a visual-vocabulary projector), transformers 5.25
+    "llava_onevision1_5": _QWEN3_TEXT_VL,
+    "ovis2_5": _QWEN3_TEXT_VL,
     "exaone4_5": ArchSpec("dense", norm=NormSpec(placement="post", qk_norm=True), attention=(_LAYER_WINDOWS,),
                           model_code=("the windowed vision tower and its merger",), vision=_QWEN_VL_VISION),
     # GLM-4.6V (Glm46VForConditionalGeneration): GLM-4.1V's text model (glm4v_text: glm4v's entry), mrope
