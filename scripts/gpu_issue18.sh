@@ -43,6 +43,7 @@ if (( built )); then
   fi
 fi
 
+stop_clock_sampler
 echo "total $(( SECONDS - START )) s" | tee -a "$SUMMARY"
 tar czf "$OUT/issue18.tgz" -C "$OUT" logs && rm -rf "$LOGS" && echo "packed: $OUT/issue18.tgz" \
   || echo "tar failed: the logs stay in $LOGS"

@@ -48,6 +48,7 @@ if (( built )); then
   fi
 fi
 
+stop_clock_sampler
 echo "total $(( SECONDS - START )) s" | tee -a "$SUMMARY"
 tar czf "$OUT/issue19.tgz" -C "$OUT" logs && rm -rf "$LOGS" && echo "packed: $OUT/issue19.tgz" \
   || echo "tar failed: the logs stay in $LOGS"

@@ -49,6 +49,7 @@ if (( built )); then
   fi
 fi
 
+stop_clock_sampler
 echo "total $(( SECONDS - START )) s" | tee -a "$SUMMARY"
 tar czf "$OUT/issue21.tgz" -C "$OUT" logs && rm -rf "$LOGS" && echo "packed: $OUT/issue21.tgz" \
   || echo "tar failed: the logs stay in $LOGS"

@@ -45,6 +45,31 @@ fi
 timeout 60 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tee -a "$SUMMARY"
 
+# The GPU's clocks, power and temperature: one snapshot in the summary, and a sample every 2 s
+# for the whole call in gpu_clocks.log (why one machine's W4 runs 3-4% slower than another's:
+# rows of the same code have differed that much between machines, not within a call)
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=name,pci.bus_id,power.limit,clocks.max.sm,clocks.sm,clocks.mem,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv 2>&1 | tee -a "$SUMMARY"
+  nvidia-smi dmon -s pc -d 2 -o T > "$LOGS/gpu_clocks.log" 2>&1 &
+  CLOCK_SAMPLER=$!
+  trap 'kill $CLOCK_SAMPLER 2> /dev/null' EXIT
+fi
+# stop_clock_sampler: before the logs are packed, and what the clocks did while the GPU was busy
+stop_clock_sampler() {
+  [[ -n "${CLOCK_SAMPLER:-}" ]] && kill "$CLOCK_SAMPLER" 2> /dev/null
+  [[ -s "$LOGS/gpu_clocks.log" ]] && python3 - "$LOGS/gpu_clocks.log" << 'PY' 2>&1 | tee -a "$SUMMARY"
+import sys  # dmon's columns by its header; the means over samples drawing more than 200 W (busy)
+lines = open(sys.argv[1]).read().splitlines()
+names = next((l.lstrip("#").split() for l in lines if l.startswith("#") and "pwr" in l), None)
+rows = [l.split() for l in lines if l and not l.startswith("#")]
+rows = [dict(zip(names, r)) for r in rows if names and len(r) == len(names)]
+busy = [r for r in rows if r.get("pwr", "-").isdigit() and int(r["pwr"]) > 200]
+means = {k: sum(int(r[k]) for r in busy) / len(busy) for k in names or [] if busy and all(r[k].isdigit() for r in busy)}
+print(f"gpu while busy ({len(busy)} samples of {len(rows)}): " + ", ".join(f"{k} {v:.0f}" for k, v in means.items() if k != "gpu"))
+PY
+}
+
 built=1
 if [[ $PARTS == *" build "* ]]; then
   part build 300 python3 -m pip install -v --no-build-isolation --no-deps -e . || built=0
