@@ -33,7 +33,7 @@ def main(names: list[str]) -> int:
                 row = check_lora_parity(name, settings, report=False)
                 outcome = "pass"
             except AssertionError as failure:  # _judge's per-parameter or global check
-                row, outcome = {"failure": str(failure)[:300]}, "fail"
+                row, outcome = {"failure": str(failure)[:900]}, "fail"
             except Exception as exc:  # noqa: BLE001 - a skip or an error: reported, the next goes on
                 row, outcome = {"failure": f"{type(exc).__name__}: {str(exc)[:300]}"}, "error"
             keep = ("loss_error", "loss_noise", "grad_error", "grad_noise", "worst_param", "worst_error",

@@ -13,7 +13,6 @@ models on packed rows.
    check fails."""
 
 import importlib
-import inspect
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from hasten.observability import fallback_counts
 from hasten.packing.meta import LINEAR_META
 from hasten.stateful import LinearMeta, fla_problem
 from hasten.stateful.varlen import varlen_causal_conv1d, varlen_chunk_gated_delta_rule, varlen_chunk_kda
-from tests.gpu.test_model_parity_cuda import check_packed_parity
+from tests.gpu.test_model_parity_cuda import check_packed_parity, torch_function_of
 
 ISOLATION_LENGTHS = (1, 2, 63, 517, 7, 300)
 # many boundaries: a state carried across them touches a large share of the tokens (the negative control)
@@ -40,7 +39,7 @@ def _torch_functions():
     """transformers' own torch functions (the modeling module keeps them when fla is missing;
     where fla is installed the module holds fla's, so the references come from the source)."""
     modeling = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
-    return inspect.unwrap(modeling.causal_conv1d_fn), inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+    return torch_function_of(modeling.causal_conv1d_fn), torch_function_of(modeling.torch_chunk_gated_delta_rule)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,7 +99,7 @@ def test_kimi_delta_attention_kernel_against_each_sample_alone():
     """fla's chunk_kda behind kimi_linear's chunk_kimi_delta_attention, called as its layer calls it:
     a decay per key channel (g: (B, T, H, K), float32 as the model's forget gate returns it), beta
     after its sigmoid, the q/k L2 norm in the kernel, the default scale."""
-    torch_kda = inspect.unwrap(importlib.import_module(
+    torch_kda = torch_function_of(importlib.import_module(
         "transformers.models.kimi_linear.modeling_kimi_linear").chunk_kimi_delta_attention)
     packed = varlen_chunk_kda(torch_kda)
     meta = _meta(ISOLATION_LENGTHS)

@@ -68,6 +68,20 @@ def _allowed(want: torch.Tensor, noise: torch.Tensor, whole: float) -> float:
     return NOISE_FACTOR * measured + 10 * FLOOR * (max(own, FLOOR * whole) if want.numel() < FEW else own)
 
 
+def torch_function_of(current):
+    """transformers' own torch function behind what its modeling module holds under that name:
+    up to 5.24 a function wrapped with functools.wraps (fla's or the torch one); from 5.25, with the
+    `kernels` package it requires, an instance of the package's per-function nn.Module, whose
+    forward closes over that wrapped function (its signature is `(*args, **kwargs)`, so the
+    arguments cannot be matched against it)."""
+    if isinstance(current, torch.nn.Module):
+        inner = [cell.cell_contents for cell in type(current).forward.__closure__ or ()
+                 if inspect.isfunction(cell.cell_contents)]
+        assert len(inner) == 1, f"cannot find the function inside {type(current)}: {inner}"
+        current = inner[0]
+    return inspect.unwrap(current)
+
+
 @contextlib.contextmanager
 def _torch_stateful_functions(model: torch.nn.Module):
     """The unpatched references of a hybrid model run transformers' own torch functions for the
@@ -82,7 +96,7 @@ def _torch_stateful_functions(model: torch.nn.Module):
             current = getattr(modeling, name, None)
             if not callable(current):
                 continue
-            torch_function = inspect.unwrap(current)
+            torch_function = torch_function_of(current)
             accepted = set(inspect.signature(torch_function).parameters)
 
             @functools.wraps(torch_function)
