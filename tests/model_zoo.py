@@ -924,7 +924,10 @@ def build(entry: Entry, auto_class=None, **override) -> torch.nn.Module:
 
     if entry.model_type not in CONFIG_MAPPING:  # e.g. gemma4_text before transformers 5.2x
         pytest.skip(f"transformers {__version__} has no model type '{entry.model_type}'")
-    values = {**entry.config, **override}
+    # a copy: a config class may change the lists it is given in place (transformers 5.25's Gemma 4
+    # sets the last of its `layer_types` to full attention), which would change SLIDING_3 for every
+    # entry built after it in the process
+    values = copy.deepcopy({**entry.config, **override})
     if "text_config" in values:  # a multimodal wrapper: the shared tiny shape is its text model's
         values["text_config"] = {**BASE, **values["text_config"]}
         values.setdefault("tie_word_embeddings", False)
