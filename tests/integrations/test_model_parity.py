@@ -124,6 +124,37 @@ def test_undo_restores_the_model_exactly(name):
     assert torch.equal(model(input_ids=ids).logits, before)
 
 
+@pytest.mark.parametrize("name,lora", [("llama", False), ("llama", True), ("qwen3_moe", False), ("llama4_text", False)])
+def test_undo_gives_back_the_forwards_the_modules_had(name, lora):
+    """transformers >= 5.25 kernelizes what from_pretrained loads (the `kernels` package binds a hub
+    layer's forward to each module it has a kernel for), and accelerate's hooks wrap forwards: a
+    module may come with a forward of its own on the instance. hasten's patches replace it while
+    they are on (they compute the class's code); undo() gives each module back the very forward it
+    had, where undo used to drop it."""
+    import types
+
+    import peft
+
+    torch.manual_seed(0)
+    model = zoo.build(zoo.ENTRIES[name]).eval()
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights=False)).get_base_model()
+    ids = torch.tensor([zoo.samples()[2]["input_ids"]])
+    before = model(input_ids=ids).logits
+    had = {}
+    for module in model.modules():  # as kernels' kernelize does: the class's forward, bound on the instance
+        module.forward = had[id(module)] = types.MethodType(type(module).forward, module)
+    handle = hasten.accelerate(model)
+    replaced = [m for m in model.modules() if m.__dict__["forward"] is not had[id(m)]]
+    assert replaced, handle.report()  # hasten's pieces went on over the forwards that were there
+    assert torch.allclose(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
+    handle.undo()
+    assert all(m.__dict__.get("forward") is had[id(m)] for m in model.modules())
+    assert not any("_hasten_found_forwards" in m.__dict__ for m in model.modules())
+    assert torch.equal(model(input_ids=ids).logits, before)
+
+
 @pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
 def test_own_attention_keeps_samples_apart_over_several_padded_rows(name):
     """The packed mask is built per row from the collator's seq_idx; rows end in padding."""

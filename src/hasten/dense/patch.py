@@ -35,6 +35,7 @@ from torch import nn
 
 from hasten.dense.residual import NORM_SPEC_ATTRIBUTE
 from hasten.dense.spec import MlpSpec, NormSpec, RotarySpec
+from hasten.instance_forward import replace_forward, restore_forward
 from hasten.observability import record_fallback
 from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
 from hasten.ops.moe import swiglu
@@ -262,10 +263,12 @@ def rope_mismatch(original, head_dim: int, spec: RotarySpec = _HALVES, rotary_di
 
 
 def _restore_forwards(modules: list[nn.Module], *attributes: str):
-    """undo() for modules given an instance forward (and the instance `attributes`)."""
+    """undo() for modules given an instance forward (and the instance `attributes`): each gets back
+    the forward it had (instance_forward.py)."""
     def undo() -> None:
         for module in modules:
-            for name in ("forward", *attributes):
+            restore_forward(module)
+            for name in attributes:
                 module.__dict__.pop(name, None)
     return undo
 
@@ -329,7 +332,7 @@ def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
         return _fused_norm(self, hidden_states, self.__dict__[NORM_SPEC_ATTRIBUTE])  # the module's own eps name
 
     for module in patched:
-        module.forward = types.MethodType(forward, module)
+        replace_forward(module, types.MethodType(forward, module))
         # what the fused residual add may compute for it, the epsilon under the module's own name
         setattr(module, NORM_SPEC_ATTRIBUTE, _own_eps_name(module, spec))
     return _restore_forwards(patched, NORM_SPEC_ATTRIBUTE), len(patched), refused
@@ -369,7 +372,7 @@ def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
             return getattr(self, down_name)(gated(getattr(self, gate_name)(x), getattr(self, up_name)(x)))
 
     for module in patched:
-        module.forward = types.MethodType(forward, module)
+        replace_forward(module, types.MethodType(forward, module))
     return _restore_forwards(patched), len(patched), refused
 
 

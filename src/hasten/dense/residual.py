@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from hasten.dense.spec import NormSpec
+from hasten.instance_forward import replace_forward, restore_forward
 from hasten.ops.dense import add_rms_norm
 
 # The name the rewritten forward calls <add_norm> by (a closure variable: the modeling module's
@@ -158,11 +159,11 @@ def install_fused_residual(layers: list[nn.Module], fused_norms: set[int]):
         if forward is None:
             reasons.add(why)
             continue
-        layer.forward = types.MethodType(forward, layer)
+        replace_forward(layer, types.MethodType(forward, layer))
         patched.append(layer)
 
     def undo() -> None:
         for layer in patched:
-            layer.__dict__.pop("forward", None)
+            restore_forward(layer)
 
     return undo, len(patched), sorted(reasons)

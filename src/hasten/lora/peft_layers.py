@@ -25,6 +25,7 @@ import types
 import torch
 from torch import nn
 
+from hasten.instance_forward import replace_forward, restore_forward
 from hasten.observability import record_fallback
 from hasten.ops.lora import lora_linear, lora_linear_group, lora_linear_quantized
 
@@ -316,12 +317,12 @@ def install_fused_lora(model: nn.Module, groups: bool = True):
             reasons[mismatch] = len(dropped)
             patched = [m for m in patched if _kind(m) != kind]
     for module in patched:
-        module.forward = types.MethodType(_forward, module)
+        replace_forward(module, types.MethodType(_forward, module))
     grouped = []
     for group in shared_input_groups(model, patched) if groups else []:
         for index, module in enumerate(group.members):
             module._hasten_lora_group = (group, index)  # per-model state on the module, dropped by undo
-            module.forward = types.MethodType(_grouped_forward, module)
+            module.forward = types.MethodType(_grouped_forward, module)  # in place of hasten's own _forward
             grouped.append(module)
     if reasons:
         record_fallback("lora_not_fused", "; ".join(f"{count} LoRA layers: {why}" for why, count in reasons.items())
@@ -329,7 +330,7 @@ def install_fused_lora(model: nn.Module, groups: bool = True):
 
     def undo() -> None:
         for module in patched:
-            module.__dict__.pop("forward", None)
+            restore_forward(module)
             module.__dict__.pop("_hasten_lora_group", None)
 
     return undo, len(patched), len(grouped), [f"{count} LoRA layers: {why}" for why, count in reasons.items()]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hasten.instance_forward import replace_forward, restore_forward
 from hasten.observability import record_fallback
 from hasten.ops.loss import IGNORE_INDEX, linear_cross_entropy
 
@@ -128,9 +129,9 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap
                             hidden_states=getattr(outputs, "hidden_states", None),
                             attentions=getattr(outputs, "attentions", None))
 
-    model.forward = types.MethodType(forward, model)
+    replace_forward(model, types.MethodType(forward, model))
 
     def undo() -> None:
-        model.__dict__.pop("forward", None)
+        restore_forward(model)
 
     return undo

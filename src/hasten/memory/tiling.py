@@ -33,6 +33,7 @@ import types
 import torch
 from torch import nn
 
+from hasten.instance_forward import replace_forward, restore_forward
 from hasten.memory.offload import decoder_layers
 
 
@@ -152,16 +153,11 @@ def install_mlp_tiling(model: nn.Module, tile_tokens: int):
         def forward(self, x, *, _run=run):
             return tiled_mlp_forward(self, _run, x, tile_tokens)
 
-        mlp.__dict__["_hasten_untiled_forward"] = previous
-        mlp.forward = types.MethodType(forward, mlp)
+        replace_forward(mlp, types.MethodType(forward, mlp))
         tiled.append(mlp)
 
     def undo() -> None:
         for mlp in tiled:
-            previous = mlp.__dict__.pop("_hasten_untiled_forward", None)
-            if previous is None:
-                mlp.__dict__.pop("forward", None)
-            else:
-                mlp.forward = previous
+            restore_forward(mlp)
 
     return undo, len(tiled), sorted(refused)

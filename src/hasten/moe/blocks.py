@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from hasten.instance_forward import replace_forward, restore_forward
 from hasten.moe.experts import MoeLoadStats, grouped_linear
 from hasten.ops import moe as moe_ops
 
@@ -96,14 +97,14 @@ def install_llama4_blocks(model: nn.Module):
     if reasons or not blocks:
         return (lambda: None), 0, sorted(reasons), stats
     for block in blocks:
-        block.forward = types.MethodType(llama4_block_forward, block)
+        replace_forward(block, types.MethodType(llama4_block_forward, block))
         block._hasten_moe_stats = stats
         stats.track(block, block.num_experts, block.experts.gate_up_proj.device)
 
     def undo() -> None:
         stats.untrack()
         for block in blocks:
-            block.__dict__.pop("forward", None)
+            restore_forward(block)
             block.__dict__.pop("_hasten_moe_stats", None)
 
     return undo, len(blocks), [], stats

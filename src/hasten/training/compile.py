@@ -21,6 +21,7 @@ import functools
 import torch
 from torch import nn
 
+from hasten.instance_forward import replace_forward, restore_forward
 from hasten.observability import record_fallback
 
 
@@ -52,7 +53,7 @@ class CompiledLayers:
             setattr(torch._dynamo.config, _SKIP_REPLAY, True)
         self._compiled = torch.compile(_layer_forward, fullgraph=True, dynamic=True)
         for layer in layers:
-            layer.forward = functools.partial(self._forward, layer)
+            replace_forward(layer, functools.partial(self._forward, layer))
 
     def _forward(self, layer: nn.Module, *args, **kwargs):
         if self.failure is None:
@@ -68,7 +69,7 @@ class CompiledLayers:
 
     def undo(self) -> None:
         for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+            restore_forward(layer)
         if self._skip_before is not None:
             setattr(torch._dynamo.config, _SKIP_REPLAY, self._skip_before)
 
