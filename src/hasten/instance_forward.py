@@ -13,18 +13,21 @@ undo did before, dropped whatever had been there.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 from torch import nn
 
-# per module: what each hasten replacement found on the instance, oldest first
+# per module: what each hasten replacement found on the instance, and what it set, oldest first
 _FOUND = "_hasten_found_forwards"
+_SET = "_hasten_set_forwards"
 _NONE = None  # the instance had no forward of its own: the class's ran
 
 
 def replace_forward(module: nn.Module, forward: Callable) -> None:
     """Set `module.forward` to `forward` (a bound method or partial), remembering what it replaces."""
     module.__dict__.setdefault(_FOUND, []).append(module.__dict__.get("forward", _NONE))
+    module.__dict__.setdefault(_SET, []).append(forward)
     module.forward = forward
 
 
@@ -34,8 +37,9 @@ def restore_forward(module: nn.Module) -> None:
     if not found:  # never replaced by hasten (or already restored): nothing of hasten's to take off
         return
     previous = found.pop()
+    module.__dict__[_SET].pop()
     if not found:
-        del module.__dict__[_FOUND]
+        del module.__dict__[_FOUND], module.__dict__[_SET]
     if previous is _NONE:
         module.__dict__.pop("forward", None)
     else:
@@ -45,3 +49,41 @@ def restore_forward(module: nn.Module) -> None:
 def replaced_by_hasten(module: nn.Module) -> bool:
     """Whether the forward `module` runs now is one of hasten's replacements."""
     return bool(module.__dict__.get(_FOUND))
+
+
+def reassert_forwards(model: nn.Module) -> int:
+    """Put hasten's forwards back on the modules of `model` where someone replaced or removed them
+    since (transformers' re-kernelization, below), keeping what they set as the forward undo gives
+    back. Returns how many modules it mended."""
+    mended = 0
+    for module in model.modules():
+        ours = module.__dict__.get(_SET)
+        if ours and module.__dict__.get("forward") is not ours[-1]:
+            module.__dict__[_FOUND][0] = module.__dict__.get("forward", _NONE)
+            module.forward = ours[-1]
+            mended += 1
+    return mended
+
+
+def keep_over_kernelize(model: nn.Module) -> Callable[[], None]:
+    """transformers >= 5.25 kernelizes a model again whenever its kernels mode changes, and
+    `model.train()` / `model.eval()` change it (a `from_pretrained` model starts in inference mode;
+    the Trainer's first `train()` switches it): the `kernels` package then binds a hub layer's forward
+    to each module it has one for, or pops the instance forward where it has none, which took
+    hasten's fused RMSNorm off every norm without a word. This wraps the model's `set_use_kernels`
+    (where the kernelizing happens) on the instance so that hasten's forwards go back on after it;
+    the returned undo removes the wrapper."""
+    if not callable(getattr(model, "set_use_kernels", None)) or "set_use_kernels" in model.__dict__:
+        return lambda: None
+
+    def set_use_kernels(self, *args, **kwargs):  # bound to the model, so a deepcopy binds to its copy
+        result = type(self).set_use_kernels(self, *args, **kwargs)
+        reassert_forwards(self)
+        return result
+
+    model.set_use_kernels = types.MethodType(set_use_kernels, model)
+
+    def undo() -> None:
+        model.__dict__.pop("set_use_kernels", None)
+
+    return undo

@@ -155,6 +155,34 @@ def test_undo_gives_back_the_forwards_the_modules_had(name, lora):
     assert torch.equal(model(input_ids=ids).logits, before)
 
 
+def test_train_and_eval_keep_hastens_forwards_where_transformers_kernelizes(tmp_path):
+    """transformers >= 5.25 kernelizes what from_pretrained loads and does it again whenever the
+    kernels mode changes, which model.train() and model.eval() do: the `kernels` package pops the
+    instance forward of each module it has no hub kernel for, and took hasten's fused RMSNorm off
+    every norm at the Trainer's first train() without a word. hasten's forwards stay on through it,
+    and undo leaves nothing of hasten's behind."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    zoo.build(zoo.ENTRIES["qwen3"]).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    if not getattr(model, "use_kernels", False):
+        pytest.skip("this transformers does not kernelize what from_pretrained loads (before 5.25)")
+    ids = torch.tensor([zoo.samples()[2]["input_ids"]])
+    before = model(input_ids=ids).logits
+    handle = hasten.accelerate(model)
+    ours = {id(m): m.__dict__["forward"] for m in model.modules() if "_hasten_set_forwards" in m.__dict__}
+    assert any(type(m).__name__.endswith("RMSNorm") and id(m) in ours for m in model.modules()), handle.report()
+    for switch in (model.train, model.eval, model.train):
+        switch()
+        assert all(m.__dict__.get("forward") is ours[id(m)] for m in model.modules() if id(m) in ours), switch
+    assert torch.allclose(model.eval()(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
+    handle.undo()
+    assert not any("_hasten_set_forwards" in m.__dict__ for m in model.modules())
+    assert "set_use_kernels" not in model.__dict__
+    assert torch.equal(model(input_ids=ids).logits, before)
+
+
 @pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
 def test_own_attention_keeps_samples_apart_over_several_padded_rows(name):
     """The packed mask is built per row from the collator's seq_idx; rows end in padding."""

@@ -39,6 +39,7 @@ from hasten.integrations.contract import (attention_chunk_size, check_attention_
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.integrations.support import attention_features_missing, stateful_refusal
 from hasten.config import Config
+from hasten.instance_forward import keep_over_kernelize
 from hasten.observability import record_fallback
 from hasten.packing.collator import PackingError
 from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, LINEAR_META, MAX_K, MAX_Q, PackedMeta, chunk_boundaries, verify_against_position_ids, verify_enabled
@@ -1325,6 +1326,7 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
         _patch_dense_kernels(model, config, handle)
         patch_lora_layers(model, config, handle)
         _patch_mlp_tiling(model, config, handle)  # wraps the MLP forwards the kernel patches set
+        handle._undo_steps.append(keep_over_kernelize(model))  # train()/eval() re-kernelize on 5.25
     except BaseException:
         handle.undo()  # a failed accelerate() leaves the model, and the process, as they were
         raise
