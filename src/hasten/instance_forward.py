@@ -8,7 +8,9 @@ forward to each module it has a kernel for, where the hub is reachable); acceler
 (a decoder layer's fused residual forward, then `training.compile` over it), and one handle undoes
 them last first. So each replacement remembers what the instance held, and its undo restores that:
 the instance forward it found, or none (the class's forward runs again). Popping the attribute, as
-undo did before, dropped whatever had been there.
+undo did before, dropped whatever had been there. transformers' later re-kernelization
+(`keep_over_kernelize`) and accelerate's hooks (`without_hooked`: such modules are left alone) are
+the two cases where what is on the instance changes what hasten may do.
 """
 
 from __future__ import annotations
@@ -87,3 +89,22 @@ def keep_over_kernelize(model: nn.Module) -> Callable[[], None]:
         model.__dict__.pop("set_use_kernels", None)
 
     return undo
+
+
+HOOKED_REASON = ("accelerate's hooks wrap their forward (a model dispatched by device_map over several devices "
+                 "or offloaded): hasten's forward in its place would skip the hooks' moves of weights and inputs; "
+                 "load the model on one device (device_map={'': 0}) to have them accelerated")
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether accelerate's hooks (`dispatch_model`: device_map over several devices, offload) wrap
+    `module`'s forward. hasten leaves such modules to transformers."""
+    return "_hf_hook" in module.__dict__
+
+
+def without_hooked(modules: list[nn.Module]) -> tuple[list[nn.Module], list[str]]:
+    """(the modules accelerate's hooks do not wrap, [the reason, with how many were left] or [])."""
+    kept = [m for m in modules if not hooked(m)]
+    left = len(modules) - len(kept)
+    return kept, ([f"{left} {type(next(m for m in modules if hooked(m))).__name__} modules: {HOOKED_REASON}"]
+                  if left else [])

@@ -183,6 +183,38 @@ def test_train_and_eval_keep_hastens_forwards_where_transformers_kernelizes(tmp_
     assert torch.equal(model(input_ids=ids).logits, before)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_modules_under_accelerates_hooks_are_left_to_transformers_and_said(lora):
+    """accelerate's hooks (device_map over several devices, offload) wrap a module's forward to move
+    its weights and inputs; hasten's forward in their place would skip that. Those modules keep
+    their hooked forward, the report says why, the rest is accelerated, and the model computes the
+    same."""
+    import peft
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    torch.manual_seed(0)
+    model = zoo.build(zoo.ENTRIES["llama"]).eval()
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights=False)).get_base_model()
+    ids = torch.tensor([zoo.samples()[2]["input_ids"]])
+    before = model(input_ids=ids).logits
+    layer = model.model.layers[0]
+    hooked = [model, layer, layer.input_layernorm, layer.mlp, layer.self_attn.q_proj]
+    for module in hooked:
+        add_hook_to_module(module, AlignDevicesHook(execution_device="cpu"))
+    theirs = {id(m): m.__dict__["forward"] for m in hooked}
+    handle = hasten.accelerate(model)
+    try:
+        assert all(m.__dict__["forward"] is theirs[id(m)] for m in hooked)
+        assert "accelerate's hooks wrap their forward" in handle.report(), handle.report()
+        assert "forward" in model.model.layers[1].input_layernorm.__dict__  # the others are hasten's
+        assert torch.allclose(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
+    finally:
+        handle.undo()
+    assert all(m.__dict__["forward"] is theirs[id(m)] for m in hooked)
+
+
 @pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
 def test_own_attention_keeps_samples_apart_over_several_padded_rows(name):
     """The packed mask is built per row from the collator's seq_idx; rows end in padding."""

@@ -35,7 +35,7 @@ from torch import nn
 
 from hasten.dense.residual import NORM_SPEC_ATTRIBUTE
 from hasten.dense.spec import MlpSpec, NormSpec, RotarySpec
-from hasten.instance_forward import replace_forward, restore_forward
+from hasten.instance_forward import replace_forward, restore_forward, without_hooked
 from hasten.observability import record_fallback
 from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
 from hasten.ops.moe import swiglu
@@ -321,8 +321,9 @@ def install_fused_norms(model: nn.Module, spec: NormSpec = _LLAMA_NORM):
     """Returns (undo, number of modules patched, reasons other norm classes were left alone)."""
     if not spec.fused:
         return (lambda: None), 0, []
-    patched, refused = _checked_by_class([m for m in model.modules() if _is_norm(m, spec)],
-                                         lambda m: rms_norm_mismatch(m, spec))
+    candidates, hooked = without_hooked([m for m in model.modules() if _is_norm(m, spec)])
+    patched, refused = _checked_by_class(candidates, lambda m: rms_norm_mismatch(m, spec))
+    refused += hooked
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if spec.kind == "rms" and hidden_states.dtype != self.weight.dtype:
@@ -351,14 +352,15 @@ def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
     """Returns (undo, number of modules patched, reasons other MLP classes were left alone)."""
     if spec.kind not in _GATES:
         return (lambda: None), 0, []
-    candidates = [m for m in model.modules() if _is_gated_mlp(m, spec)]
+    candidates, hooked = without_hooked([m for m in model.modules() if _is_gated_mlp(m, spec)])
     if not candidates:  # e.g. an MoE model whose experts are all its MLPs (JetMoE, DBRX: no hidden_act either)
-        return (lambda: None), 0, []
+        return (lambda: None), 0, hooked
     activation = _activation(config if config is not None else model.config)
     if activation not in _ACTIVATIONS[spec.kind] and not spec.fixed_activation:
         return (lambda: None), 0, [f"the config's activation '{activation}' is not the table's "
                                    f"{_GATES[spec.kind][0]} gate"]
     patched, refused = _checked_by_class(candidates, lambda m: gated_mlp_mismatch(m, spec))
+    refused += hooked
     if spec.fused_gate_up:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             gate_up = self.gate_up_proj(x)  # (..., 2I): [gate | up]

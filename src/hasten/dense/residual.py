@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from hasten.dense.spec import NormSpec
-from hasten.instance_forward import replace_forward, restore_forward
+from hasten.instance_forward import replace_forward, restore_forward, without_hooked
 from hasten.ops.dense import add_rms_norm
 
 # The name the rewritten forward calls <add_norm> by (a closure variable: the modeling module's
@@ -147,7 +147,8 @@ def install_fused_residual(layers: list[nn.Module], fused_norms: set[int]):
     children that are `fused_norms` (ids of the norms hasten patched). Returns (undo, number of
     layers, reasons classes were left alone)."""
     rewritten: dict[tuple, tuple] = {}
-    reasons: set[str] = set()
+    layers, hooked = without_hooked(layers)
+    reasons: set[str] = set(hooked)
     patched = []
     for layer in layers:
         # the layer's own norms hasten patched, by attribute name (one rewrite per class and set)

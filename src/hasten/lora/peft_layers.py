@@ -25,7 +25,7 @@ import types
 import torch
 from torch import nn
 
-from hasten.instance_forward import replace_forward, restore_forward
+from hasten.instance_forward import HOOKED_REASON, hooked, replace_forward, restore_forward
 from hasten.observability import record_fallback
 from hasten.ops.lora import lora_linear, lora_linear_group, lora_linear_quantized
 
@@ -305,7 +305,7 @@ def install_fused_lora(model: nn.Module, groups: bool = True):
     reasons: dict[str, int] = {}
     patched = []
     for module in layers:
-        reason = ROUTER_ADAPTER_REASON if routers else unsupported_reason(module)
+        reason = HOOKED_REASON if hooked(module) else ROUTER_ADAPTER_REASON if routers else unsupported_reason(module)
         if reason is None:
             patched.append(module)
         else:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hasten.instance_forward import replace_forward, restore_forward
+from hasten.instance_forward import HOOKED_REASON, hooked, replace_forward, restore_forward
 from hasten.observability import record_fallback
 from hasten.ops.loss import IGNORE_INDEX, linear_cross_entropy
 
@@ -75,6 +75,8 @@ def install_fused_cross_entropy(model: nn.Module, chunk_tokens: int = 0, softcap
             raise FusedLossUnsupported(f"{type(model).__name__} has no `{attribute}` module (not a transformers "
                                        "*ForCausalLM layout)")
     head = getattr(model, head_name)
+    if hooked(model) or hooked(head):
+        raise FusedLossUnsupported(f"the model or its LM head: {HOOKED_REASON}")
     if not isinstance(head, nn.Linear):
         raise FusedLossUnsupported(f"the LM head is a {type(head).__name__}, not a plain nn.Linear "
                                    "(wrapped by PEFT or quantized); the fused loss reads its weight directly")

@@ -33,7 +33,7 @@ import types
 import torch
 from torch import nn
 
-from hasten.instance_forward import replace_forward, restore_forward
+from hasten.instance_forward import HOOKED_REASON, hooked, replace_forward, restore_forward
 from hasten.memory.offload import decoder_layers
 
 
@@ -143,7 +143,7 @@ def install_mlp_tiling(model: nn.Module, tile_tokens: int):
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
             continue
-        reason = tiling_refusal(mlp)
+        reason = f"MLPs: {HOOKED_REASON}" if hooked(mlp) else tiling_refusal(mlp)
         if reason is not None:
             refused.add(reason)
             continue

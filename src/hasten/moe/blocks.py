@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from hasten.instance_forward import replace_forward, restore_forward
+from hasten.instance_forward import replace_forward, restore_forward, without_hooked
 from hasten.moe.experts import MoeLoadStats, grouped_linear
 from hasten.ops import moe as moe_ops
 
@@ -89,8 +89,8 @@ def llama4_block_mismatch(block: nn.Module) -> str | None:
 
 def install_llama4_blocks(model: nn.Module):
     """Patch every Llama 4 MoE block of `model`. Returns (undo, number patched, reasons, stats)."""
-    blocks = [m for m in model.modules() if type(m).__name__ == "Llama4TextMoe"]
-    reasons = {reason for block in blocks if (reason := llama4_block_refusal(block)) is not None}
+    blocks, hooked = without_hooked([m for m in model.modules() if type(m).__name__ == "Llama4TextMoe"])
+    reasons = {*hooked, *(reason for block in blocks if (reason := llama4_block_refusal(block)) is not None)}
     if not reasons and blocks and (mismatch := llama4_block_mismatch(blocks[0])) is not None:
         reasons.add(mismatch)
     stats = MoeLoadStats()

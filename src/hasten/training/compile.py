@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from hasten.instance_forward import replace_forward, restore_forward
+from hasten.instance_forward import replace_forward, restore_forward, without_hooked
 from hasten.observability import record_fallback
 
 
@@ -82,4 +82,7 @@ def compile_decoder_layers(model: nn.Module) -> CompiledLayers:
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layers (transformers' GradientCheckpointingLayer) "
                          "to compile")
+    layers, hooked = without_hooked(layers)
+    if hooked:
+        record_fallback("torch_compile", f"training.compile: {hooked[0]}; those layers run eagerly")
     return CompiledLayers(layers)
