@@ -45,6 +45,66 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+class GpuClocks:
+    """The GPU's SM clock and board power while a block runs, from nvidia-smi every `period` seconds
+    on a thread (the process waits on the subprocess, not on the GIL). Why rows carry them: W4's step
+    runs at the H200's 700 W limit, where the clock falls to 1.5-1.65 GHz and what a board sustains
+    there moves the row by 3-4% from machine to machine. `fields()`: {"sm_clock_mhz", "power_w",
+    "clock_samples"} (means over the samples), or {} where there is no nvidia-smi (the CPU)."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+
+    def __init__(self, period: float = 0.25) -> None:
+        import threading
+
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        index = visible or (str(torch.cuda.current_device()) if torch.cuda.is_available() else "0")
+        self.command = [*self.QUERY, "-i", index]
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(self.command, capture_output=True, text=True, timeout=5).stdout
+            except (OSError, subprocess.SubprocessError):
+                return  # no nvidia-smi: no fields
+            self.samples.extend(parse_clock_samples(out))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "GpuClocks":
+        import shutil
+
+        if shutil.which(self.QUERY[0]):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def fields(self) -> dict:
+        if not self.samples:
+            return {}
+        return {"sm_clock_mhz": round(statistics.mean(c for c, _ in self.samples)),
+                "power_w": round(statistics.mean(p for _, p in self.samples), 1), "clock_samples": len(self.samples)}
+
+
+def parse_clock_samples(text: str) -> list[tuple[float, float]]:
+    """nvidia-smi's "clock, power" lines (csv, no header, no units) as (MHz, W); lines that are not
+    two numbers ("[N/A]", errors) are skipped."""
+    samples = []
+    for line in text.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        try:
+            if len(parts) == 2:
+                samples.append((float(parts[0]), float(parts[1])))
+        except ValueError:
+            continue
+    return samples
+
+
 def time_steps(step, warmup: int, iters: int) -> list[float]:
     """Seconds per call of `step()`, each measured with a device sync around it."""
     for _ in range(warmup):
@@ -103,13 +163,15 @@ def measure_training(build, steps: int, tokens: int, after=None) -> dict:
         time_steps(step, warmup=2, iters=0)  # compiles, first allocations
         sync()
         warmup_s = time.perf_counter() - started
-        times = time_steps(step, warmup=0, iters=steps)
+        with GpuClocks() as clocks:
+            times = time_steps(step, warmup=0, iters=steps)
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
         with count_host_syncs() as syncs:
             step()
         extra = after(step, handles) if after is not None else {}
         step_s = median(times)
         return {"tokens_per_s": tokens / step_s, "step_s": step_s, "peak_gib": peak, "warmup_s": round(warmup_s, 2),
+                **clocks.fields(),
                 "host_syncs_per_step": syncs.count, **extra, "losses": [round(float(v), 5) for v in losses],
                 "trainable_params": sum(p.numel() for p in params),
                 "notes": f"steps {[round(t, 3) for t in times]}; fallbacks {fallback_counts()}"
@@ -185,7 +247,8 @@ def print_training_row(row: dict, reference: str, width: int = 18) -> None:
     against = f"vs {reference} {diff:.1e}" if diff is not None else (
         "the reference" if name == reference else f"{reference} not run: unchecked")
     print(f"{name:>{width}}: {row['tokens_per_s']:>8,.0f} tok/s  {row['step_s']:.3f} s  {row['peak_gib']:6.1f} GiB  "
-          f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}  ({against})", flush=True)
+          f"syncs {row['host_syncs_per_step']:>3}  loss {row['losses'][0]:.4f}  ({against})"
+          + (f"  {row['sm_clock_mhz']} MHz {row['power_w']:.0f} W" if "sm_clock_mhz" in row else ""), flush=True)
 
 
 def print_ratio(mine: dict, theirs: dict) -> None:
