@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import shutil
 import statistics
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -55,8 +57,6 @@ class GpuClocks:
     QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
 
     def __init__(self, period: float = 0.25) -> None:
-        import threading
-
         self.period, self.samples, self._stop = period, [], threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
@@ -73,8 +73,6 @@ class GpuClocks:
             self._stop.wait(self.period)
 
     def __enter__(self) -> "GpuClocks":
-        import shutil
-
         if shutil.which(self.QUERY[0]):
             self._thread.start()
         return self

@@ -48,23 +48,15 @@ def restore_forward(module: nn.Module) -> None:
         module.forward = previous
 
 
-def replaced_by_hasten(module: nn.Module) -> bool:
-    """Whether the forward `module` runs now is one of hasten's replacements."""
-    return bool(module.__dict__.get(_FOUND))
-
-
-def reassert_forwards(model: nn.Module) -> int:
+def reassert_forwards(model: nn.Module) -> None:
     """Put hasten's forwards back on the modules of `model` where someone replaced or removed them
     since (transformers' re-kernelization, below), keeping what they set as the forward undo gives
-    back. Returns how many modules it mended."""
-    mended = 0
+    back."""
     for module in model.modules():
         ours = module.__dict__.get(_SET)
         if ours and module.__dict__.get("forward") is not ours[-1]:
             module.__dict__[_FOUND][0] = module.__dict__.get("forward", _NONE)
             module.forward = ours[-1]
-            mended += 1
-    return mended
 
 
 def keep_over_kernelize(model: nn.Module) -> Callable[[], None]:
@@ -104,7 +96,5 @@ def hooked(module: nn.Module) -> bool:
 
 def without_hooked(modules: list[nn.Module]) -> tuple[list[nn.Module], list[str]]:
     """(the modules accelerate's hooks do not wrap, [the reason, with how many were left] or [])."""
-    kept = [m for m in modules if not hooked(m)]
-    left = len(modules) - len(kept)
-    return kept, ([f"{left} {type(next(m for m in modules if hooked(m))).__name__} modules: {HOOKED_REASON}"]
-                  if left else [])
+    kept, left = [m for m in modules if not hooked(m)], [m for m in modules if hooked(m)]
+    return kept, [f"{len(left)} {type(left[0]).__name__} modules: {HOOKED_REASON}"] if left else []

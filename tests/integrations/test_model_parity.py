@@ -155,7 +155,8 @@ def test_undo_gives_back_the_forwards_the_modules_had(name, lora):
     assert torch.equal(model(input_ids=ids).logits, before)
 
 
-def test_train_and_eval_keep_hastens_forwards_where_transformers_kernelizes(tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_and_eval_keep_hastens_forwards_where_transformers_kernelizes(tmp_path, lora):
     """transformers >= 5.25 kernelizes what from_pretrained loads and does it again whenever the
     kernels mode changes, which model.train() and model.eval() do: the `kernels` package pops the
     instance forward of each module it has no hub kernel for, and took hasten's fused RMSNorm off
@@ -168,6 +169,11 @@ def test_train_and_eval_keep_hastens_forwards_where_transformers_kernelizes(tmp_
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     if not getattr(model, "use_kernels", False):
         pytest.skip("this transformers does not kernelize what from_pretrained loads (before 5.25)")
+    if lora:  # hasten's LoRA layers, q/k/v and gate/up grouped (their forwards swapped once more)
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights=False)).get_base_model()
     ids = torch.tensor([zoo.samples()[2]["input_ids"]])
     before = model(input_ids=ids).logits
     handle = hasten.accelerate(model)

@@ -322,7 +322,8 @@ def install_fused_lora(model: nn.Module, groups: bool = True):
     for group in shared_input_groups(model, patched) if groups else []:
         for index, module in enumerate(group.members):
             module._hasten_lora_group = (group, index)  # per-model state on the module, dropped by undo
-            module.forward = types.MethodType(_grouped_forward, module)  # in place of hasten's own _forward
+            restore_forward(module)  # its ungrouped _forward, set above, gives way to the grouped one
+            replace_forward(module, types.MethodType(_grouped_forward, module))
             grouped.append(module)
     if reasons:
         record_fallback("lora_not_fused", "; ".join(f"{count} LoRA layers: {why}" for why, count in reasons.items())
