@@ -8,6 +8,8 @@ the result), W1's batch of 16,384 tokens in 61 samples. One run measures, on the
   hasten          hasten.accelerate after get_peft_model: packed varlen attention, fused norm,
                   SwiGLU, RoPE, loss, and PEFT's LoRA layers on hasten::lora_linear; no checkpointing
   hasten_ungrouped  hasten with kernels.fused_lora_groups off: q/k/v and gate/up as separate ops
+  hasten_lora_grads_gemms  hasten with the backward's gb and d lora_b from two GEMMs that each read
+                    grad_y (HASTEN_LORA_GRADS_KERNEL=0), not the kernel that reads it once
   hasten_residual_unfused  hasten with kernels.fused_residual off: each layer's residual add a separate
                   PyTorch add before the fused RMSNorm (what hasten ran before it)
   hasten_lean     the same with full activation checkpointing
@@ -148,7 +150,8 @@ def build(name: str, samples):
         full = {"training": {"checkpoint": {"activations": "full"}}}
         offload = {"training": {"checkpoint": {"activations": "full", "offload": "all"}}}
         tiled = {"training": {"checkpoint": {"activations": "full", "offload": "all", "mlp_tile_tokens": 4096}}}
-        settings = {"hasten": {}, "hasten_ungrouped": {"kernels": {"fused_lora_groups": False}},
+        settings = {"hasten": {}, "hasten_lora_grads_gemms": {},
+                    "hasten_ungrouped": {"kernels": {"fused_lora_groups": False}},
                     "hasten_residual_unfused": {"kernels": {"fused_residual": False}},
                     "hasten_lean": full, "hasten_offload": offload, "hasten_tiled": tiled,
                     "hasten_nf4": {}, "hasten_nf4_lean": full, "hasten_nf4_offload": offload,
@@ -183,7 +186,19 @@ def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
         print(f"{name:>18}: offload {offload[0]}", flush=True)  # what went to the host, and the waits for it
         return {"offload": offload[0]}
 
-    measured = common.measure_training(lambda: build(name, samples), steps, TOKENS, after)
+    # hasten_lora_grads_gemms: hasten with the LoRA backward's gb and d lora_b from two GEMMs that
+    # read grad_y once each, instead of the kernel that reads it once for both (read at each call)
+    switch = {"HASTEN_LORA_GRADS_KERNEL": "0"} if name == "hasten_lora_grads_gemms" else {}
+    saved = {key: os.environ.get(key) for key in switch}
+    os.environ.update(switch)
+    try:
+        measured = common.measure_training(lambda: build(name, samples), steps, TOKENS, after)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return {"workload": workload_of(name), "variant": name, **common.environment(), **measured}
 
 
@@ -233,7 +248,8 @@ def main() -> int:
     base = {r["variant"]: r for r in rows if r["step_s"] is not None}
     for mine in ("hasten", "hasten_lean", "hasten_offload", "hasten_tiled", "hasten_nf4",
                  "hasten_nf4_lean", "hasten_nf4_offload", "hasten_nf4_tiled"):
-        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_residual_unfused", "hasten_ungrouped",
+        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_lora_grads_gemms", "hasten_residual_unfused",
+                    "hasten_ungrouped",
                     "hasten_peft_layers", "hf_peft_padded", "hf_peft_bnb", "unsloth_nf4"):
             if mine in base and ref in base:
                 common.print_ratio(base[mine], base[ref])

@@ -14,6 +14,7 @@ import torch
 peft = pytest.importorskip("peft")
 
 import hasten  # noqa: E402
+import hasten.ops  # noqa: E402
 from hasten.config import Config  # noqa: E402
 from hasten.lora import install_fused_lora, lora_layers  # noqa: E402
 from hasten.packing import move_batch  # noqa: E402
@@ -252,3 +253,111 @@ def test_group_op_is_within_the_bf16_noise_of_one_op_per_projection(tokens, n_in
         error = float((got - want).norm() / want.norm())
         noise = float((theirs - want).norm() / want.norm())
         assert error <= 1.5 * noise + 1e-4, f"{label}: group {error:.2e} vs one op per projection {noise:.2e}"
+
+
+# --- the backward's one pass over grad_y (csrc/kernels/lora_grads.cuh) ------------------------------
+
+def _launched_kernels(fn) -> list[str]:
+    hasten.ops.load()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _relative_error(got, want) -> float:
+    return float((got.double() - want).norm() / max(float(want.norm()), 1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b_dtype", [torch.float32, "x"])
+@pytest.mark.parametrize("tokens,n_in,n_out,rank", [(4097, 64, 1024, 16), (1, 40, 520, 32), (300, 32, 14336, 16),
+                                                    (1000, 48, 4104, 32), (77, 16, 24, 16), (33, 24, 8, 8),
+                                                    (0, 16, 64, 16)])
+def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_in, n_out, rank, dtype, b_dtype,
+                                                                     monkeypatch):
+    """hasten::lora_linear_backward on CUDA with the one-pass kernel (ranks 16 and 32) against the
+    float64 formulas of the same rounded inputs, within 1.5x of the two GEMMs' error
+    (HASTEN_LORA_GRADS_KERNEL=0); sizes off the kernel's tiles (32 rows, 512 columns), one token,
+    no tokens, a rank it does not take (8: the GEMMs). Repeats bit for bit (fixed summation order)."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens + n_out)
+
+    def rand(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dt)
+
+    b_dtype = dtype if b_dtype == "x" else b_dtype
+    g, x = rand(tokens, n_out), rand(tokens, n_in)
+    w = rand(n_out, n_in, scale=n_in ** -0.5)
+    a, b = rand(rank, n_in, scale=n_in ** -0.5, dt=b_dtype), rand(n_out, rank, scale=0.1, dt=b_dtype)
+    xa = (x @ a.to(dtype).t())
+    scale = 2.0
+
+    hasten.ops.load()
+
+    def run():
+        return torch.ops.hasten.lora_linear_backward(g, x, w, a, b, xa, scale, True)
+
+    names = _launched_kernels(run)
+    one_pass = any("lora_grads_kernel" in n for n in names)
+    assert one_pass == (rank in (16, 32) and tokens > 0), names
+    first, again = run(), run()
+    for got, repeat in zip(first, again):
+        assert torch.equal(got, repeat)
+    monkeypatch.setenv("HASTEN_LORA_GRADS_KERNEL", "0")
+    assert not any("lora_grads_kernel" in n for n in _launched_kernels(run))
+    gemms = run()
+    monkeypatch.delenv("HASTEN_LORA_GRADS_KERNEL")
+
+    g64, x64, w64, xa64 = g.double(), x.double(), w.double(), xa.double()
+    a64, b64 = a.to(dtype).double(), b.to(dtype).double()
+    gb = scale * g64 @ b64
+    want = {"grad_x": g64 @ w64 + gb @ a64, "grad_a": gb.t() @ x64, "grad_b": scale * g64.t() @ xa64}
+    for index, label in ((0, "grad_x"), (2, "grad_a"), (3, "grad_b")):
+        assert first[index].dtype == (dtype if label == "grad_x" else b_dtype)
+        if tokens == 0:
+            assert first[index].abs().sum() == 0
+            continue
+        error, noise = _relative_error(first[index], want[label]), _relative_error(gemms[index], want[label])
+        assert error <= 1.5 * noise + 1e-5, f"{label}: one pass {error:.2e} vs two GEMMs {noise:.2e}"
+
+
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16])
+def test_group_backward_one_pass_on_narrowed_ranks(b_dtype, monkeypatch):
+    """The group's members write gb into column ranges of one (T, R) tensor and read xa's: ranks 16,
+    32 and 8 stacked (offsets 0, 16, 48), output sizes off the 512-column stripes."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    tokens, n_in, outs, ranks, scales = 2049, 96, (1032, 264, 4096), (16, 32, 8), [2.0, 0.5, 1.0]
+
+    def rand(*shape, scale=1.0, dt=torch.bfloat16):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dt)
+
+    x = rand(tokens, n_in)
+    weights = [rand(n, n_in, scale=n_in ** -0.5) for n in outs]
+    lora_a = [rand(r, n_in, scale=n_in ** -0.5, dt=b_dtype) for r in ranks]
+    lora_b = [rand(n, r, scale=0.1, dt=b_dtype) for n, r in zip(outs, ranks)]
+    grads = [rand(tokens, n) for n in outs]
+    xa = x @ torch.cat([t.to(torch.bfloat16) for t in lora_a]).t()
+
+    hasten.ops.load()
+
+    def run():
+        return torch.ops.hasten.lora_linear_group_backward(grads, x, weights, lora_a, lora_b, xa, scales)
+
+    names = _launched_kernels(run)
+    assert sum("lora_grads_kernel" in n for n in names) == 2, names  # ranks 16 and 32; rank 8 on the GEMMs
+    got = run()
+    monkeypatch.setenv("HASTEN_LORA_GRADS_KERNEL", "0")
+    gemms = run()
+    monkeypatch.delenv("HASTEN_LORA_GRADS_KERNEL")
+    offsets = [0, 16, 48, 56]
+    gbs = [s * grads[i].double() @ lora_b[i].to(torch.bfloat16).double() for i, s in enumerate(scales)]
+    want_x = sum(gbs[i] @ lora_a[i].to(torch.bfloat16).double() + grads[i].double() @ weights[i].double()
+                 for i in range(3))
+    want_a = [gb.t() @ x.double() for gb in gbs]
+    want_b = [s * grads[i].double().t() @ xa[:, offsets[i]:offsets[i + 1]].double() for i, s in enumerate(scales)]
+    pairs = [("grad_x", got[0], gemms[0], want_x)]
+    pairs += [(f"grad_a[{i}]", got[1][i], gemms[1][i], want_a[i]) for i in range(3)]
+    pairs += [(f"grad_b[{i}]", got[2][i], gemms[2][i], want_b[i]) for i in range(3)]
+    for label, mine, theirs, want in pairs:
+        error, noise = _relative_error(mine, want), _relative_error(theirs, want)
+        assert error <= 1.5 * noise + 1e-5, f"{label}: one pass {error:.2e} vs two GEMMs {noise:.2e}"

@@ -1,0 +1,51 @@
+// Torch-free, host-includable interface of the LoRA backward's one pass over the output gradient.
+//
+// A LoRA projection's backward reads its output gradient g (T, N) for two thin products:
+//   gb     = scale * g B        (T, r)   B = lora_b (N, r): feeds d lora_a and d x
+//   grad_b = scale * g^T xa     (N, r)   xa = x_lora lora_a^T, kept from the forward
+// As two GEMMs each reads all of g (2 T N bytes in bf16; 1.4 GB a layer of the Llama-8B shape, at
+// the memory's rate), so g is read twice. This kernel reads each tile of g once into shared memory
+// and feeds both products from it on the tensor cores. Each block owns a stripe of 512 columns and
+// a chunk of rows: its gb over the stripe and its grad_b over the chunk are partial sums, written in
+// float32 to a workspace and added up by a second kernel in a fixed order (the result does not
+// depend on scheduling, so a run repeats bit for bit).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "element_type.h"
+
+namespace hasten {
+namespace kernels {
+
+struct LoraGradsParams {
+  const void* grad_y;     // g (T, N), row r at grad_y + r * grad_y_stride, unit column stride
+  int64_t grad_y_stride;
+  const void* lora_b;     // B (N, r) contiguous, g's type
+  const void* xa;         // (T, r), row r at xa + r * xa_stride, unit column stride, g's type
+  int64_t xa_stride;
+  void* gb;               // out (T, r), row r at gb + r * gb_stride, g's type
+  int64_t gb_stride;
+  void* grad_b;           // out (N, r) contiguous, grad_b_type
+  int64_t tokens, out_features, rank;  // T, N, r
+  float scale;
+  ElementType type;         // float16 or bfloat16
+  ElementType grad_b_type;  // float32, or g's type
+  int sm_count;             // the device's multiprocessors: the grid fills them once
+  int sm_major;             // compute capability's major: tensor cores with bfloat16 from 8
+  float* workspace;         // lora_grads_workspace_floats(params) floats, float32
+};
+
+// Whether the kernel takes these shapes and strides (else the caller runs the two GEMMs): rank 16
+// or 32, N and the row strides multiples of 8 elements, 16-byte aligned pointers, float16/bfloat16,
+// compute capability 8.0 or newer.
+bool lora_grads_supported(const LoraGradsParams& params);
+// Floats of workspace the launch needs: the partial sums (stripes x T' x r and chunks x N' x r,
+// T' and N' rounded up to whole tiles).
+int64_t lora_grads_workspace_floats(const LoraGradsParams& params);
+// gb and grad_b as above, in two launches on `stream`.
+cudaError_t launch_lora_grads(const LoraGradsParams& params, cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace hasten

@@ -1,0 +1,303 @@
+// The LoRA backward's one pass over the output gradient (lora_grads.cuh): gb = s g B and
+// grad_b = s g^T xa from each tile of g read once.
+//
+// Block (256 threads, 8 warps) = a stripe of kStripeCols columns x a chunk of rows; it walks its
+// chunk in tiles of kTileRows rows, double-buffered through shared memory with cp.async (rows past
+// T and columns past N arrive as zeros, so the tensor-core fragments never read garbage):
+//   grad_b: warp w owns the stripe's columns [64 w, 64 w + 64) and keeps their (64, r) partial of
+//           g^T xa in float32 accumulators across the whole chunk;
+//   gb:     warp w takes rows [16 (w & 1), +16) of the tile and columns [128 (w >> 1), +128), whose
+//           slice of B stays in registers for the whole chunk; the four column groups' (16, r)
+//           products are added in shared memory and the stripe's partial gb of the tile written.
+// A second kernel adds the stripes' gb partials and the chunks' grad_b partials in index order,
+// scales them and rounds once to the outputs' types.
+#include <mma.h>
+
+#include "dtype_utils.cuh"
+#include "lora_grads.cuh"
+
+namespace hasten {
+namespace kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileRows = 32;
+constexpr int kStripeCols = 512;
+constexpr int kPad = 8;                        // elements: rows 16 bytes apart in the banks
+constexpr int kLdG = kStripeCols + kPad;       // shared g tile's row stride
+constexpr int kGbColumns = 128;                // columns of a warp's gb product
+constexpr int kDbColumns = kStripeCols / 8;    // columns of a warp's grad_b partial (64)
+
+// How the (T, N) gradient is cut: stripes x chunks blocks, one wave over the multiprocessors.
+struct Plan {
+  int64_t stripes, chunks, chunk_rows, rows_padded, cols_padded;
+};
+
+int blocks_per_sm(int64_t rank) { return rank <= 16 ? 2 : 1; }
+
+Plan plan_of(const LoraGradsParams& p) {
+  Plan plan{};
+  plan.stripes = (p.out_features + kStripeCols - 1) / kStripeCols;
+  const int64_t wave = static_cast<int64_t>(p.sm_count > 0 ? p.sm_count : 1) * blocks_per_sm(p.rank);
+  const int64_t wanted = wave > plan.stripes ? wave / plan.stripes : 1;
+  const int64_t tiles = (p.tokens + kTileRows - 1) / kTileRows;
+  const int64_t tiles_per_chunk = (tiles + wanted - 1) / wanted;
+  plan.chunk_rows = tiles_per_chunk * kTileRows;
+  plan.chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;  // every chunk has rows
+  plan.rows_padded = plan.chunks * plan.chunk_rows;
+  plan.cols_padded = plan.stripes * kStripeCols;
+  return plan;
+}
+
+template <int R>
+constexpr int shared_bytes_of() {
+  return (2 * kTileRows * kLdG + kStripeCols * (R + kPad) + 2 * kTileRows * (R + kPad)) * 2 +
+         4 * kTileRows * R * static_cast<int>(sizeof(float));
+}
+
+template <typename T>
+struct Args {
+  const T* g;
+  int64_t g_stride;
+  const T* b;
+  const T* xa;
+  int64_t xa_stride;
+  float* gb_partial;  // (stripes, rows_padded, R)
+  float* db_partial;  // (chunks, cols_padded, R)
+  int64_t tokens, cols, chunk_rows, rows_padded, cols_padded;
+};
+
+__device__ __forceinline__ void copy16_async(void* shared, const void* global, bool valid) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are filled with zeros, nothing is read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(bytes));
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int Pending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads, (R <= 16 ? 2 : 1)) lora_grads_kernel(Args<T> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  namespace wmma = nvcuda::wmma;
+  constexpr int kLdR = R + kPad;
+  constexpr int kRankFrags = R / 16;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  T* s_g = reinterpret_cast<T*>(shared_raw);          // [2][kTileRows][kLdG]
+  T* s_b = s_g + 2 * kTileRows * kLdG;                 // [kStripeCols][kLdR]
+  T* s_x = s_b + kStripeCols * kLdR;                   // [2][kTileRows][kLdR]
+  float* s_sum = reinterpret_cast<float*>(s_x + 2 * kTileRows * kLdR);  // [4][kTileRows][R]
+
+  const int64_t stripe = blockIdx.x, chunk = blockIdx.y;
+  const int64_t col0 = stripe * kStripeCols;
+  const int64_t row_begin = chunk * a.chunk_rows;
+  const int64_t row_end = min(a.tokens, row_begin + a.chunk_rows);
+  const int tiles = static_cast<int>((row_end - row_begin + kTileRows - 1) / kTileRows);
+
+  // B's stripe, once (rows past N as zeros)
+  for (int i = threadIdx.x; i < kStripeCols * (R / 8); i += kThreads) {
+    const int row = i / (R / 8), part = i % (R / 8);
+    const bool valid = col0 + row < a.cols;
+    copy16_async(s_b + row * kLdR + part * 8, valid ? a.b + (col0 + row) * R + part * 8 : a.b, valid);
+  }
+  auto load_tile = [&](int tile, int stage) {
+    const int64_t r0 = row_begin + static_cast<int64_t>(tile) * kTileRows;
+    T* g_dst = s_g + stage * kTileRows * kLdG;
+    for (int i = threadIdx.x; i < kTileRows * (kStripeCols / 8); i += kThreads) {
+      const int row = i / (kStripeCols / 8), part = i % (kStripeCols / 8);
+      const int64_t col = col0 + part * 8;
+      const bool valid = r0 + row < row_end && col < a.cols;  // N % 8 == 0: a part is all in or all out
+      copy16_async(g_dst + row * kLdG + part * 8, valid ? a.g + (r0 + row) * a.g_stride + col : a.g, valid);
+    }
+    T* x_dst = s_x + stage * kTileRows * kLdR;
+    for (int i = threadIdx.x; i < kTileRows * (R / 8); i += kThreads) {
+      const int row = i / (R / 8), part = i % (R / 8);
+      const bool valid = r0 + row < row_end;
+      copy16_async(x_dst + row * kLdR + part * 8, valid ? a.xa + (r0 + row) * a.xa_stride + part * 8 : a.xa,
+                   valid);
+    }
+  };
+  load_tile(0, 0);
+  commit_copies();
+
+  const int warp = threadIdx.x / 32;
+  const int gb_row = 16 * (warp & 1), gb_group = warp >> 1, gb_col = kGbColumns * gb_group;
+  const int db_col = kDbColumns * warp;
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> db_acc[kDbColumns / 16][kRankFrags];
+#pragma unroll
+  for (int m = 0; m < kDbColumns / 16; ++m) {
+#pragma unroll
+    for (int n = 0; n < kRankFrags; ++n) wmma::fill_fragment(db_acc[m][n], 0.0f);
+  }
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_frag[kGbColumns / 16][kRankFrags];
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int stage = tile & 1;
+    if (tile + 1 < tiles) {
+      load_tile(tile + 1, stage ^ 1);
+      commit_copies();
+      wait_copies<1>();
+    } else {
+      wait_copies<0>();
+    }
+    __syncthreads();
+    if (tile == 0) {
+#pragma unroll
+      for (int k = 0; k < kGbColumns / 16; ++k) {
+#pragma unroll
+        for (int n = 0; n < kRankFrags; ++n) {
+          wmma::load_matrix_sync(b_frag[k][n], s_b + (gb_col + 16 * k) * kLdR + 16 * n, kLdR);
+        }
+      }
+    }
+    const T* g = s_g + stage * kTileRows * kLdG;
+    const T* x = s_x + stage * kTileRows * kLdR;
+
+    // grad_b partial += g^T xa over the tile's rows: g read column-major is g^T
+#pragma unroll
+    for (int k = 0; k < kTileRows / 16; ++k) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> x_frag[kRankFrags];
+#pragma unroll
+      for (int n = 0; n < kRankFrags; ++n) wmma::load_matrix_sync(x_frag[n], x + 16 * k * kLdR + 16 * n, kLdR);
+#pragma unroll
+      for (int m = 0; m < kDbColumns / 16; ++m) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> gt_frag;
+        wmma::load_matrix_sync(gt_frag, g + 16 * k * kLdG + db_col + 16 * m, kLdG);
+#pragma unroll
+        for (int n = 0; n < kRankFrags; ++n) wmma::mma_sync(db_acc[m][n], gt_frag, x_frag[n], db_acc[m][n]);
+      }
+    }
+
+    // gb over the warp's 128 columns, for its 16 rows
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> gb_acc[kRankFrags];
+#pragma unroll
+    for (int n = 0; n < kRankFrags; ++n) wmma::fill_fragment(gb_acc[n], 0.0f);
+#pragma unroll
+    for (int k = 0; k < kGbColumns / 16; ++k) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> g_frag;
+      wmma::load_matrix_sync(g_frag, g + gb_row * kLdG + gb_col + 16 * k, kLdG);
+#pragma unroll
+      for (int n = 0; n < kRankFrags; ++n) wmma::mma_sync(gb_acc[n], g_frag, b_frag[k][n], gb_acc[n]);
+    }
+#pragma unroll
+    for (int n = 0; n < kRankFrags; ++n) {
+      wmma::store_matrix_sync(s_sum + (gb_group * kTileRows + gb_row) * R + 16 * n, gb_acc[n], R,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+    // the stripe's partial gb of the tile: the four column groups added in order
+    const int64_t r0 = row_begin + static_cast<int64_t>(tile) * kTileRows;
+    float* out = a.gb_partial + (stripe * a.rows_padded + r0) * R;
+    for (int i = threadIdx.x; i < kTileRows * R; i += kThreads) {
+      out[i] = ((s_sum[i] + s_sum[kTileRows * R + i]) + s_sum[2 * kTileRows * R + i]) + s_sum[3 * kTileRows * R + i];
+    }
+    __syncthreads();  // the stage and s_sum are free for the next tile
+  }
+
+  float* db_out = a.db_partial + (chunk * a.cols_padded + col0 + db_col) * R;
+#pragma unroll
+  for (int m = 0; m < kDbColumns / 16; ++m) {
+#pragma unroll
+    for (int n = 0; n < kRankFrags; ++n) {
+      wmma::store_matrix_sync(db_out + 16 * m * R + 16 * n, db_acc[m][n], R, wmma::mem_row_major);
+    }
+  }
+#endif
+}
+
+// gb[t] = s * sum over stripes of gb_partial[stripe][t], grad_b[n] = s * sum over chunks of
+// db_partial[chunk][n], each in index order; one thread an element.
+template <typename T, typename TB>
+__global__ void lora_grads_sum_kernel(const float* __restrict__ gb_partial, const float* __restrict__ db_partial,
+                                      T* __restrict__ gb, int64_t gb_stride, TB* __restrict__ grad_b, int64_t tokens,
+                                      int64_t cols, int64_t rank, int64_t stripes, int64_t chunks,
+                                      int64_t rows_padded, int64_t cols_padded, float scale) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t gb_count = tokens * rank;
+  if (i < gb_count) {
+    const int64_t row = i / rank, j = i % rank;
+    float sum = 0.0f;
+    for (int64_t s = 0; s < stripes; ++s) sum += gb_partial[(s * rows_padded + row) * rank + j];
+    gb[row * gb_stride + j] = from_float<T>(sum * scale);
+    return;
+  }
+  const int64_t k = i - gb_count;
+  if (k >= cols * rank) return;
+  const int64_t col = k / rank, j = k % rank;
+  float sum = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) sum += db_partial[(c * cols_padded + col) * rank + j];
+  grad_b[k] = from_float<TB>(sum * scale);
+}
+
+template <typename T, int R>
+cudaError_t launch_typed(const LoraGradsParams& p, cudaStream_t stream) {
+  const Plan plan = plan_of(p);
+  Args<T> a{};
+  a.g = static_cast<const T*>(p.grad_y);
+  a.g_stride = p.grad_y_stride;
+  a.b = static_cast<const T*>(p.lora_b);
+  a.xa = static_cast<const T*>(p.xa);
+  a.xa_stride = p.xa_stride;
+  a.gb_partial = p.workspace;
+  a.db_partial = p.workspace + plan.stripes * plan.rows_padded * R;
+  a.tokens = p.tokens;
+  a.cols = p.out_features;
+  a.chunk_rows = plan.chunk_rows;
+  a.rows_padded = plan.rows_padded;
+  a.cols_padded = plan.cols_padded;
+  constexpr int kShared = shared_bytes_of<R>();
+  // over 48 KiB of shared memory must be asked for (per device: set at every launch, it is cheap)
+  if (const cudaError_t err =
+          cudaFuncSetAttribute(lora_grads_kernel<T, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
+      err != cudaSuccess) {
+    return err;
+  }
+  if (plan.chunks > 65535) return cudaErrorInvalidConfiguration;
+  lora_grads_kernel<T, R><<<dim3(static_cast<unsigned>(plan.stripes), static_cast<unsigned>(plan.chunks)), kThreads,
+                            kShared, stream>>>(a);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  const int64_t total = (p.tokens + p.out_features) * R;
+  const unsigned blocks = static_cast<unsigned>((total + 255) / 256);
+  if (p.grad_b_type == ElementType::kFloat32) {
+    lora_grads_sum_kernel<T, float><<<blocks, 256, 0, stream>>>(
+        a.gb_partial, a.db_partial, static_cast<T*>(p.gb), p.gb_stride, static_cast<float*>(p.grad_b), p.tokens,
+        p.out_features, R, plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded, p.scale);
+  } else {
+    lora_grads_sum_kernel<T, T><<<blocks, 256, 0, stream>>>(
+        a.gb_partial, a.db_partial, static_cast<T*>(p.gb), p.gb_stride, static_cast<T*>(p.grad_b), p.tokens,
+        p.out_features, R, plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded, p.scale);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_rank(const LoraGradsParams& p, cudaStream_t stream) {
+  return p.rank == 16 ? launch_typed<T, 16>(p, stream) : launch_typed<T, 32>(p, stream);
+}
+
+}  // namespace
+
+bool lora_grads_supported(const LoraGradsParams& p) {
+  const bool half_type = p.type == ElementType::kFloat16 || p.type == ElementType::kBFloat16;
+  const bool grad_b_type = p.grad_b_type == ElementType::kFloat32 || p.grad_b_type == p.type;
+  return half_type && grad_b_type && p.sm_major >= 8 && (p.rank == 16 || p.rank == 32) && p.tokens >= 1 &&
+         p.out_features >= 1 && p.out_features % 8 == 0 && p.grad_y_stride % 8 == 0 && p.xa_stride % 8 == 0 &&
+         aligned16(p.grad_y) && aligned16(p.lora_b) && aligned16(p.xa);
+}
+
+int64_t lora_grads_workspace_floats(const LoraGradsParams& p) {
+  const Plan plan = plan_of(p);
+  return (plan.stripes * plan.rows_padded + plan.chunks * plan.cols_padded) * p.rank;
+}
+
+cudaError_t launch_lora_grads(const LoraGradsParams& p, cudaStream_t stream) {
+  if (!lora_grads_supported(p)) return cudaErrorInvalidValue;
+  if (p.type == ElementType::kBFloat16) return launch_rank<__nv_bfloat16>(p, stream);
+  return launch_rank<__half>(p, stream);
+}
+
+}  // namespace kernels
+}  // namespace hasten

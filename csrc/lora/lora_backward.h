@@ -1,0 +1,134 @@
+// The backward of hasten::lora_linear and hasten::lora_linear_group, shared by every device. The
+// two thin products that read the output gradient g,
+//   gb = s g B (T, r)   and   d B = s g^T xa (out, r),
+// come from the device's ThinGrads: ATen's two GEMMs (CPU, and CUDA where its kernel does not take
+// the shapes) or the CUDA kernel that reads g once for both (csrc/kernels/lora_grads.cuh). Also
+// here: what the forward ops share with their backward (rows, mm_as, the group's rank offsets and
+// checks).
+#pragma once
+
+#include <torch/types.h>
+#include <torch/version.h>
+
+#include <tuple>
+#include <vector>
+
+#include "lora_checks.h"
+
+namespace hasten {
+namespace lora {
+
+inline at::Tensor rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
+
+// a @ b with the result in `dtype`: on CUDA from the GEMM's float32 accumulator directly
+// (aten::mm.dtype, torch >= 2.8), elsewhere through a cast of the product.
+inline at::Tensor mm_as(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (a.is_cuda() && dtype == at::kFloat && (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf)) {
+    return at::mm(a, b, dtype);
+  }
+#endif
+  return at::mm(a, b).to(dtype);
+}
+
+// Writes gb_out (T, r), a view, with s g B and returns d B = s g^T xa (out, r) in grad_b_dtype.
+// g (T, out) and xa (T, r) in x's dtype, b = lora_b (out, r) cast to it.
+using ThinGrads = at::Tensor (*)(const at::Tensor& g, const at::Tensor& b, const at::Tensor& xa, double scale,
+                                 at::ScalarType grad_b_dtype, at::Tensor& gb_out);
+
+// ATen's GEMMs: g read once for each product.
+inline at::Tensor thin_grads_gemms(const at::Tensor& g, const at::Tensor& b, const at::Tensor& xa, double scale,
+                                   at::ScalarType grad_b_dtype, at::Tensor& gb_out) {
+  gb_out.copy_(at::mm(g, b).mul_(scale));
+  return mm_as(g.t(), xa, grad_b_dtype).mul_(scale);
+}
+
+// grad_x: d/dx through the base projection (and through the LoRA path when x_lora is x);
+// grad_x_lora: d/dx_lora when the op was given a separate x_lora (else an empty tensor).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_backward(
+    ThinGrads thin_grads, const at::Tensor& grad_y, const at::Tensor& x_lora, const at::Tensor& weight,
+    const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& xa, double scale, bool shared_input) {
+  const char* op = "lora_linear_backward";
+  check_lora_linear_args(op, x_lora, std::nullopt, weight, std::nullopt, lora_a, lora_b);
+  TORCH_CHECK(grad_y.size(-1) == weight.size(0) && grad_y.numel() / weight.size(0) == rows_of(x_lora), "hasten::",
+              op, ": `grad_y` ", shape(grad_y.sizes()), " must be (..., ", num(weight.size(0)), ") over x's rows");
+  TORCH_CHECK(xa.size(-1) == lora_a.size(0) && rows_of(xa) == rows_of(x_lora), "hasten::", op, ": `xa` ",
+              shape(xa.sizes()), " must be (..., ", num(lora_a.size(0)), ") over x's rows");
+  const auto g = rows(grad_y.to(x_lora.scalar_type())), xl2 = rows(x_lora), xa2 = rows(xa);
+  const auto a = lora_a.to(x_lora.scalar_type()), b = lora_b.to(x_lora.scalar_type());
+  auto gb = at::empty({g.size(0), lora_a.size(0)}, g.options());             // (T, r)
+  auto grad_b = thin_grads(g, b, xa2, scale, lora_b.scalar_type(), gb);    // (out, r)
+  auto grad_a = mm_as(gb.t(), xl2, lora_a.scalar_type());                  // (r, in)
+  at::Tensor grad_x, grad_x_lora = at::empty({0}, x_lora.options());
+  if (shared_input) {  // as in the forward: the thin GEMM writes, the base GEMM accumulates onto it
+    grad_x = at::mm(gb, a).addmm_(g, weight);                          // (T, in)
+  } else {
+    grad_x = at::mm(g, weight);
+    grad_x_lora = at::mm(gb, a).view(x_lora.sizes());
+  }
+  return {grad_x.view(x_lora.sizes()), grad_x_lora, grad_a, grad_b};
+}
+
+// --- projections that share their input (q/k/v, gate/up) ------------------------------------------
+
+// Where each member's rank starts in the stacked R: {0, r_0, r_0 + r_1, ..., R}.
+inline std::vector<int64_t> rank_offsets(at::TensorList lora_a) {
+  std::vector<int64_t> offsets{0};
+  for (const auto& a : lora_a) offsets.push_back(offsets.back() + a.size(0));
+  return offsets;
+}
+
+inline void check_group(const char* op, at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b,
+                        at::ArrayRef<double> scales, size_t biases) {
+  const size_t n = weights.size();
+  TORCH_CHECK(n >= 1, "hasten::", op, ": the group needs at least one projection, got none");
+  TORCH_CHECK(lora_a.size() == n && lora_b.size() == n && scales.size() == n && (biases == 0 || biases == n),
+              "hasten::", op, ": weights, lora_a, lora_b and scales must have one entry per projection, and biases "
+              "none or one per projection, got ", n, ", ", lora_a.size(), ", ", lora_b.size(), ", ", scales.size(),
+              " and ", biases);
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lora_a[i].scalar_type() == lora_a[0].scalar_type() &&
+                    lora_b[i].scalar_type() == lora_b[0].scalar_type(),
+                "hasten::", op, ": every projection's lora_a must share one dtype, and every lora_b one dtype");
+  }
+}
+
+inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> group_backward(
+    ThinGrads thin_grads, at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights,
+    at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales) {
+  const char* op = "lora_linear_group_backward";
+  check_group(op, weights, lora_a, lora_b, scales, 0);
+  const size_t n = weights.size();
+  TORCH_CHECK(grad_ys.size() == n, "hasten::", op, ": one grad_y per projection, got ", grad_ys.size(), " for ", n);
+  const auto offsets = rank_offsets(lora_a);
+  TORCH_CHECK(xa.size(-1) == offsets.back() && rows_of(xa) == rows_of(x), "hasten::", op, ": `xa` ",
+              shape(xa.sizes()), " must be (..., ", num(offsets.back()), ") over x's rows");
+  const auto dtype = x.scalar_type();
+  const auto x2 = rows(x), xa2 = rows(xa);
+  std::vector<at::Tensor> gs, stacked, grad_b;
+  for (size_t i = 0; i < n; ++i) {
+    check_lora_linear_args(op, x, std::nullopt, weights[i], std::nullopt, lora_a[i], lora_b[i]);
+    TORCH_CHECK(grad_ys[i].size(-1) == weights[i].size(0) && rows_of(grad_ys[i]) == rows_of(x), "hasten::", op,
+                ": `grad_ys[", i, "]` ", shape(grad_ys[i].sizes()), " must be (..., ", num(weights[i].size(0)),
+                ") over x's rows");
+    gs.push_back(rows(grad_ys[i].to(dtype)));
+    stacked.push_back(lora_a[i].to(dtype));
+  }
+  // gb = [s_0 g_0 B_0 | s_1 g_1 B_1 | ...] (T, R); d B_i = s_i g_i^T xa_i (out_i, r_i)
+  auto gb = at::empty({x2.size(0), offsets.back()}, x.options());
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t rank = offsets[i + 1] - offsets[i];
+    auto gb_i = gb.narrow(1, offsets[i], rank);
+    grad_b.push_back(thin_grads(gs[i], lora_b[i].to(dtype), xa2.narrow(1, offsets[i], rank), scales[i],
+                                lora_b[i].scalar_type(), gb_i));
+  }
+  const auto grad_a_all = mm_as(gb.t(), x2, lora_a[0].scalar_type());  // (R, in): x read once
+  std::vector<at::Tensor> grad_a;
+  for (size_t i = 0; i < n; ++i) grad_a.push_back(grad_a_all.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).clone());
+  auto grad_x = at::mm(gb, at::cat(stacked, 0));  // (T, in): the LoRA paths, then each base GEMM onto it
+  for (size_t i = 0; i < n; ++i) grad_x.addmm_(gs[i], weights[i]);
+  return {grad_x.view(x.sizes()), grad_a, grad_b};
+}
+
+}  // namespace lora
+}  // namespace hasten
