@@ -7,6 +7,9 @@
 #   kernels benchmarks/dense_kernels.py at W4's and W1's shapes: each norm / RoPE / SwiGLU kernel's
 #           bandwidth against a copy's, measured in the same call                            cap 90 s
 #   gemm    benchmarks/gemm_shapes.py: W4's base GEMMs shape by shape                    cap 120 s
+#   lora_probe  scripts/lora_grads_probe.py: the LoRA backward's one-pass kernel per tile shape
+#           ($LORA_CONFIGS) against the two GEMMs, at W4's projection shapes                 cap 150 s
+#   w4_configs  W4's hasten row once per HASTEN_LORA_GRADS_CONFIG in $W4_CONFIGS           cap 120 s each
 #   w4      benchmarks/lora_sft.py --variants $W4_VARIANTS (Llama-8B shape, LoRA r=16), with
 #           $W4_ARGS (e.g. "--profile hasten")                                              cap 300 s
 #   unsloth the same benchmark's unsloth variant, alone in its process, from the carried bundle
@@ -55,6 +58,17 @@ if (( built )); then
   if [[ $PARTS == *" kernels "* ]]; then  # the dense kernels alone against a copy, W4's and W1's shapes
     part kernels 90 bash -c "python3 benchmarks/dense_kernels.py --shape w4 --out '$LOGS' && python3 benchmarks/dense_kernels.py --shape w1 --out '$LOGS'"
     grep -E "TB/s|Error" "$LOGS/kernels.log" 2>/dev/null | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" lora_probe "* ]]; then  # the LoRA backward's one-pass kernel, tile shapes at W4's shapes
+    part lora_probe 150 python3 scripts/lora_grads_probe.py --configs "${LORA_CONFIGS:-0,1,2,3,4,5}"
+    grep -E "config|GEMMs|Error" "$LOGS/lora_probe.log" 2>/dev/null | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" w4_configs "* ]]; then  # W4's hasten row under each HASTEN_LORA_GRADS_CONFIG in W4_CONFIGS
+    for c in ${W4_CONFIGS:-0 1}; do
+      HASTEN_LORA_GRADS_CONFIG=$c part "w4_config$c" 120 python3 benchmarks/lora_sft.py --steps "$STEPS" \
+        --out "$LOGS/config$c" --variants hasten
+      grep -E "tok/s" "$LOGS/w4_config$c.log" 2>/dev/null | sed "s/^/config $c: /" | tee -a "$SUMMARY"
+    done
   fi
   if [[ $PARTS == *" gemm "* ]]; then  # W4's base GEMMs one shape at a time (cuBLAS, cuBLASLt, beta 1, grouped)
     part gemm 120 python3 benchmarks/gemm_shapes.py --out "$LOGS"

@@ -21,38 +21,43 @@ namespace kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTileRows = 32;
+constexpr int kWarps = kThreads / 32;
 constexpr int kStripeCols = 512;
 constexpr int kPad = 8;                        // elements: rows 16 bytes apart in the banks
 constexpr int kLdG = kStripeCols + kPad;       // shared g tile's row stride
-constexpr int kGbColumns = 128;                // columns of a warp's gb product
-constexpr int kDbColumns = kStripeCols / 8;    // columns of a warp's grad_b partial (64)
+constexpr int kDbColumns = kStripeCols / kWarps;  // columns of a warp's grad_b partial (64)
+constexpr int kSharedPerSm = 232448;           // bytes of shared memory an sm_90 multiprocessor has
+constexpr int kSharedReserved = 1024;          // per block, kept by the driver
+
+// A tile shape and pipeline depth: TileRows rows of g per stage, Stages stages in flight.
+template <int TileRows, int Stages, int R>
+struct Config {
+  static constexpr int kRowFrags = TileRows / 16;          // gb: 16-row fragments of a tile
+  static constexpr int kGroups = kWarps / kRowFrags;       // gb: column groups (warps per row fragment)
+  static constexpr int kGroupCols = kStripeCols / kGroups;
+  static constexpr int kLdR = R + kPad;
+  static constexpr int kShared = (Stages * TileRows * kLdG + kStripeCols * kLdR + Stages * TileRows * kLdR) * 2 +
+                                 2 * kGroups * TileRows * R * static_cast<int>(sizeof(float));
+  static constexpr int kBlocksPerSm = kSharedPerSm / (kShared + kSharedReserved) >= 2 ? 2 : 1;
+};
 
 // How the (T, N) gradient is cut: stripes x chunks blocks, one wave over the multiprocessors.
 struct Plan {
   int64_t stripes, chunks, chunk_rows, rows_padded, cols_padded;
 };
 
-int blocks_per_sm(int64_t rank) { return rank <= 16 ? 2 : 1; }
-
-Plan plan_of(const LoraGradsParams& p) {
+Plan plan_of(const LoraGradsParams& p, int tile_rows, int blocks_per_sm) {
   Plan plan{};
   plan.stripes = (p.out_features + kStripeCols - 1) / kStripeCols;
-  const int64_t wave = static_cast<int64_t>(p.sm_count > 0 ? p.sm_count : 1) * blocks_per_sm(p.rank);
+  const int64_t wave = static_cast<int64_t>(p.sm_count > 0 ? p.sm_count : 1) * blocks_per_sm;
   const int64_t wanted = wave > plan.stripes ? wave / plan.stripes : 1;
-  const int64_t tiles = (p.tokens + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (p.tokens + tile_rows - 1) / tile_rows;
   const int64_t tiles_per_chunk = (tiles + wanted - 1) / wanted;
-  plan.chunk_rows = tiles_per_chunk * kTileRows;
+  plan.chunk_rows = tiles_per_chunk * tile_rows;
   plan.chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;  // every chunk has rows
   plan.rows_padded = plan.chunks * plan.chunk_rows;
   plan.cols_padded = plan.stripes * kStripeCols;
   return plan;
-}
-
-template <int R>
-constexpr int shared_bytes_of() {
-  return (2 * kTileRows * kLdG + kStripeCols * (R + kPad) + 2 * kTileRows * (R + kPad)) * 2 +
-         4 * kTileRows * R * static_cast<int>(sizeof(float));
 }
 
 template <typename T>
@@ -78,52 +83,74 @@ __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
 }
 
-template <typename T, int R>
-__global__ void __launch_bounds__(kThreads, (R <= 16 ? 2 : 1)) lora_grads_kernel(Args<T> a) {
+// Stages-deep cp.async ring over the chunk's tiles, one barrier a tile: at the top of tile t the
+// barrier makes tile t visible, frees the stage tile t - 1 used (refilled with tile t + Stages - 1)
+// and the gb products tile t - 1 left in s_sum, which are added up and written then.
+template <typename T, int R, int TileRows, int Stages>
+__global__ void __launch_bounds__(kThreads, (Config<TileRows, Stages, R>::kBlocksPerSm))
+    lora_grads_kernel(Args<T> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   namespace wmma = nvcuda::wmma;
-  constexpr int kLdR = R + kPad;
+  using C = Config<TileRows, Stages, R>;
+  constexpr int kLdR = C::kLdR;
   constexpr int kRankFrags = R / 16;
+  constexpr int kSumFloats = C::kGroups * TileRows * R;  // one tile's gb products, per column group
   extern __shared__ __align__(128) unsigned char shared_raw[];
-  T* s_g = reinterpret_cast<T*>(shared_raw);          // [2][kTileRows][kLdG]
-  T* s_b = s_g + 2 * kTileRows * kLdG;                 // [kStripeCols][kLdR]
-  T* s_x = s_b + kStripeCols * kLdR;                   // [2][kTileRows][kLdR]
-  float* s_sum = reinterpret_cast<float*>(s_x + 2 * kTileRows * kLdR);  // [4][kTileRows][R]
+  T* s_g = reinterpret_cast<T*>(shared_raw);          // [Stages][TileRows][kLdG]
+  T* s_b = s_g + Stages * TileRows * kLdG;             // [kStripeCols][kLdR]
+  T* s_x = s_b + kStripeCols * kLdR;                   // [Stages][TileRows][kLdR]
+  float* s_sum = reinterpret_cast<float*>(s_x + Stages * TileRows * kLdR);  // [2][kGroups][TileRows][R]
 
   const int64_t stripe = blockIdx.x, chunk = blockIdx.y;
   const int64_t col0 = stripe * kStripeCols;
   const int64_t row_begin = chunk * a.chunk_rows;
   const int64_t row_end = min(a.tokens, row_begin + a.chunk_rows);
-  const int tiles = static_cast<int>((row_end - row_begin + kTileRows - 1) / kTileRows);
+  const int tiles = static_cast<int>((row_end - row_begin + TileRows - 1) / TileRows);
 
-  // B's stripe, once (rows past N as zeros)
+  // B's stripe, once (rows past N as zeros), in the first copy group with tile 0
   for (int i = threadIdx.x; i < kStripeCols * (R / 8); i += kThreads) {
     const int row = i / (R / 8), part = i % (R / 8);
     const bool valid = col0 + row < a.cols;
     copy16_async(s_b + row * kLdR + part * 8, valid ? a.b + (col0 + row) * R + part * 8 : a.b, valid);
   }
-  auto load_tile = [&](int tile, int stage) {
-    const int64_t r0 = row_begin + static_cast<int64_t>(tile) * kTileRows;
-    T* g_dst = s_g + stage * kTileRows * kLdG;
-    for (int i = threadIdx.x; i < kTileRows * (kStripeCols / 8); i += kThreads) {
+  auto load_tile = [&](int tile) {
+    const int stage = tile % Stages;
+    const int64_t r0 = row_begin + static_cast<int64_t>(tile) * TileRows;
+    T* g_dst = s_g + stage * TileRows * kLdG;
+    for (int i = threadIdx.x; i < TileRows * (kStripeCols / 8); i += kThreads) {
       const int row = i / (kStripeCols / 8), part = i % (kStripeCols / 8);
       const int64_t col = col0 + part * 8;
       const bool valid = r0 + row < row_end && col < a.cols;  // N % 8 == 0: a part is all in or all out
       copy16_async(g_dst + row * kLdG + part * 8, valid ? a.g + (r0 + row) * a.g_stride + col : a.g, valid);
     }
-    T* x_dst = s_x + stage * kTileRows * kLdR;
-    for (int i = threadIdx.x; i < kTileRows * (R / 8); i += kThreads) {
+    T* x_dst = s_x + stage * TileRows * kLdR;
+    for (int i = threadIdx.x; i < TileRows * (R / 8); i += kThreads) {
       const int row = i / (R / 8), part = i % (R / 8);
       const bool valid = r0 + row < row_end;
       copy16_async(x_dst + row * kLdR + part * 8, valid ? a.xa + (r0 + row) * a.xa_stride + part * 8 : a.xa,
                    valid);
     }
   };
-  load_tile(0, 0);
-  commit_copies();
+  // the stripe's partial gb of tile `tile`: its column groups added in order
+  auto write_gb = [&](int tile) {
+    const float* sums = s_sum + (tile & 1) * kSumFloats;
+    float* out = a.gb_partial + (stripe * a.rows_padded + row_begin + static_cast<int64_t>(tile) * TileRows) * R;
+    for (int i = threadIdx.x; i < TileRows * R; i += kThreads) {
+      float total = sums[i];
+#pragma unroll
+      for (int group = 1; group < C::kGroups; ++group) total += sums[group * TileRows * R + i];
+      out[i] = total;
+    }
+  };
+#pragma unroll
+  for (int tile = 0; tile < Stages - 1; ++tile) {
+    if (tile < tiles) load_tile(tile);
+    commit_copies();  // empty groups too: the count wait_copies relies on
+  }
 
   const int warp = threadIdx.x / 32;
-  const int gb_row = 16 * (warp & 1), gb_group = warp >> 1, gb_col = kGbColumns * gb_group;
+  const int gb_row = 16 * (warp % C::kRowFrags), gb_group = warp / C::kRowFrags;
+  const int gb_col = C::kGroupCols * gb_group;
   const int db_col = kDbColumns * warp;
 
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> db_acc[kDbColumns / 16][kRankFrags];
@@ -132,33 +159,19 @@ __global__ void __launch_bounds__(kThreads, (R <= 16 ? 2 : 1)) lora_grads_kernel
 #pragma unroll
     for (int n = 0; n < kRankFrags; ++n) wmma::fill_fragment(db_acc[m][n], 0.0f);
   }
-  wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_frag[kGbColumns / 16][kRankFrags];
 
   for (int tile = 0; tile < tiles; ++tile) {
-    const int stage = tile & 1;
-    if (tile + 1 < tiles) {
-      load_tile(tile + 1, stage ^ 1);
-      commit_copies();
-      wait_copies<1>();
-    } else {
-      wait_copies<0>();
-    }
+    wait_copies<Stages - 2>();
     __syncthreads();
-    if (tile == 0) {
-#pragma unroll
-      for (int k = 0; k < kGbColumns / 16; ++k) {
-#pragma unroll
-        for (int n = 0; n < kRankFrags; ++n) {
-          wmma::load_matrix_sync(b_frag[k][n], s_b + (gb_col + 16 * k) * kLdR + 16 * n, kLdR);
-        }
-      }
-    }
-    const T* g = s_g + stage * kTileRows * kLdG;
-    const T* x = s_x + stage * kTileRows * kLdR;
+    if (tile + Stages - 1 < tiles) load_tile(tile + Stages - 1);
+    commit_copies();
+    if (tile > 0) write_gb(tile - 1);
+    const T* g = s_g + (tile % Stages) * TileRows * kLdG;
+    const T* x = s_x + (tile % Stages) * TileRows * kLdR;
 
     // grad_b partial += g^T xa over the tile's rows: g read column-major is g^T
 #pragma unroll
-    for (int k = 0; k < kTileRows / 16; ++k) {
+    for (int k = 0; k < TileRows / 16; ++k) {
       wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> x_frag[kRankFrags];
 #pragma unroll
       for (int n = 0; n < kRankFrags; ++n) wmma::load_matrix_sync(x_frag[n], x + 16 * k * kLdR + 16 * n, kLdR);
@@ -171,31 +184,29 @@ __global__ void __launch_bounds__(kThreads, (R <= 16 ? 2 : 1)) lora_grads_kernel
       }
     }
 
-    // gb over the warp's 128 columns, for its 16 rows
+    // gb over the warp's column group, for its 16 rows
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> gb_acc[kRankFrags];
 #pragma unroll
     for (int n = 0; n < kRankFrags; ++n) wmma::fill_fragment(gb_acc[n], 0.0f);
 #pragma unroll
-    for (int k = 0; k < kGbColumns / 16; ++k) {
+    for (int k = 0; k < C::kGroupCols / 16; ++k) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> g_frag;
       wmma::load_matrix_sync(g_frag, g + gb_row * kLdG + gb_col + 16 * k, kLdG);
 #pragma unroll
-      for (int n = 0; n < kRankFrags; ++n) wmma::mma_sync(gb_acc[n], g_frag, b_frag[k][n], gb_acc[n]);
+      for (int n = 0; n < kRankFrags; ++n) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_frag;
+        wmma::load_matrix_sync(b_frag, s_b + (gb_col + 16 * k) * kLdR + 16 * n, kLdR);
+        wmma::mma_sync(gb_acc[n], g_frag, b_frag, gb_acc[n]);
+      }
     }
+    float* sums = s_sum + (tile & 1) * kSumFloats;
 #pragma unroll
     for (int n = 0; n < kRankFrags; ++n) {
-      wmma::store_matrix_sync(s_sum + (gb_group * kTileRows + gb_row) * R + 16 * n, gb_acc[n], R,
-                              wmma::mem_row_major);
+      wmma::store_matrix_sync(sums + (gb_group * TileRows + gb_row) * R + 16 * n, gb_acc[n], R, wmma::mem_row_major);
     }
-    __syncthreads();
-    // the stripe's partial gb of the tile: the four column groups added in order
-    const int64_t r0 = row_begin + static_cast<int64_t>(tile) * kTileRows;
-    float* out = a.gb_partial + (stripe * a.rows_padded + r0) * R;
-    for (int i = threadIdx.x; i < kTileRows * R; i += kThreads) {
-      out[i] = ((s_sum[i] + s_sum[kTileRows * R + i]) + s_sum[2 * kTileRows * R + i]) + s_sum[3 * kTileRows * R + i];
-    }
-    __syncthreads();  // the stage and s_sum are free for the next tile
   }
+  __syncthreads();
+  if (tiles > 0) write_gb(tiles - 1);
 
   float* db_out = a.db_partial + (chunk * a.cols_padded + col0 + db_col) * R;
 #pragma unroll
@@ -232,9 +243,10 @@ __global__ void lora_grads_sum_kernel(const float* __restrict__ gb_partial, cons
   grad_b[k] = from_float<TB>(sum * scale);
 }
 
-template <typename T, int R>
-cudaError_t launch_typed(const LoraGradsParams& p, cudaStream_t stream) {
-  const Plan plan = plan_of(p);
+template <typename T, int R, int TileRows, int Stages>
+cudaError_t launch_config(const LoraGradsParams& p, cudaStream_t stream) {
+  using C = Config<TileRows, Stages, R>;
+  const Plan plan = plan_of(p, TileRows, C::kBlocksPerSm);
   Args<T> a{};
   a.g = static_cast<const T*>(p.grad_y);
   a.g_stride = p.grad_y_stride;
@@ -248,16 +260,15 @@ cudaError_t launch_typed(const LoraGradsParams& p, cudaStream_t stream) {
   a.chunk_rows = plan.chunk_rows;
   a.rows_padded = plan.rows_padded;
   a.cols_padded = plan.cols_padded;
-  constexpr int kShared = shared_bytes_of<R>();
+  auto kernel = lora_grads_kernel<T, R, TileRows, Stages>;
   // over 48 KiB of shared memory must be asked for (per device: set at every launch, it is cheap)
-  if (const cudaError_t err =
-          cudaFuncSetAttribute(lora_grads_kernel<T, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
+  if (const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kShared);
       err != cudaSuccess) {
     return err;
   }
   if (plan.chunks > 65535) return cudaErrorInvalidConfiguration;
-  lora_grads_kernel<T, R><<<dim3(static_cast<unsigned>(plan.stripes), static_cast<unsigned>(plan.chunks)), kThreads,
-                            kShared, stream>>>(a);
+  kernel<<<dim3(static_cast<unsigned>(plan.stripes), static_cast<unsigned>(plan.chunks)), kThreads, C::kShared,
+           stream>>>(a);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   const int64_t total = (p.tokens + p.out_features) * R;
   const unsigned blocks = static_cast<unsigned>((total + 255) / 256);
@@ -273,9 +284,33 @@ cudaError_t launch_typed(const LoraGradsParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Tile shapes for the tuning probe (HASTEN_LORA_GRADS_CONFIG, read by the caller): rows x stages.
+template <typename T, int R>
+cudaError_t launch_rank_config(const LoraGradsParams& p, cudaStream_t stream) {
+  switch (p.config) {
+    case 1: return launch_config<T, R, 32, 2>(p, stream);
+    case 2: return launch_config<T, R, 16, 4>(p, stream);
+    case 3: return launch_config<T, R, 32, 3>(p, stream);
+    case 4: return launch_config<T, R, 16, 6>(p, stream);
+    case 5: return launch_config<T, R, 64, 2>(p, stream);
+    default: return launch_config<T, R, 16, 4>(p, stream);
+  }
+}
+
 template <typename T>
 cudaError_t launch_rank(const LoraGradsParams& p, cudaStream_t stream) {
-  return p.rank == 16 ? launch_typed<T, 16>(p, stream) : launch_typed<T, 32>(p, stream);
+  return p.rank == 16 ? launch_rank_config<T, 16>(p, stream) : launch_rank_config<T, 32>(p, stream);
+}
+
+int tile_rows_of(int config) { return config == 1 || config == 3 ? 32 : config == 5 ? 64 : 16; }
+int blocks_per_sm_of(int config, int64_t rank) {
+  switch (config) {
+    case 1: return rank == 16 ? Config<32, 2, 16>::kBlocksPerSm : Config<32, 2, 32>::kBlocksPerSm;
+    case 3: return rank == 16 ? Config<32, 3, 16>::kBlocksPerSm : Config<32, 3, 32>::kBlocksPerSm;
+    case 4: return rank == 16 ? Config<16, 6, 16>::kBlocksPerSm : Config<16, 6, 32>::kBlocksPerSm;
+    case 5: return rank == 16 ? Config<64, 2, 16>::kBlocksPerSm : Config<64, 2, 32>::kBlocksPerSm;
+    default: return rank == 16 ? Config<16, 4, 16>::kBlocksPerSm : Config<16, 4, 32>::kBlocksPerSm;
+  }
 }
 
 }  // namespace
@@ -289,7 +324,7 @@ bool lora_grads_supported(const LoraGradsParams& p) {
 }
 
 int64_t lora_grads_workspace_floats(const LoraGradsParams& p) {
-  const Plan plan = plan_of(p);
+  const Plan plan = plan_of(p, tile_rows_of(p.config), blocks_per_sm_of(p.config, p.rank));
   return (plan.stripes * plan.rows_padded + plan.chunks * plan.cols_padded) * p.rank;
 }
 

@@ -34,6 +34,12 @@ bool kernel_switched_off() {
   return env != nullptr && std::strcmp(env, "0") == 0;
 }
 
+// HASTEN_LORA_GRADS_CONFIG picks another tile shape (scripts/lora_grads_probe.py's tuning)
+int tile_config() {
+  const char* env = std::getenv("HASTEN_LORA_GRADS_CONFIG");
+  return env != nullptr ? std::atoi(env) : 0;
+}
+
 at::Tensor thin_grads_one_pass(const at::Tensor& g, const at::Tensor& b_in, const at::Tensor& xa, double scale,
                                at::ScalarType grad_b_dtype, at::Tensor& gb_out) {
   const c10::cuda::CUDAGuard guard(g.device());
@@ -57,6 +63,7 @@ at::Tensor thin_grads_one_pass(const at::Tensor& g, const at::Tensor& b_in, cons
   p.grad_b_type = kernel_type(grad_b_dtype);
   p.sm_count = sm_count;
   p.sm_major = sm_major;
+  p.config = tile_config();
   const bool same_types = xa.scalar_type() == g.scalar_type() && b.scalar_type() == g.scalar_type() &&
                           gb_out.scalar_type() == g.scalar_type() &&
                           (grad_b_dtype == at::kFloat || grad_b_dtype == g.scalar_type());
