@@ -10,6 +10,7 @@
 #   lora_probe  scripts/lora_grads_probe.py: the LoRA backward's one-pass kernel per tile shape
 #           ($LORA_CONFIGS) against the two GEMMs, at W4's projection shapes                 cap 150 s
 #   w4_configs  W4's hasten row once per HASTEN_LORA_GRADS_CONFIG in $W4_CONFIGS           cap 120 s each
+#   lora_ncu  Nsight Compute (--set full) on one launch of that kernel at gate/up's shape      cap 120 s
 #   w4      benchmarks/lora_sft.py --variants $W4_VARIANTS (Llama-8B shape, LoRA r=16), with
 #           $W4_ARGS (e.g. "--profile hasten")                                              cap 300 s
 #   unsloth the same benchmark's unsloth variant, alone in its process, from the carried bundle
@@ -59,17 +60,6 @@ if (( built )); then
     part kernels 90 bash -c "python3 benchmarks/dense_kernels.py --shape w4 --out '$LOGS' && python3 benchmarks/dense_kernels.py --shape w1 --out '$LOGS'"
     grep -E "TB/s|Error" "$LOGS/kernels.log" 2>/dev/null | tee -a "$SUMMARY"
   fi
-  if [[ $PARTS == *" lora_probe "* ]]; then  # the LoRA backward's one-pass kernel, tile shapes at W4's shapes
-    part lora_probe 150 python3 scripts/lora_grads_probe.py --configs "${LORA_CONFIGS:-0,1,2,3,4,5}"
-    grep -E "config|GEMMs|Error" "$LOGS/lora_probe.log" 2>/dev/null | tee -a "$SUMMARY"
-  fi
-  if [[ $PARTS == *" w4_configs "* ]]; then  # W4's hasten row under each HASTEN_LORA_GRADS_CONFIG in W4_CONFIGS
-    for c in ${W4_CONFIGS:-0 1}; do
-      HASTEN_LORA_GRADS_CONFIG=$c part "w4_config$c" 120 python3 benchmarks/lora_sft.py --steps "$STEPS" \
-        --out "$LOGS/config$c" --variants hasten
-      grep -E "tok/s" "$LOGS/w4_config$c.log" 2>/dev/null | sed "s/^/config $c: /" | tee -a "$SUMMARY"
-    done
-  fi
   if [[ $PARTS == *" gemm "* ]]; then  # W4's base GEMMs one shape at a time (cuBLAS, cuBLASLt, beta 1, grouped)
     part gemm 120 python3 benchmarks/gemm_shapes.py --out "$LOGS"
     grep -E "step's|gemm_shapes|Error" "$LOGS/gemm.log" 2>/dev/null | tee -a "$SUMMARY"
@@ -111,6 +101,28 @@ if (( built )); then
   if [[ $PARTS == *" w1 "* ]]; then
     part w1 300 python3 benchmarks/packed_sft.py --steps 10 --out "$LOGS" --variants "${W1_VARIANTS:-hasten,liger}"
     grep -E "tok/s|FAILED|vs |Error" "$LOGS/w1.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" lora_probe "* ]]; then  # the LoRA backward's one-pass kernel, tile shapes at W4's shapes
+    part lora_probe 150 python3 scripts/lora_grads_probe.py --configs "${LORA_CONFIGS:-0,2,3}"
+    grep -E "config|GEMMs|Error" "$LOGS/lora_probe.log" 2>/dev/null | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" lora_ncu "* ]]; then  # Nsight Compute on one launch of that kernel (gate/up's shape)
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+    if [[ -n "$ncu_bin" ]]; then
+      part lora_ncu 120 "$ncu_bin" --kernel-name regex:lora_grads_kernel --launch-skip 3 --launch-count 1 --set full \
+        python3 scripts/lora_grads_probe.py --configs 0 --shape 4096,14336
+      grep -E "Throughput|Bandwidth|Warp Cycles|Issue|Occupancy|Stall|Bank|Duration" "$LOGS/lora_ncu.log" | head -40 \
+        | tee -a "$SUMMARY"
+    else
+      echo "lora_ncu: no ncu on this machine" | tee -a "$SUMMARY"
+    fi
+  fi
+  if [[ $PARTS == *" w4_configs "* ]]; then  # W4's hasten row under each HASTEN_LORA_GRADS_CONFIG in W4_CONFIGS
+    for c in ${W4_CONFIGS:-0 2}; do
+      HASTEN_LORA_GRADS_CONFIG=$c part "w4_config$c" 120 python3 benchmarks/lora_sft.py --steps "$STEPS" \
+        --out "$LOGS/config$c" --variants hasten
+      grep -E "tok/s" "$LOGS/w4_config$c.log" 2>/dev/null | sed "s/^/config $c: /" | tee -a "$SUMMARY"
+    done
   fi
 fi
 

@@ -5,7 +5,7 @@ both paths, so the difference is what the one pass saves), the one-pass kernel's
 read rate of g it reaches, and the error of d lora_a and d lora_b against float64. HASTEN_LORA_GRADS_CONFIG picks the tile shape (0 the default), =0 in
 HASTEN_LORA_GRADS_KERNEL the GEMMs.
 
-    python scripts/lora_grads_probe.py [--configs 0,1,2,3,4,5] [--tokens 16384]
+    python scripts/lora_grads_probe.py [--configs 0,2,3] [--tokens 16384] [--shape 4096,14336]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 import hasten.ops
 
-SHAPES = [(4096, 1024, 16), (4096, 4096, 16), (4096, 14336, 16), (14336, 4096, 16), (4096, 14336, 32)]
+SHAPES = [(4096, 1024, 16), (4096, 4096, 16), (4096, 14336, 16), (14336, 4096, 16)]  # (in, out, rank)
 
 
 def kernel_us(run, iters: int = 10) -> dict[str, float]:
@@ -38,12 +38,14 @@ def kernel_us(run, iters: int = 10) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="0,1,2,3,4,5")
+    parser.add_argument("--configs", default="0,2,3")
+    parser.add_argument("--shape", default="", help="in,out: that projection shape only (rank 16), e.g. for ncu")
     parser.add_argument("--tokens", type=int, default=16384)
     args = parser.parse_args()
     hasten.ops.load()
     torch.manual_seed(0)
-    for n_in, n_out, rank in SHAPES:
+    shapes = [(*map(int, args.shape.split(",")), 16)] if args.shape else SHAPES
+    for n_in, n_out, rank in shapes:
         t = args.tokens
         x = torch.randn(t, n_in, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(t, n_out, device="cuda", dtype=torch.bfloat16)

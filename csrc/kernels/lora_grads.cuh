@@ -39,7 +39,7 @@ struct LoraGradsParams {
 };
 
 // Whether the kernel takes these shapes and strides (else the caller runs the two GEMMs): rank 16
-// or 32, N and the row strides multiples of 8 elements, 16-byte aligned pointers, float16/bfloat16,
+// (at rank 32 it measured slower than the GEMMs), N and the row strides multiples of 8 elements, 16-byte aligned pointers, float16/bfloat16,
 // compute capability 8.0 or newer.
 bool lora_grads_supported(const LoraGradsParams& params);
 // Floats of workspace the launch needs: the partial sums (stripes x T' x r and chunks x N' x r,

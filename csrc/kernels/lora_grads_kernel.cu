@@ -2,15 +2,20 @@
 // grad_b = s g^T xa from each tile of g read once.
 //
 // Block (256 threads, 8 warps) = a stripe of kStripeCols columns x a chunk of rows; it walks its
-// chunk in tiles of kTileRows rows, double-buffered through shared memory with cp.async (rows past
+// chunk in tiles of TileRows rows through a Stages-deep cp.async ring in shared memory (rows past
 // T and columns past N arrive as zeros, so the tensor-core fragments never read garbage):
 //   grad_b: warp w owns the stripe's columns [64 w, 64 w + 64) and keeps their (64, r) partial of
 //           g^T xa in float32 accumulators across the whole chunk;
-//   gb:     warp w takes rows [16 (w & 1), +16) of the tile and columns [128 (w >> 1), +128), whose
-//           slice of B stays in registers for the whole chunk; the four column groups' (16, r)
-//           products are added in shared memory and the stripe's partial gb of the tile written.
+//   gb:     the warps split the tile into 16-row fragments x column groups; each group's (16, r)
+//           product is added to the others' in shared memory and the stripe's partial gb of the
+//           tile written.
 // A second kernel adds the stripes' gb partials and the chunks' grad_b partials in index order,
 // scales them and rounds once to the outputs' types.
+//
+// Measured on the H200 (scripts/lora_grads_probe.py, 2026-12-04): g read at 2.0-2.2 TB/s at W4's
+// shapes whatever the tile shape (16 x 4, 32 x 2, 32 x 3, 16 x 6, 64 x 2 stages), about what the
+// two GEMMs take for reading it twice at ~4 TB/s; rank 32 at 1.0-1.4 TB/s, slower than the GEMMs,
+// so only rank 16 runs here. Not memory-bound: why is open (see docs/design.md).
 #include <mma.h>
 
 #include "dtype_utils.cuh"
@@ -284,33 +289,21 @@ cudaError_t launch_config(const LoraGradsParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tile shapes for the tuning probe (HASTEN_LORA_GRADS_CONFIG, read by the caller): rows x stages.
-template <typename T, int R>
-cudaError_t launch_rank_config(const LoraGradsParams& p, cudaStream_t stream) {
-  switch (p.config) {
-    case 1: return launch_config<T, R, 32, 2>(p, stream);
-    case 2: return launch_config<T, R, 16, 4>(p, stream);
-    case 3: return launch_config<T, R, 32, 3>(p, stream);
-    case 4: return launch_config<T, R, 16, 6>(p, stream);
-    case 5: return launch_config<T, R, 64, 2>(p, stream);
-    default: return launch_config<T, R, 16, 4>(p, stream);
-  }
-}
-
+// Tile shapes (rows x stages): the default, and two more for the tuning probe
+// (HASTEN_LORA_GRADS_CONFIG, read by the caller; scripts/lora_grads_probe.py).
 template <typename T>
-cudaError_t launch_rank(const LoraGradsParams& p, cudaStream_t stream) {
-  return p.rank == 16 ? launch_rank_config<T, 16>(p, stream) : launch_rank_config<T, 32>(p, stream);
+cudaError_t launch_type(const LoraGradsParams& p, cudaStream_t stream) {
+  switch (p.config) {
+    case 2: return launch_config<T, 16, 16, 4>(p, stream);
+    case 3: return launch_config<T, 16, 64, 2>(p, stream);
+    default: return launch_config<T, 16, 32, 2>(p, stream);
+  }
 }
 
-int tile_rows_of(int config) { return config == 1 || config == 3 ? 32 : config == 5 ? 64 : 16; }
-int blocks_per_sm_of(int config, int64_t rank) {
-  switch (config) {
-    case 1: return rank == 16 ? Config<32, 2, 16>::kBlocksPerSm : Config<32, 2, 32>::kBlocksPerSm;
-    case 3: return rank == 16 ? Config<32, 3, 16>::kBlocksPerSm : Config<32, 3, 32>::kBlocksPerSm;
-    case 4: return rank == 16 ? Config<16, 6, 16>::kBlocksPerSm : Config<16, 6, 32>::kBlocksPerSm;
-    case 5: return rank == 16 ? Config<64, 2, 16>::kBlocksPerSm : Config<64, 2, 32>::kBlocksPerSm;
-    default: return rank == 16 ? Config<16, 4, 16>::kBlocksPerSm : Config<16, 4, 32>::kBlocksPerSm;
-  }
+int tile_rows_of(int config) { return config == 2 ? 16 : config == 3 ? 64 : 32; }
+int blocks_per_sm_of(int config) {
+  return config == 2 ? Config<16, 4, 16>::kBlocksPerSm
+                     : config == 3 ? Config<64, 2, 16>::kBlocksPerSm : Config<32, 2, 16>::kBlocksPerSm;
 }
 
 }  // namespace
@@ -318,20 +311,20 @@ int blocks_per_sm_of(int config, int64_t rank) {
 bool lora_grads_supported(const LoraGradsParams& p) {
   const bool half_type = p.type == ElementType::kFloat16 || p.type == ElementType::kBFloat16;
   const bool grad_b_type = p.grad_b_type == ElementType::kFloat32 || p.grad_b_type == p.type;
-  return half_type && grad_b_type && p.sm_major >= 8 && (p.rank == 16 || p.rank == 32) && p.tokens >= 1 &&
+  return half_type && grad_b_type && p.sm_major >= 8 && p.rank == 16 && p.tokens >= 1 &&
          p.out_features >= 1 && p.out_features % 8 == 0 && p.grad_y_stride % 8 == 0 && p.xa_stride % 8 == 0 &&
          aligned16(p.grad_y) && aligned16(p.lora_b) && aligned16(p.xa);
 }
 
 int64_t lora_grads_workspace_floats(const LoraGradsParams& p) {
-  const Plan plan = plan_of(p, tile_rows_of(p.config), blocks_per_sm_of(p.config, p.rank));
+  const Plan plan = plan_of(p, tile_rows_of(p.config), blocks_per_sm_of(p.config));
   return (plan.stripes * plan.rows_padded + plan.chunks * plan.cols_padded) * p.rank;
 }
 
 cudaError_t launch_lora_grads(const LoraGradsParams& p, cudaStream_t stream) {
   if (!lora_grads_supported(p)) return cudaErrorInvalidValue;
-  if (p.type == ElementType::kBFloat16) return launch_rank<__nv_bfloat16>(p, stream);
-  return launch_rank<__half>(p, stream);
+  if (p.type == ElementType::kBFloat16) return launch_type<__nv_bfloat16>(p, stream);
+  return launch_type<__half>(p, stream);
 }
 
 }  // namespace kernels

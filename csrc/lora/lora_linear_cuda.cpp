@@ -1,7 +1,7 @@
 // CUDA backward of hasten::lora_linear and lora_linear_group: the device-generic backward
 // (lora_backward.h) with gb = s g B and d B = s g^T xa from one kernel that reads each tile of g
 // once (csrc/kernels/lora_grads.cuh) instead of two GEMMs that read all of g each. Shapes the
-// kernel does not take (rank other than 16 or 32, float32, unaligned rows) run the two GEMMs, as
+// kernel does not take (ranks other than 16, float32, unaligned rows) run the two GEMMs, as
 // does every call while HASTEN_LORA_GRADS_KERNEL=0 is set (read at each call: the W4 benchmark's
 // same-run comparison, and a way around the kernel should it ever be suspected).
 #include <c10/cuda/CUDAGuard.h>

@@ -276,10 +276,11 @@ def _relative_error(got, want) -> float:
                                                     (0, 16, 64, 16)])
 def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_in, n_out, rank, dtype, b_dtype,
                                                                      monkeypatch):
-    """hasten::lora_linear_backward on CUDA with the one-pass kernel (ranks 16 and 32) against the
+    """hasten::lora_linear_backward on CUDA with the one-pass kernel (rank 16) against the
     float64 formulas of the same rounded inputs, within 1.5x of the two GEMMs' error
     (HASTEN_LORA_GRADS_KERNEL=0); sizes off the kernel's tiles (32 rows, 512 columns), one token,
-    no tokens, a rank it does not take (8: the GEMMs). Repeats bit for bit (fixed summation order)."""
+    no tokens, ranks it does not take (8 and 32: the GEMMs). Repeats bit for bit (fixed summation
+    order). Every tile shape of the tuning probe (HASTEN_LORA_GRADS_CONFIG) gives the same result."""
     gen = torch.Generator(device="cuda").manual_seed(tokens + n_out)
 
     def rand(*shape, scale=1.0, dt=dtype):
@@ -299,10 +300,17 @@ def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_i
 
     names = _launched_kernels(run)
     one_pass = any("lora_grads_kernel" in n for n in names)
-    assert one_pass == (rank in (16, 32) and tokens > 0), names
+    assert one_pass == (rank == 16 and tokens > 0), names
     first, again = run(), run()
     for got, repeat in zip(first, again):
         assert torch.equal(got, repeat)
+    for config in ("2", "3"):  # the probe's other tile shapes: 16 rows x 4 stages, 64 x 2
+        monkeypatch.setenv("HASTEN_LORA_GRADS_CONFIG", config)
+        for got, other in zip(first, run()):  # the same sums in another order: float32 rounding apart
+            tolerance = 1e-2 if got.dtype != torch.float32 else 1e-5
+            biggest = float(other.abs().max()) if other.numel() else 0.0
+            torch.testing.assert_close(got, other, rtol=2 * tolerance, atol=tolerance * biggest)
+    monkeypatch.delenv("HASTEN_LORA_GRADS_CONFIG")
     monkeypatch.setenv("HASTEN_LORA_GRADS_KERNEL", "0")
     assert not any("lora_grads_kernel" in n for n in _launched_kernels(run))
     gemms = run()
@@ -324,9 +332,10 @@ def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_i
 @pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16])
 def test_group_backward_one_pass_on_narrowed_ranks(b_dtype, monkeypatch):
     """The group's members write gb into column ranges of one (T, R) tensor and read xa's: ranks 16,
-    32 and 8 stacked (offsets 0, 16, 48), output sizes off the 512-column stripes."""
+    32, 8 and 16 stacked (offsets 0, 16, 48, 56: the kernel's members at columns 0 and 56), output
+    sizes off the 512-column stripes."""
     gen = torch.Generator(device="cuda").manual_seed(7)
-    tokens, n_in, outs, ranks, scales = 2049, 96, (1032, 264, 4096), (16, 32, 8), [2.0, 0.5, 1.0]
+    tokens, n_in, outs, ranks, scales = 2049, 96, (1032, 264, 4096, 520), (16, 32, 8, 16), [2.0, 0.5, 1.0, 1.5]
 
     def rand(*shape, scale=1.0, dt=torch.bfloat16):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dt)
@@ -344,20 +353,20 @@ def test_group_backward_one_pass_on_narrowed_ranks(b_dtype, monkeypatch):
         return torch.ops.hasten.lora_linear_group_backward(grads, x, weights, lora_a, lora_b, xa, scales)
 
     names = _launched_kernels(run)
-    assert sum("lora_grads_kernel" in n for n in names) == 2, names  # ranks 16 and 32; rank 8 on the GEMMs
+    assert sum("lora_grads_kernel" in n for n in names) == 2, names  # the rank-16 members; the others on the GEMMs
     got = run()
     monkeypatch.setenv("HASTEN_LORA_GRADS_KERNEL", "0")
     gemms = run()
     monkeypatch.delenv("HASTEN_LORA_GRADS_KERNEL")
-    offsets = [0, 16, 48, 56]
+    offsets = [0, 16, 48, 56, 72]
     gbs = [s * grads[i].double() @ lora_b[i].to(torch.bfloat16).double() for i, s in enumerate(scales)]
     want_x = sum(gbs[i] @ lora_a[i].to(torch.bfloat16).double() + grads[i].double() @ weights[i].double()
-                 for i in range(3))
+                 for i in range(4))
     want_a = [gb.t() @ x.double() for gb in gbs]
     want_b = [s * grads[i].double().t() @ xa[:, offsets[i]:offsets[i + 1]].double() for i, s in enumerate(scales)]
     pairs = [("grad_x", got[0], gemms[0], want_x)]
-    pairs += [(f"grad_a[{i}]", got[1][i], gemms[1][i], want_a[i]) for i in range(3)]
-    pairs += [(f"grad_b[{i}]", got[2][i], gemms[2][i], want_b[i]) for i in range(3)]
+    pairs += [(f"grad_a[{i}]", got[1][i], gemms[1][i], want_a[i]) for i in range(4)]
+    pairs += [(f"grad_b[{i}]", got[2][i], gemms[2][i], want_b[i]) for i in range(4)]
     for label, mine, theirs, want in pairs:
         error, noise = _relative_error(mine, want), _relative_error(theirs, want)
         assert error <= 1.5 * noise + 1e-5, f"{label}: one pass {error:.2e} vs two GEMMs {noise:.2e}"
