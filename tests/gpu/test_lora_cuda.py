@@ -67,18 +67,20 @@ def test_fused_layer_is_within_the_bf16_noise_of_peft(tokens, n_in, n_out, rank,
         assert error <= 1.5 * noise + 1e-4, f"{label}: hasten {error:.2e} vs PEFT's bf16 noise {noise:.2e}"
 
 
-def test_lora_model_gradients_are_within_the_bf16_noise_of_peft():
+@pytest.mark.parametrize("rank", [8, 16])
+def test_lora_model_gradients_are_within_the_bf16_noise_of_peft(rank):
     """A small Llama with LoRA on every projection, packed batch with one-token samples: every
     adapter gradient of the hasten-accelerated bf16 model against the float32 unpatched model,
     within the error of the unpatched bf16 PEFT model (float32 adapters, PEFT's default). The
-    reference runs the packed row through transformers' own packed path in float32."""
+    reference runs the packed row through transformers' own packed path in float32. Rank 16 runs
+    the backward's one-pass kernel (csrc/kernels/lora_grads.cuh), rank 8 the two GEMMs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
-    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                               "up_proj", "down_proj"])
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj"])
     reference = peft.get_peft_model(LlamaForCausalLM(config).cuda(), lora)
     with torch.no_grad():
         for layer in lora_layers(reference):
@@ -107,6 +109,8 @@ def test_lora_model_gradients_are_within_the_bf16_noise_of_peft():
     handle = hasten.accelerate(patched.get_base_model(), Config())
     assert any(item.startswith("fused LoRA projections (14 layers") for item in handle.active), handle.report()
     assert any(item.startswith("grouped LoRA projections (10 layers") for item in handle.active), handle.report()
+    one_pass = any("lora_grads_kernel" in n for n in _launched_kernels(lambda: adapter_grads(patched)))
+    assert one_pass == (rank == 16)
     error = float((adapter_grads(patched) - want).norm() / want.norm())
     assert error <= 1.5 * noise, f"hasten {error:.3e} vs the unpatched bf16 model's {noise:.3e}"
     handle.undo()
@@ -306,10 +310,11 @@ def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_i
         assert torch.equal(got, repeat)
     for config in ("2", "3"):  # the probe's other tile shapes: 16 rows x 4 stages, 64 x 2
         monkeypatch.setenv("HASTEN_LORA_GRADS_CONFIG", config)
-        for got, other in zip(first, run()):  # the same sums in another order: float32 rounding apart
-            tolerance = 1e-2 if got.dtype != torch.float32 else 1e-5
+        # the same sums in another order: float32 rounding apart, which gb's rounding to bf16 (one
+        # unit in 256) carries into d lora_a and d x, float32 or not
+        for got, other in zip(first, run()):
             biggest = float(other.abs().max()) if other.numel() else 0.0
-            torch.testing.assert_close(got, other, rtol=2 * tolerance, atol=tolerance * biggest)
+            torch.testing.assert_close(got, other, rtol=2e-2, atol=1e-2 * biggest)
     monkeypatch.delenv("HASTEN_LORA_GRADS_CONFIG")
     monkeypatch.setenv("HASTEN_LORA_GRADS_KERNEL", "0")
     assert not any("lora_grads_kernel" in n for n in _launched_kernels(run))

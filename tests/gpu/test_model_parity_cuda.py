@@ -126,6 +126,17 @@ def test_packed_bf16_within_noise_of_each_sample_alone_or_refused(name):
     check_packed_parity(name, LENGTHS)
 
 
+def _skip_if_refused_for_the_environment(name: str, refusal: PackedBatchRefused) -> None:
+    """Skips (with the reason) a packed batch refused for what this machine lacks: a transformers
+    that passes the boundaries to the layer, or flash-linear-attention's varlen kernels; returns
+    for any other refusal, which the caller raises."""
+    text = str(refusal)
+    if "a newer transformers passes them along" in text:
+        pytest.skip(f"{name} refused on this transformers version: {refusal}")
+    if "flash-linear-attention is not importable" in text:
+        pytest.skip(f"{name} needs flash-linear-attention for packed batches, not installed here: {refusal}")
+
+
 def check_packed_parity(name: str, lengths, report: bool = True) -> dict:
     """The zoo type `name` on one packed row of samples of `lengths` tokens: hasten's bf16 loss and
     every gradient within the unpatched bf16 model's noise of the float32 per-sample reference (or
@@ -151,11 +162,11 @@ def check_packed_parity(name: str, lengths, report: bool = True) -> dict:
     try:
         handle, loss, got = zoo.packed_run(patched, batch_samples, device="cuda")
     except PackedBatchRefused as refusal:
-        if "a newer transformers passes them along" not in str(refusal):
-            raise
-        # this transformers' layer cannot take the boundaries (5.17's Lfm2ShortConv): refused
-        # loudly, which is right here, and no parity proven; the report says so
-        pytest.skip(f"{name} refused on this transformers version: {refusal}")
+        # this transformers' layer cannot take the boundaries (5.17's Lfm2ShortConv), or the
+        # machine lacks flash-linear-attention for the stateful layers: refused loudly, which is
+        # right here, and no parity proven; skipped with the reason, never passed
+        _skip_if_refused_for_the_environment(name, refusal)
+        raise
     row = _judge(name, lengths, handle, (loss, got), (want_loss, want), (noise_loss, noise), report)
     if entry.attention == "hasten":
         assert "attention_per_sequence" not in fallback_counts(), row
@@ -236,9 +247,8 @@ def check_lora_parity(name: str, settings: dict | None = None, report: bool = Tr
         try:
             loss = patched(**zoo.packed_batch(batch_samples, "cuda")).loss
         except PackedBatchRefused as refusal:
-            if "a newer transformers passes them along" not in str(refusal):
-                raise
-            pytest.skip(f"{name} refused on this transformers version: {refusal}")
+            _skip_if_refused_for_the_environment(name, refusal)
+            raise
         loss.backward()
         return _judge(name, LENGTHS, handle, (loss.detach().float(), zoo.gradients(patched)),
                       (want_loss, want), (noise_loss, noise), report=report, job="lora")
