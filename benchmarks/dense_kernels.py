@@ -6,8 +6,7 @@ ceilings; an H200 copies about 4.3 TB/s, reads plus writes).
 
   --shape w1  Qwen3-0.6B (W1): hidden 1024, 16/8 heads of 128 with q/k norms, intermediate 3072
   --shape w4  Llama-8B (W4, LoRA): hidden 4096, 32/8 heads, intermediate 14336; the norms' weights
-              are frozen there, so their backward computes no weight gradient; and the LoRA
-              projections' backward with and without the one pass over grad_y
+              are frozen there, so their backward computes no weight gradient
 
     python benchmarks/dense_kernels.py [--shape w1|w4] [--out benchmarks/results]
 """
@@ -104,40 +103,6 @@ def rope_rows(heads: int, kv_heads: int, head_dim: int) -> list[dict]:
     return rows
 
 
-def lora_backward_rows(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                       rank: int = 16) -> list[dict]:
-    """hasten::lora_linear_backward of each projection's shape (q, k/v, o, gate/up, down; float32
-    adapters, PEFT's default): with gb and d lora_b from the kernel that reads grad_y once, and with
-    the two GEMMs that read it once each (HASTEN_LORA_GRADS_KERNEL=0). The whole op is timed (its base
-    GEMM d x = g W dominates); the difference is what the one pass saves, min_bytes one read of g."""
-    import os
-
-    rows = []
-    shapes = {"q/o": (hidden, heads * head_dim), "k/v": (hidden, kv_heads * head_dim),
-              "gate/up": (hidden, intermediate), "down": (intermediate, hidden)}
-    for name, (n_in, n_out) in shapes.items():
-        x = torch.randn(TOKENS, n_in, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(TOKENS, n_out, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16) / n_in ** 0.5
-        a = torch.randn(rank, n_in, device="cuda") / n_in ** 0.5
-        b = torch.randn(n_out, rank, device="cuda") / rank ** 0.5
-        xa = x @ a.to(x.dtype).t()
-        timed = {}
-        for path, env in (("one pass", None), ("two GEMMs", "0")):
-            if env is None:
-                os.environ.pop("HASTEN_LORA_GRADS_KERNEL", None)
-            else:
-                os.environ["HASTEN_LORA_GRADS_KERNEL"] = env
-            timed[path] = time_us(lambda: torch.ops.hasten.lora_linear_backward(g, x, w, a, b, xa, 2.0, True), 20)
-        os.environ.pop("HASTEN_LORA_GRADS_KERNEL", None)
-        label = f"lora backward {name} ({TOKENS} x {n_in} -> {n_out}, r {rank})"
-        for path, us in timed.items():
-            rows.append({"kernel": f"{label} {path}", "us": us, "min_bytes": g.numel() * BF16})
-        saved = timed["two GEMMs"] - timed["one pass"]
-        rows.append({"kernel": f"{label} saved", "us": saved, "min_bytes": g.numel() * BF16})
-    return rows
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="w1")
@@ -148,17 +113,13 @@ def main() -> int:
     if qk_norms:
         rows += rms_rows(f"rms_norm q heads ({TOKENS * heads} x {head_dim})", TOKENS * heads, head_dim)
     rows += swiglu_rows(intermediate) + rope_rows(heads, kv_heads, head_dim)
-    if not norm_weight_grad:  # the LoRA workload
-        rows += lora_backward_rows(hidden, heads, kv_heads, head_dim, intermediate)
     workload = f"{args.shape.upper()}_kernels"
     run_id = common.new_run_id()
     for row in rows:
         variant = "eager" if "eager" in row["kernel"] else "torch" if row["kernel"].startswith(("copy", "add")) else "hasten"
         row.update({"workload": workload, "variant": variant,
-                    **common.environment(), "run_id": run_id,
-                    "tb_per_s": row["min_bytes"] / row["us"] / 1e6 if row["us"] > 0 else None})
-        rate = f"{row['tb_per_s']:5.2f} TB/s of the least traffic" if row["tb_per_s"] else ""
-        print(f"{row['kernel']:42s} {row['us']:8.1f} us  {rate}")
+                    **common.environment(), "run_id": run_id, "tb_per_s": row["min_bytes"] / row["us"] / 1e6})
+        print(f"{row['kernel']:42s} {row['us']:8.1f} us  {row['tb_per_s']:5.2f} TB/s of the least traffic")
     common.write_rows(rows, workload, Path(args.out))
     return 0
 
