@@ -10,7 +10,7 @@
 #   lora_probe  scripts/lora_grads_probe.py: the LoRA backward's one-pass kernel per tile shape
 #           ($LORA_CONFIGS) against the two GEMMs, at W4's projection shapes                 cap 150 s
 #   w4_configs  W4's hasten row once per HASTEN_LORA_GRADS_CONFIG in $W4_CONFIGS           cap 120 s each
-#   lora_ncu  Nsight Compute (--set full) on one launch of that kernel at gate/up's shape      cap 120 s
+#   lora_ncu  Nsight Compute (--set full) on one launch of that kernel at gate/up's shape, tile shape $LORA_NCU_CONFIG (0)  cap 120 s
 #   w4      benchmarks/lora_sft.py --variants $W4_VARIANTS (Llama-8B shape, LoRA r=16), with
 #           $W4_ARGS (e.g. "--profile hasten")                                              cap 300 s
 #   unsloth the same benchmark's unsloth variant, alone in its process, from the carried bundle
@@ -103,14 +103,14 @@ if (( built )); then
     grep -E "tok/s|FAILED|vs |Error" "$LOGS/w1.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" lora_probe "* ]]; then  # the LoRA backward's one-pass kernel, tile shapes at W4's shapes
-    part lora_probe 150 python3 scripts/lora_grads_probe.py --configs "${LORA_CONFIGS:-0,2,3}"
+    part lora_probe 150 python3 scripts/lora_grads_probe.py --configs "${LORA_CONFIGS:-0,2,3,4}"
     grep -E "config|GEMMs|Error" "$LOGS/lora_probe.log" 2>/dev/null | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" lora_ncu "* ]]; then  # Nsight Compute on one launch of that kernel (gate/up's shape)
     ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
     if [[ -n "$ncu_bin" ]]; then
       part lora_ncu 120 "$ncu_bin" --kernel-name regex:lora_grads_kernel --launch-skip 3 --launch-count 1 --set full \
-        python3 scripts/lora_grads_probe.py --configs 0 --shape 4096,14336
+        python3 scripts/lora_grads_probe.py --configs "${LORA_NCU_CONFIG:-0}" --shape 4096,14336
       grep -E "Throughput|Bandwidth|Warp Cycles|Issue|Occupancy|Stall|Bank|Duration" "$LOGS/lora_ncu.log" | head -40 \
         | tee -a "$SUMMARY"
     else

@@ -5,7 +5,10 @@ both paths, so the difference is what the one pass saves), the one-pass kernel's
 read rate of g it reaches, and the error of d lora_a and d lora_b against float64. HASTEN_LORA_GRADS_CONFIG picks the tile shape (0 the default), =0 in
 HASTEN_LORA_GRADS_KERNEL the GEMMs.
 
-    python scripts/lora_grads_probe.py [--configs 0,2,3] [--tokens 16384] [--shape 4096,14336]
+    python scripts/lora_grads_probe.py [--configs 0,2,3,4] [--tokens 16384] [--shape 4096,14336]
+
+Configs: 0 the default (32 rows x 2 stages), 2 (16 x 4), 3 (64 x 2), 4 (32 x 2, lean: fixed copy
+positions, B in registers, padded partial sums; written after Nsight Compute's reading, not run yet).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def kernel_us(run, iters: int = 10) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="0,2,3")
+    parser.add_argument("--configs", default="0,2,3,4")
     parser.add_argument("--shape", default="", help="in,out: that projection shape only (rank 16), e.g. for ncu")
     parser.add_argument("--tokens", type=int, default=16384)
     args = parser.parse_args()

@@ -34,15 +34,20 @@ constexpr int kDbColumns = kStripeCols / kWarps;  // columns of a warp's grad_b 
 constexpr int kSharedPerSm = 232448;           // bytes of shared memory an sm_90 multiprocessor has
 constexpr int kSharedReserved = 1024;          // per block, kept by the driver
 
-// A tile shape and pipeline depth: TileRows rows of g per stage, Stages stages in flight.
-template <int TileRows, int Stages, int R>
+// A tile shape and pipeline depth: TileRows rows of g per stage, Stages stages in flight. Lean
+// (the probe's config 4, not measured yet): each thread's copy positions fixed for the chunk (a
+// pointer step a tile instead of index math per 16-byte copy: Nsight Compute counted 640
+// instructions a warp a tile), B's fragments kept in registers, the partial sums' rows padded by 4
+// floats (4-way bank conflicts on their stores otherwise).
+template <int TileRows, int Stages, int R, bool Lean = false>
 struct Config {
   static constexpr int kRowFrags = TileRows / 16;          // gb: 16-row fragments of a tile
   static constexpr int kGroups = kWarps / kRowFrags;       // gb: column groups (warps per row fragment)
   static constexpr int kGroupCols = kStripeCols / kGroups;
   static constexpr int kLdR = R + kPad;
+  static constexpr int kLdSum = Lean ? R + 4 : R;          // a partial-sum row's stride, floats
   static constexpr int kShared = (Stages * TileRows * kLdG + kStripeCols * kLdR + Stages * TileRows * kLdR) * 2 +
-                                 2 * kGroups * TileRows * R * static_cast<int>(sizeof(float));
+                                 2 * kGroups * TileRows * kLdSum * static_cast<int>(sizeof(float));
   static constexpr int kBlocksPerSm = kSharedPerSm / (kShared + kSharedReserved) >= 2 ? 2 : 1;
 };
 
@@ -82,6 +87,10 @@ __device__ __forceinline__ void copy16_async(void* shared, const void* global, b
   const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are filled with zeros, nothing is read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(bytes));
 }
+__device__ __forceinline__ void copy16_async_to(unsigned shared_address, const void* global, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address), "l"(global), "r"(bytes));
+}
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int Pending>
 __device__ __forceinline__ void wait_copies() {
@@ -91,20 +100,21 @@ __device__ __forceinline__ void wait_copies() {
 // Stages-deep cp.async ring over the chunk's tiles, one barrier a tile: at the top of tile t the
 // barrier makes tile t visible, frees the stage tile t - 1 used (refilled with tile t + Stages - 1)
 // and the gb products tile t - 1 left in s_sum, which are added up and written then.
-template <typename T, int R, int TileRows, int Stages>
-__global__ void __launch_bounds__(kThreads, (Config<TileRows, Stages, R>::kBlocksPerSm))
+template <typename T, int R, int TileRows, int Stages, bool Lean>
+__global__ void __launch_bounds__(kThreads, (Config<TileRows, Stages, R, Lean>::kBlocksPerSm))
     lora_grads_kernel(Args<T> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   namespace wmma = nvcuda::wmma;
-  using C = Config<TileRows, Stages, R>;
+  using C = Config<TileRows, Stages, R, Lean>;
   constexpr int kLdR = C::kLdR;
+  constexpr int kLdSum = C::kLdSum;
   constexpr int kRankFrags = R / 16;
-  constexpr int kSumFloats = C::kGroups * TileRows * R;  // one tile's gb products, per column group
+  constexpr int kSumFloats = C::kGroups * TileRows * kLdSum;  // one tile's gb products, per column group
   extern __shared__ __align__(128) unsigned char shared_raw[];
   T* s_g = reinterpret_cast<T*>(shared_raw);          // [Stages][TileRows][kLdG]
   T* s_b = s_g + Stages * TileRows * kLdG;             // [kStripeCols][kLdR]
   T* s_x = s_b + kStripeCols * kLdR;                   // [Stages][TileRows][kLdR]
-  float* s_sum = reinterpret_cast<float*>(s_x + Stages * TileRows * kLdR);  // [2][kGroups][TileRows][R]
+  float* s_sum = reinterpret_cast<float*>(s_x + Stages * TileRows * kLdR);  // [2][kGroups][TileRows][kLdSum]
 
   const int64_t stripe = blockIdx.x, chunk = blockIdx.y;
   const int64_t col0 = stripe * kStripeCols;
@@ -118,7 +128,39 @@ __global__ void __launch_bounds__(kThreads, (Config<TileRows, Stages, R>::kBlock
     const bool valid = col0 + row < a.cols;
     copy16_async(s_b + row * kLdR + part * 8, valid ? a.b + (col0 + row) * R + part * 8 : a.b, valid);
   }
+  // Lean: thread t copies part t % 64 of rows t / 64 + 4 k (and xa's part for threads < TileRows * R / 8)
+  constexpr int kParts = kStripeCols / 8, kRowStep = kThreads / kParts;
+  const int part = threadIdx.x % kParts, row0 = threadIdx.x / kParts;
+  const bool column_in = col0 + part * 8 < a.cols;
+  const T* g_first = a.g + (row_begin + row0) * a.g_stride + col0 + part * 8;
+  const unsigned g_first_shared = static_cast<unsigned>(__cvta_generic_to_shared(s_g + row0 * kLdG + part * 8));
+  const int x_row = threadIdx.x / (R / 8), x_part = threadIdx.x % (R / 8);
+  const T* x_first = a.xa + (row_begin + x_row) * a.xa_stride + x_part * 8;
+  const unsigned x_first_shared = static_cast<unsigned>(__cvta_generic_to_shared(s_x + x_row * kLdR + x_part * 8));
+  auto load_tile_lean = [&](int tile) {
+    const int stage = tile % Stages;
+    const int64_t r0 = row_begin + static_cast<int64_t>(tile) * TileRows;
+    const int rows_left = static_cast<int>(min(static_cast<int64_t>(TileRows), row_end - r0));
+    const T* src = g_first + static_cast<int64_t>(tile) * TileRows * a.g_stride;
+    const int64_t step = kRowStep * a.g_stride;
+    const unsigned dst = g_first_shared + stage * TileRows * kLdG * static_cast<unsigned>(sizeof(T));
+#pragma unroll
+    for (int k = 0; k < TileRows / kRowStep; ++k) {
+      const bool valid = column_in && row0 + k * kRowStep < rows_left;
+      copy16_async_to(dst + k * kRowStep * kLdG * static_cast<unsigned>(sizeof(T)), valid ? src : a.g, valid);
+      src += step;
+    }
+    if (threadIdx.x < TileRows * (R / 8)) {
+      const bool valid = x_row < rows_left;
+      copy16_async_to(x_first_shared + stage * TileRows * kLdR * static_cast<unsigned>(sizeof(T)),
+                      valid ? x_first + static_cast<int64_t>(tile) * TileRows * a.xa_stride : a.xa, valid);
+    }
+  };
   auto load_tile = [&](int tile) {
+    if constexpr (Lean) {
+      load_tile_lean(tile);
+      return;
+    }
     const int stage = tile % Stages;
     const int64_t r0 = row_begin + static_cast<int64_t>(tile) * TileRows;
     T* g_dst = s_g + stage * TileRows * kLdG;
@@ -141,9 +183,10 @@ __global__ void __launch_bounds__(kThreads, (Config<TileRows, Stages, R>::kBlock
     const float* sums = s_sum + (tile & 1) * kSumFloats;
     float* out = a.gb_partial + (stripe * a.rows_padded + row_begin + static_cast<int64_t>(tile) * TileRows) * R;
     for (int i = threadIdx.x; i < TileRows * R; i += kThreads) {
-      float total = sums[i];
+      const int at = (i / R) * kLdSum + i % R;
+      float total = sums[at];
 #pragma unroll
-      for (int group = 1; group < C::kGroups; ++group) total += sums[group * TileRows * R + i];
+      for (int group = 1; group < C::kGroups; ++group) total += sums[group * TileRows * kLdSum + at];
       out[i] = total;
     }
   };
@@ -165,9 +208,24 @@ __global__ void __launch_bounds__(kThreads, (Config<TileRows, Stages, R>::kBlock
     for (int n = 0; n < kRankFrags; ++n) wmma::fill_fragment(db_acc[m][n], 0.0f);
   }
 
+  // Lean: the warp's slice of B as fragments, loaded once (B arrived with tile 0)
+  constexpr int kHeldB = Lean ? C::kGroupCols / 16 : 1;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_held[kHeldB][kRankFrags];
+
   for (int tile = 0; tile < tiles; ++tile) {
     wait_copies<Stages - 2>();
     __syncthreads();
+    if constexpr (Lean) {
+      if (tile == 0) {
+#pragma unroll
+        for (int k = 0; k < kHeldB; ++k) {
+#pragma unroll
+          for (int n = 0; n < kRankFrags; ++n) {
+            wmma::load_matrix_sync(b_held[k][n], s_b + (gb_col + 16 * k) * kLdR + 16 * n, kLdR);
+          }
+        }
+      }
+    }
     if (tile + Stages - 1 < tiles) load_tile(tile + Stages - 1);
     commit_copies();
     if (tile > 0) write_gb(tile - 1);
@@ -199,15 +257,20 @@ __global__ void __launch_bounds__(kThreads, (Config<TileRows, Stages, R>::kBlock
       wmma::load_matrix_sync(g_frag, g + gb_row * kLdG + gb_col + 16 * k, kLdG);
 #pragma unroll
       for (int n = 0; n < kRankFrags; ++n) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_frag;
-        wmma::load_matrix_sync(b_frag, s_b + (gb_col + 16 * k) * kLdR + 16 * n, kLdR);
-        wmma::mma_sync(gb_acc[n], g_frag, b_frag, gb_acc[n]);
+        if constexpr (Lean) {
+          wmma::mma_sync(gb_acc[n], g_frag, b_held[k][n], gb_acc[n]);
+        } else {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_frag;
+          wmma::load_matrix_sync(b_frag, s_b + (gb_col + 16 * k) * kLdR + 16 * n, kLdR);
+          wmma::mma_sync(gb_acc[n], g_frag, b_frag, gb_acc[n]);
+        }
       }
     }
     float* sums = s_sum + (tile & 1) * kSumFloats;
 #pragma unroll
     for (int n = 0; n < kRankFrags; ++n) {
-      wmma::store_matrix_sync(sums + (gb_group * TileRows + gb_row) * R + 16 * n, gb_acc[n], R, wmma::mem_row_major);
+      wmma::store_matrix_sync(sums + (gb_group * TileRows + gb_row) * kLdSum + 16 * n, gb_acc[n], kLdSum,
+                              wmma::mem_row_major);
     }
   }
   __syncthreads();
@@ -248,9 +311,9 @@ __global__ void lora_grads_sum_kernel(const float* __restrict__ gb_partial, cons
   grad_b[k] = from_float<TB>(sum * scale);
 }
 
-template <typename T, int R, int TileRows, int Stages>
+template <typename T, int R, int TileRows, int Stages, bool Lean = false>
 cudaError_t launch_config(const LoraGradsParams& p, cudaStream_t stream) {
-  using C = Config<TileRows, Stages, R>;
+  using C = Config<TileRows, Stages, R, Lean>;
   const Plan plan = plan_of(p, TileRows, C::kBlocksPerSm);
   Args<T> a{};
   a.g = static_cast<const T*>(p.grad_y);
@@ -265,7 +328,7 @@ cudaError_t launch_config(const LoraGradsParams& p, cudaStream_t stream) {
   a.chunk_rows = plan.chunk_rows;
   a.rows_padded = plan.rows_padded;
   a.cols_padded = plan.cols_padded;
-  auto kernel = lora_grads_kernel<T, R, TileRows, Stages>;
+  auto kernel = lora_grads_kernel<T, R, TileRows, Stages, Lean>;
   // over 48 KiB of shared memory must be asked for (per device: set at every launch, it is cheap)
   if (const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kShared);
       err != cudaSuccess) {
@@ -289,21 +352,25 @@ cudaError_t launch_config(const LoraGradsParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tile shapes (rows x stages): the default, and two more for the tuning probe
-// (HASTEN_LORA_GRADS_CONFIG, read by the caller; scripts/lora_grads_probe.py).
+// Tile shapes (rows x stages): the default, and three more for the tuning probe
+// (HASTEN_LORA_GRADS_CONFIG, read by the caller; scripts/lora_grads_probe.py); 4 is the lean
+// variant of the default, compile-checked but not yet run on a GPU.
 template <typename T>
 cudaError_t launch_type(const LoraGradsParams& p, cudaStream_t stream) {
   switch (p.config) {
     case 2: return launch_config<T, 16, 16, 4>(p, stream);
     case 3: return launch_config<T, 16, 64, 2>(p, stream);
+    case 4: return launch_config<T, 16, 32, 2, true>(p, stream);
     default: return launch_config<T, 16, 32, 2>(p, stream);
   }
 }
 
 int tile_rows_of(int config) { return config == 2 ? 16 : config == 3 ? 64 : 32; }
 int blocks_per_sm_of(int config) {
-  return config == 2 ? Config<16, 4, 16>::kBlocksPerSm
-                     : config == 3 ? Config<64, 2, 16>::kBlocksPerSm : Config<32, 2, 16>::kBlocksPerSm;
+  return config == 2   ? Config<16, 4, 16>::kBlocksPerSm
+         : config == 3 ? Config<64, 2, 16>::kBlocksPerSm
+         : config == 4 ? Config<32, 2, 16, true>::kBlocksPerSm
+                       : Config<32, 2, 16>::kBlocksPerSm;
 }
 
 }  // namespace

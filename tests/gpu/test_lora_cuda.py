@@ -308,7 +308,7 @@ def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_i
     first, again = run(), run()
     for got, repeat in zip(first, again):
         assert torch.equal(got, repeat)
-    for config in ("2", "3"):  # the probe's other tile shapes: 16 rows x 4 stages, 64 x 2
+    for config in ("2", "3", "4"):  # the probe's other tile shapes: 16 rows x 4 stages, 64 x 2, lean 32 x 2
         monkeypatch.setenv("HASTEN_LORA_GRADS_CONFIG", config)
         # the same sums in another order: float32 rounding apart, which gb's rounding to bf16 (one
         # unit in 256) carries into d lora_a and d x, float32 or not
