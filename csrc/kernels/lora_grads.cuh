@@ -34,7 +34,7 @@ struct LoraGradsParams {
   ElementType grad_b_type;  // float32, or g's type
   int sm_count;             // the device's multiprocessors: the grid fills them once
   int sm_major;             // compute capability's major: tensor cores with bfloat16 from 8
-  int config;               // tile shape (0: the default; others for the tuning probe)
+  int config;               // 4: the lean kernel (the tuning probe's), anything else the default
   float* workspace;         // lora_grads_workspace_floats(params) floats, float32
 };
 

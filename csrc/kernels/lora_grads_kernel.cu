@@ -311,10 +311,30 @@ __global__ void lora_grads_sum_kernel(const float* __restrict__ gb_partial, cons
   grad_b[k] = from_float<TB>(sum * scale);
 }
 
-template <typename T, int R, int TileRows, int Stages, bool Lean = false>
-cudaError_t launch_config(const LoraGradsParams& p, cudaStream_t stream) {
-  using C = Config<TileRows, Stages, R, Lean>;
-  const Plan plan = plan_of(p, TileRows, C::kBlocksPerSm);
+// The tile: 32 rows x 2 stages (16 x 4, 32 x 3, 16 x 6 and 64 x 2 measured no faster on the H200).
+constexpr int kTileRows = 32, kStages = 2, kRank = 16;
+static_assert(Config<kTileRows, kStages, kRank>::kBlocksPerSm == Config<kTileRows, kStages, kRank, true>::kBlocksPerSm,
+              "the plain and lean kernels share one plan (and so one workspace size)");
+
+template <typename T, typename TB>
+void launch_sum(const Args<T>& a, const Plan& plan, const LoraGradsParams& p, cudaStream_t stream) {
+  const int64_t total = (p.tokens + p.out_features) * kRank;
+  lora_grads_sum_kernel<T, TB><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+      a.gb_partial, a.db_partial, static_cast<T*>(p.gb), p.gb_stride, static_cast<TB*>(p.grad_b), p.tokens,
+      p.out_features, kRank, plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded, p.scale);
+}
+
+Plan default_plan(const LoraGradsParams& p) {
+  return plan_of(p, kTileRows, Config<kTileRows, kStages, kRank>::kBlocksPerSm);
+}
+
+// Lean (HASTEN_LORA_GRADS_CONFIG=4, read by the caller; scripts/lora_grads_probe.py): 2.2-2.5 TB/s
+// of g against the plain kernel's 2.0-2.15 on the H200 (8c3886c), equal products in the GPU test;
+// the default once a W4 row shows it.
+template <typename T, bool Lean>
+cudaError_t launch(const LoraGradsParams& p, cudaStream_t stream) {
+  using C = Config<kTileRows, kStages, kRank, Lean>;
+  const Plan plan = default_plan(p);
   Args<T> a{};
   a.g = static_cast<const T*>(p.grad_y);
   a.g_stride = p.grad_y_stride;
@@ -322,13 +342,13 @@ cudaError_t launch_config(const LoraGradsParams& p, cudaStream_t stream) {
   a.xa = static_cast<const T*>(p.xa);
   a.xa_stride = p.xa_stride;
   a.gb_partial = p.workspace;
-  a.db_partial = p.workspace + plan.stripes * plan.rows_padded * R;
+  a.db_partial = p.workspace + plan.stripes * plan.rows_padded * kRank;
   a.tokens = p.tokens;
   a.cols = p.out_features;
   a.chunk_rows = plan.chunk_rows;
   a.rows_padded = plan.rows_padded;
   a.cols_padded = plan.cols_padded;
-  auto kernel = lora_grads_kernel<T, R, TileRows, Stages, Lean>;
+  auto kernel = lora_grads_kernel<T, kRank, kTileRows, kStages, Lean>;
   // over 48 KiB of shared memory must be asked for (per device: set at every launch, it is cheap)
   if (const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kShared);
       err != cudaSuccess) {
@@ -338,40 +358,17 @@ cudaError_t launch_config(const LoraGradsParams& p, cudaStream_t stream) {
   kernel<<<dim3(static_cast<unsigned>(plan.stripes), static_cast<unsigned>(plan.chunks)), kThreads, C::kShared,
            stream>>>(a);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  const int64_t total = (p.tokens + p.out_features) * R;
-  const unsigned blocks = static_cast<unsigned>((total + 255) / 256);
   if (p.grad_b_type == ElementType::kFloat32) {
-    lora_grads_sum_kernel<T, float><<<blocks, 256, 0, stream>>>(
-        a.gb_partial, a.db_partial, static_cast<T*>(p.gb), p.gb_stride, static_cast<float*>(p.grad_b), p.tokens,
-        p.out_features, R, plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded, p.scale);
+    launch_sum<T, float>(a, plan, p, stream);
   } else {
-    lora_grads_sum_kernel<T, T><<<blocks, 256, 0, stream>>>(
-        a.gb_partial, a.db_partial, static_cast<T*>(p.gb), p.gb_stride, static_cast<T*>(p.grad_b), p.tokens,
-        p.out_features, R, plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded, p.scale);
+    launch_sum<T, T>(a, plan, p, stream);
   }
   return cudaGetLastError();
 }
 
-// Tile shapes (rows x stages): the default, and three more for the tuning probe
-// (HASTEN_LORA_GRADS_CONFIG, read by the caller; scripts/lora_grads_probe.py); 4 is the lean
-// variant of the default: 2.2-2.5 TB/s of g against 2.0-2.15 on the H200 (8c3886c), equal
-// products in the GPU test, the default once a W4 row shows it.
 template <typename T>
 cudaError_t launch_type(const LoraGradsParams& p, cudaStream_t stream) {
-  switch (p.config) {
-    case 2: return launch_config<T, 16, 16, 4>(p, stream);
-    case 3: return launch_config<T, 16, 64, 2>(p, stream);
-    case 4: return launch_config<T, 16, 32, 2, true>(p, stream);
-    default: return launch_config<T, 16, 32, 2>(p, stream);
-  }
-}
-
-int tile_rows_of(int config) { return config == 2 ? 16 : config == 3 ? 64 : 32; }
-int blocks_per_sm_of(int config) {
-  return config == 2   ? Config<16, 4, 16>::kBlocksPerSm
-         : config == 3 ? Config<64, 2, 16>::kBlocksPerSm
-         : config == 4 ? Config<32, 2, 16, true>::kBlocksPerSm
-                       : Config<32, 2, 16>::kBlocksPerSm;
+  return p.config == 4 ? launch<T, true>(p, stream) : launch<T, false>(p, stream);
 }
 
 }  // namespace
@@ -379,13 +376,13 @@ int blocks_per_sm_of(int config) {
 bool lora_grads_supported(const LoraGradsParams& p) {
   const bool half_type = p.type == ElementType::kFloat16 || p.type == ElementType::kBFloat16;
   const bool grad_b_type = p.grad_b_type == ElementType::kFloat32 || p.grad_b_type == p.type;
-  return half_type && grad_b_type && p.sm_major >= 8 && p.rank == 16 && p.tokens >= 1 &&
+  return half_type && grad_b_type && p.sm_major >= 8 && p.rank == kRank && p.tokens >= 1 &&
          p.out_features >= 1 && p.out_features % 8 == 0 && p.grad_y_stride % 8 == 0 && p.xa_stride % 8 == 0 &&
          aligned16(p.grad_y) && aligned16(p.lora_b) && aligned16(p.xa);
 }
 
 int64_t lora_grads_workspace_floats(const LoraGradsParams& p) {
-  const Plan plan = plan_of(p, tile_rows_of(p.config), blocks_per_sm_of(p.config));
+  const Plan plan = default_plan(p);
   return (plan.stripes * plan.rows_padded + plan.chunks * plan.cols_padded) * p.rank;
 }
 

@@ -39,7 +39,7 @@ using ThinGrads = at::Tensor (*)(const at::Tensor& g, const at::Tensor& b, const
 // ATen's GEMMs: g read once for each product.
 inline at::Tensor thin_grads_gemms(const at::Tensor& g, const at::Tensor& b, const at::Tensor& xa, double scale,
                                    at::ScalarType grad_b_dtype, at::Tensor& gb_out) {
-  gb_out.copy_(at::mm(g, b).mul_(scale));
+  at::mm_out(gb_out, g, b).mul_(scale);
   return mm_as(g.t(), xa, grad_b_dtype).mul_(scale);
 }
 

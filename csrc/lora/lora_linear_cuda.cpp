@@ -21,12 +21,25 @@
 namespace hasten {
 namespace {
 
-kernels::ElementType kernel_type(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return kernels::ElementType::kFloat16;
-    case at::kBFloat16: return kernels::ElementType::kBFloat16;
-    default: return kernels::ElementType::kFloat32;
-  }
+// The multiprocessor count and compute capability of each device, read once (the backward runs
+// this per projection, 224 times a W4 step).
+struct DeviceShape {
+  int sm_count = 0, sm_major = 0;
+};
+
+const DeviceShape& device_shape(int device) {
+  static const std::vector<DeviceShape> shapes = [] {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    std::vector<DeviceShape> all(static_cast<size_t>(count));
+    for (int d = 0; d < count; ++d) {
+      cudaDeviceGetAttribute(&all[d].sm_count, cudaDevAttrMultiProcessorCount, d);
+      cudaDeviceGetAttribute(&all[d].sm_major, cudaDevAttrComputeCapabilityMajor, d);
+    }
+    return all;
+  }();
+  static const DeviceShape unknown;  // sm_major 0: the kernel is not taken
+  return device >= 0 && device < static_cast<int>(shapes.size()) ? shapes[device] : unknown;
 }
 
 bool kernel_switched_off() {
@@ -34,7 +47,7 @@ bool kernel_switched_off() {
   return env != nullptr && std::strcmp(env, "0") == 0;
 }
 
-// HASTEN_LORA_GRADS_CONFIG picks another tile shape (scripts/lora_grads_probe.py's tuning)
+// HASTEN_LORA_GRADS_CONFIG=4 picks the lean kernel (scripts/lora_grads_probe.py's tuning)
 int tile_config() {
   const char* env = std::getenv("HASTEN_LORA_GRADS_CONFIG");
   return env != nullptr ? std::atoi(env) : 0;
@@ -44,9 +57,16 @@ at::Tensor thin_grads_one_pass(const at::Tensor& g, const at::Tensor& b_in, cons
                                at::ScalarType grad_b_dtype, at::Tensor& gb_out) {
   const c10::cuda::CUDAGuard guard(g.device());
   const auto b = b_in.contiguous();
-  int sm_count = 0, sm_major = 0;
-  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, g.get_device());
-  cudaDeviceGetAttribute(&sm_major, cudaDevAttrComputeCapabilityMajor, g.get_device());
+  const auto type = g.scalar_type();
+  const bool kernel_types = (type == at::kHalf || type == at::kBFloat16) && xa.scalar_type() == type &&
+                            b.scalar_type() == type && gb_out.scalar_type() == type &&
+                            (grad_b_dtype == at::kFloat || grad_b_dtype == type);
+  const bool unit_columns = g.stride(1) == 1 && xa.stride(1) == 1 && gb_out.stride(1) == 1;
+  if (!kernel_types || !unit_columns || kernel_switched_off()) {
+    return lora::thin_grads_gemms(g, b, xa, scale, grad_b_dtype, gb_out);
+  }
+  const char* op = "lora_linear_backward";
+  const DeviceShape& device = device_shape(g.get_device());
   kernels::LoraGradsParams p{};
   p.grad_y = g.data_ptr();
   p.grad_y_stride = g.stride(0);
@@ -59,23 +79,17 @@ at::Tensor thin_grads_one_pass(const at::Tensor& g, const at::Tensor& b_in, cons
   p.out_features = g.size(1);
   p.rank = b.size(1);
   p.scale = static_cast<float>(scale);
-  p.type = kernel_type(g.scalar_type());
-  p.grad_b_type = kernel_type(grad_b_dtype);
-  p.sm_count = sm_count;
-  p.sm_major = sm_major;
+  p.type = element_type(g, op);
+  p.grad_b_type = grad_b_dtype == at::kFloat ? kernels::ElementType::kFloat32 : p.type;
+  p.sm_count = device.sm_count;
+  p.sm_major = device.sm_major;
   p.config = tile_config();
-  const bool same_types = xa.scalar_type() == g.scalar_type() && b.scalar_type() == g.scalar_type() &&
-                          gb_out.scalar_type() == g.scalar_type() &&
-                          (grad_b_dtype == at::kFloat || grad_b_dtype == g.scalar_type());
-  const bool unit_columns = g.stride(1) == 1 && xa.stride(1) == 1 && gb_out.stride(1) == 1;
-  if (!same_types || !unit_columns || g.dim() != 2 || !kernels::lora_grads_supported(p) || kernel_switched_off()) {
-    return lora::thin_grads_gemms(g, b, xa, scale, grad_b_dtype, gb_out);
-  }
+  if (!kernels::lora_grads_supported(p)) return lora::thin_grads_gemms(g, b, xa, scale, grad_b_dtype, gb_out);
   auto workspace = at::empty({kernels::lora_grads_workspace_floats(p)}, g.options().dtype(at::kFloat));
   auto grad_b = at::empty({p.out_features, p.rank}, g.options().dtype(grad_b_dtype));
   p.workspace = workspace.data_ptr<float>();
   p.grad_b = grad_b.data_ptr();
-  check_launch(kernels::launch_lora_grads(p, c10::cuda::getCurrentCUDAStream()), "lora_linear_backward");
+  check_launch(kernels::launch_lora_grads(p, c10::cuda::getCurrentCUDAStream()), op);
   return grad_b;
 }
 

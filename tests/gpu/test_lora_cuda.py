@@ -284,7 +284,7 @@ def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_i
     float64 formulas of the same rounded inputs, within 1.5x of the two GEMMs' error
     (HASTEN_LORA_GRADS_KERNEL=0); sizes off the kernel's tiles (32 rows, 512 columns), one token,
     no tokens, ranks it does not take (8 and 32: the GEMMs). Repeats bit for bit (fixed summation
-    order). Every tile shape of the tuning probe (HASTEN_LORA_GRADS_CONFIG) gives the same result."""
+    order). The probe's lean kernel (HASTEN_LORA_GRADS_CONFIG=4) gives the same result."""
     gen = torch.Generator(device="cuda").manual_seed(tokens + n_out)
 
     def rand(*shape, scale=1.0, dt=dtype):
@@ -308,7 +308,7 @@ def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_i
     first, again = run(), run()
     for got, repeat in zip(first, again):
         assert torch.equal(got, repeat)
-    for config in ("2", "3", "4"):  # the probe's other tile shapes: 16 rows x 4 stages, 64 x 2, lean 32 x 2
+    for config in ("4",):  # the probe's lean kernel
         monkeypatch.setenv("HASTEN_LORA_GRADS_CONFIG", config)
         # the same sums in another order: float32 rounding apart, which gb's rounding to bf16 (one
         # unit in 256) carries into d lora_a and d x, float32 or not
