@@ -118,7 +118,7 @@ if (( built )); then
     fi
   fi
   if [[ $PARTS == *" w4_configs "* ]]; then  # W4's hasten row under each HASTEN_LORA_GRADS_CONFIG in W4_CONFIGS
-    for c in ${W4_CONFIGS:-0 2}; do
+    for c in ${W4_CONFIGS:-0 4}; do
       HASTEN_LORA_GRADS_CONFIG=$c part "w4_config$c" 120 python3 benchmarks/lora_sft.py --steps "$STEPS" \
         --out "$LOGS/config$c" --variants hasten
       grep -E "tok/s" "$LOGS/w4_config$c.log" 2>/dev/null | sed "s/^/config $c: /" | tee -a "$SUMMARY"
