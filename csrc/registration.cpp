@@ -125,6 +125,15 @@ TORCH_LIBRARY(hasten, m) {
         "float[] scales) -> (Tensor[] ys, Tensor xa)");
   m.def("lora_linear_group_backward(Tensor[] grad_ys, Tensor x, Tensor[] weights, Tensor[] lora_a, "
         "Tensor[] lora_b, Tensor xa, float[] scales) -> (Tensor grad_x, Tensor[] grad_a, Tensor[] grad_b)");
+  // A gated MLP's gate and up as one such group with the activation after it: act = f(gate) * up
+  // (..., out) with f silu ("silu", SwiGLU) or tanh GELU ("gelu_tanh", GeGLU), weights = [gate, up]
+  // of one output size. gate, up (..., out) and xa (..., r_0 + r_1) are returned for the backward.
+  // The backward takes d act and returns what lora_linear_group_backward returns.
+  m.def("lora_gated_group(Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] lora_a, Tensor[] lora_b, "
+        "float[] scales, str activation) -> (Tensor act, Tensor gate, Tensor up, Tensor xa)");
+  m.def("lora_gated_group_backward(Tensor grad_act, Tensor gate, Tensor up, Tensor x, Tensor[] weights, "
+        "Tensor[] lora_a, Tensor[] lora_b, Tensor xa, float[] scales, str activation) -> (Tensor grad_x, "
+        "Tensor[] grad_a, Tensor[] grad_b)");
 
   // LM head + cross-entropy in chunks of tokens (csrc/loss/linear_cross_entropy_composite.cpp):
   // hidden (T, H), weight (V, H), bias (V,)?, targets (T,) int64 (already shifted),

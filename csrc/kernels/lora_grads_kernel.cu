@@ -18,7 +18,10 @@
 // so only rank 16 runs here. Not memory-bound: why is open (see docs/design.md).
 #include <mma.h>
 
+#include <algorithm>
+
 #include "dtype_utils.cuh"
+#include "gate_activation_math.cuh"
 #include "lora_grads.cuh"
 
 namespace hasten {
@@ -368,7 +371,323 @@ cudaError_t launch(const LoraGradsParams& p, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_type(const LoraGradsParams& p, cudaStream_t stream) {
-  return p.config == 4 ? launch<T, true>(p, stream) : launch<T, false>(p, stream);
+  return p.config == 0 ? launch<T, false>(p, stream) : launch<T, true>(p, stream);
+}
+
+
+// --- the gated MLP's gate/up pair (lora_grads.cuh, LoraGatedGradsParams) ----------------------------
+// Block (256 threads) = a stripe of kStripeCols columns x a chunk of rows, tiles of 16 rows through a
+// 2-stage cp.async ring holding gate, up and d_act. Thread t copies part t % 64 (8 columns) of rows
+// t / 64 + 4 k of each tensor, and then computes d_gate and d_up at those very places, writing them
+// to global memory and over gate and up in shared memory (its own copies: no other thread reads them
+// before the barrier). From there, as in lora_grads_kernel, for both members: warp w keeps grad_b's
+// (64, r) partial of its columns [64 w, 64 w + 64) in registers, and the tile's (16, r) gb product
+// over those columns goes through shared memory, where the 8 warps' products are added in order.
+namespace gated {
+constexpr int kTileRows = 16, kStages = 2, kRank = 16, kMembers = 2;
+constexpr int kLdR = kRank + kPad;                  // B's rows in shared memory
+constexpr int kLdX = kMembers * kRank + kPad;       // a tile row of both members' xa
+constexpr int kLdSum = kRank + 4;                   // padded partial-sum rows (bank conflicts)
+constexpr int kGroupCols = kStripeCols / kWarps;    // 64: a warp's columns, for gb and grad_b alike
+constexpr int kInputs = 3;                          // gate, up, d_act
+constexpr int kTileElements = kTileRows * kLdG;
+constexpr int kSumFloats = kMembers * kWarps * kTileRows * kLdSum;  // one tile's gb products
+constexpr int kShared = (kStages * kInputs * kTileElements + kMembers * kStripeCols * kLdR +
+                         kStages * kTileRows * kLdX) * 2 + 2 * kSumFloats * static_cast<int>(sizeof(float));
+static_assert(kShared + kSharedReserved <= kSharedPerSm, "one block fits a multiprocessor");
+constexpr int kParts = kStripeCols / 8, kRowStep = kThreads / kParts;  // 64 parts a row, rows 4 apart
+static_assert(kTileRows % kRowStep == 0 && kTileRows * kMembers * (kRank / 8) <= kThreads, "copy positions");
+}  // namespace gated
+
+template <typename T>
+struct GatedArgs {
+  const T* gate;
+  const T* up;
+  int64_t in_stride;
+  const T* d;
+  T* d_gate;
+  T* d_up;
+  const T* b[gated::kMembers];
+  const T* xa[gated::kMembers];
+  int64_t xa_stride;
+  float* gb_partial[gated::kMembers];  // (stripes, rows_padded, r) each
+  float* db_partial[gated::kMembers];  // (chunks, cols_padded, r) each
+  int64_t tokens, cols, chunk_rows, rows_padded, cols_padded;
+};
+
+template <typename T, GateActivation A>
+__global__ void __launch_bounds__(kThreads, 1) lora_gated_grads_kernel(GatedArgs<T> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  namespace wmma = nvcuda::wmma;
+  // the gated plan's constants (local names shadow the plain kernel's)
+  constexpr int kTileRows = gated::kTileRows;
+  constexpr int kStages = gated::kStages;
+  constexpr int kRank = gated::kRank;
+  constexpr int kMembers = gated::kMembers;
+  constexpr int kLdR = gated::kLdR;
+  constexpr int kLdX = gated::kLdX;
+  constexpr int kLdSum = gated::kLdSum;
+  constexpr int kGroupCols = gated::kGroupCols;
+  constexpr int kInputs = gated::kInputs;
+  constexpr int kTileElements = gated::kTileElements;
+  constexpr int kSumFloats = gated::kSumFloats;
+  constexpr int kParts = gated::kParts;
+  constexpr int kRowStep = gated::kRowStep;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  T* s_in = reinterpret_cast<T*>(shared_raw);             // [kStages][kInputs][kTileRows][kLdG]
+  T* s_b = s_in + kStages * kInputs * kTileElements;     // [kMembers][kStripeCols][kLdR]
+  T* s_x = s_b + kMembers * kStripeCols * kLdR;          // [kStages][kTileRows][kLdX]
+  float* s_sum = reinterpret_cast<float*>(s_x + kStages * kTileRows * kLdX);  // [2][kMembers][kWarps][kTileRows][kLdSum]
+
+  const int64_t stripe = blockIdx.x, chunk = blockIdx.y;
+  const int64_t col0 = stripe * kStripeCols;
+  const int64_t row_begin = chunk * a.chunk_rows;
+  const int64_t row_end = min(a.tokens, row_begin + a.chunk_rows);
+  const int tiles = static_cast<int>((row_end - row_begin + kTileRows - 1) / kTileRows);
+
+  // both members' B stripes, once (rows past N as zeros), in the first copy group with tile 0
+  for (int i = threadIdx.x; i < kMembers * kStripeCols * (kRank / 8); i += kThreads) {
+    const int member = i / (kStripeCols * (kRank / 8)), rest = i % (kStripeCols * (kRank / 8));
+    const int row = rest / (kRank / 8), part = rest % (kRank / 8);
+    const bool valid = col0 + row < a.cols;
+    copy16_async(s_b + (member * kStripeCols + row) * kLdR + part * 8,
+                 valid ? a.b[member] + (col0 + row) * kRank + part * 8 : a.b[member], valid);
+  }
+  // this thread's places: part `part` of rows row0 + kRowStep k of every tile
+  const int part = threadIdx.x % kParts, row0 = threadIdx.x / kParts;
+  const int64_t col = col0 + part * 8;
+  const bool column_in = col < a.cols;  // N % 8 == 0: a part is all in or all out
+  const int64_t in_first = (row_begin + row0) * a.in_stride + col;  // gate and up
+  const int64_t out_first = (row_begin + row0) * a.cols + col;      // d_act, d_gate, d_up
+  const int shared_first = row0 * kLdG + part * 8;
+  // xa: thread t < 64 copies 8 ranks of row t / 4 (parts 0-1 gate's, 2-3 up's)
+  const int x_row = threadIdx.x / (kMembers * kRank / 8), x_part = threadIdx.x % (kMembers * kRank / 8);
+  const int x_member = x_part / (kRank / 8);
+  const bool x_copier = threadIdx.x < kTileRows * kMembers * (kRank / 8);
+
+  auto load_tile = [&](int tile) {
+    const int stage = tile % kStages;
+    const int64_t r0 = row_begin + static_cast<int64_t>(tile) * kTileRows;
+    const int rows_left = static_cast<int>(min(static_cast<int64_t>(kTileRows), row_end - r0));
+    T* dst = s_in + stage * kInputs * kTileElements + shared_first;
+    const int64_t in_at = in_first + static_cast<int64_t>(tile) * kTileRows * a.in_stride;
+    const int64_t out_at = out_first + static_cast<int64_t>(tile) * kTileRows * a.cols;
+#pragma unroll
+    for (int k = 0; k < kTileRows / kRowStep; ++k) {
+      const bool valid = column_in && row0 + k * kRowStep < rows_left;
+      const int64_t in_k = in_at + static_cast<int64_t>(k) * kRowStep * a.in_stride;
+      const int64_t out_k = out_at + static_cast<int64_t>(k) * kRowStep * a.cols;
+      T* row_dst = dst + k * kRowStep * kLdG;
+      copy16_async(row_dst, valid ? a.gate + in_k : a.gate, valid);
+      copy16_async(row_dst + kTileElements, valid ? a.up + in_k : a.up, valid);
+      copy16_async(row_dst + 2 * kTileElements, valid ? a.d + out_k : a.d, valid);
+    }
+    if (x_copier) {
+      const bool valid = x_row < rows_left;
+      const T* src = a.xa[x_member] + (r0 + x_row) * a.xa_stride + (x_part % (kRank / 8)) * 8;
+      copy16_async(s_x + stage * kTileRows * kLdX + x_row * kLdX + x_part * 8, valid ? src : a.xa[x_member], valid);
+    }
+  };
+  // the stripe's partial gb of tile `tile` for both members: the warps' products added in order
+  auto write_gb = [&](int tile) {
+    const float* sums = s_sum + (tile & 1) * kSumFloats;
+    const int64_t row_at = row_begin + static_cast<int64_t>(tile) * kTileRows;
+    for (int i = threadIdx.x; i < kMembers * kTileRows * kRank; i += kThreads) {
+      const int member = i / (kTileRows * kRank), rest = i % (kTileRows * kRank);
+      const int at = (member * kWarps * kTileRows + rest / kRank) * kLdSum + rest % kRank;
+      float total = sums[at];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) total += sums[at + w * kTileRows * kLdSum];
+      a.gb_partial[member][(stripe * a.rows_padded + row_at) * kRank + rest] = total;
+    }
+  };
+
+  if (tiles > 0) load_tile(0);
+  commit_copies();
+
+  const int warp = threadIdx.x / 32;
+  const int warp_col = kGroupCols * warp;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> db_acc[kMembers][kGroupCols / 16];
+#pragma unroll
+  for (int member = 0; member < kMembers; ++member) {
+#pragma unroll
+    for (int m = 0; m < kGroupCols / 16; ++m) wmma::fill_fragment(db_acc[member][m], 0.0f);
+  }
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_held[kMembers][kGroupCols / 16];
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    wait_copies<0>();
+    __syncthreads();  // tile `tile` landed; everyone is done with the other stage and its sums
+    if (tile == 0) {
+#pragma unroll
+      for (int member = 0; member < kMembers; ++member) {
+#pragma unroll
+        for (int k = 0; k < kGroupCols / 16; ++k) {
+          wmma::load_matrix_sync(b_held[member][k], s_b + (member * kStripeCols + warp_col + 16 * k) * kLdR, kLdR);
+        }
+      }
+    }
+    if (tile + 1 < tiles) load_tile(tile + 1);
+    commit_copies();
+    if (tile > 0) write_gb(tile - 1);
+
+    // the activation's backward at this thread's places: to global memory and over gate and up
+    T* g_tile = s_in + (tile % kStages) * kInputs * kTileElements;
+    T* u_tile = g_tile + kTileElements;
+    const T* d_tile = u_tile + kTileElements;
+    {
+      const int64_t r0 = row_begin + static_cast<int64_t>(tile) * kTileRows;
+      const int rows_left = static_cast<int>(min(static_cast<int64_t>(kTileRows), row_end - r0));
+      const int64_t out_at = out_first + static_cast<int64_t>(tile) * kTileRows * a.cols;
+#pragma unroll
+      for (int k = 0; k < kTileRows / kRowStep; ++k) {
+        const int at = shared_first + k * kRowStep * kLdG;
+        T g[8], u[8], d[8];
+        *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(g_tile + at);
+        *reinterpret_cast<uint4*>(u) = *reinterpret_cast<const uint4*>(u_tile + at);
+        *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(d_tile + at);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) gated_backward_element<A>(g[i], u[i], d[i]);
+        *reinterpret_cast<uint4*>(g_tile + at) = *reinterpret_cast<const uint4*>(g);
+        *reinterpret_cast<uint4*>(u_tile + at) = *reinterpret_cast<const uint4*>(u);
+        if (column_in && row0 + k * kRowStep < rows_left) {
+          const int64_t out_k = out_at + static_cast<int64_t>(k) * kRowStep * a.cols;
+          *reinterpret_cast<uint4*>(a.d_gate + out_k) = *reinterpret_cast<const uint4*>(g);
+          *reinterpret_cast<uint4*>(a.d_up + out_k) = *reinterpret_cast<const uint4*>(u);
+        }
+      }
+    }
+    __syncthreads();  // d_gate and d_up of the tile in shared memory
+
+    const T* x = s_x + (tile % kStages) * kTileRows * kLdX;
+    float* sums = s_sum + (tile & 1) * kSumFloats;
+#pragma unroll
+    for (int member = 0; member < kMembers; ++member) {
+      const T* g = g_tile + member * kTileElements;  // d_gate, then d_up
+      // grad_b partial += g^T xa over the tile's 16 rows: g read column-major is g^T
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> x_frag;
+      wmma::load_matrix_sync(x_frag, x + member * kRank, kLdX);
+#pragma unroll
+      for (int m = 0; m < kGroupCols / 16; ++m) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> gt_frag;
+        wmma::load_matrix_sync(gt_frag, g + warp_col + 16 * m, kLdG);
+        wmma::mma_sync(db_acc[member][m], gt_frag, x_frag, db_acc[member][m]);
+      }
+      // gb over the warp's 64 columns, all 16 rows
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> gb_acc;
+      wmma::fill_fragment(gb_acc, 0.0f);
+#pragma unroll
+      for (int k = 0; k < kGroupCols / 16; ++k) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> g_frag;
+        wmma::load_matrix_sync(g_frag, g + warp_col + 16 * k, kLdG);
+        wmma::mma_sync(gb_acc, g_frag, b_held[member][k], gb_acc);
+      }
+      wmma::store_matrix_sync(sums + (member * kWarps + warp) * kTileRows * kLdSum, gb_acc, kLdSum,
+                              wmma::mem_row_major);
+    }
+  }
+  __syncthreads();
+  if (tiles > 0) write_gb(tiles - 1);
+
+#pragma unroll
+  for (int member = 0; member < kMembers; ++member) {
+    float* db_out = a.db_partial[member] + (chunk * a.cols_padded + col0 + warp_col) * kRank;
+#pragma unroll
+    for (int m = 0; m < kGroupCols / 16; ++m) {
+      wmma::store_matrix_sync(db_out + 16 * m * kRank, db_acc[member][m], kRank, wmma::mem_row_major);
+    }
+  }
+#endif
+}
+
+// The gated kernel runs one block a multiprocessor; the chunk count is picked so that the blocks
+// fill whole waves (a last wave a quarter full leaves most of the machine idle for its time),
+// each extra wave costing a little (its B loads and pipeline start); chunks keep 4 tiles or more.
+Plan gated_plan(const LoraGatedGradsParams& p) {
+  const int64_t stripes = (p.inner + kStripeCols - 1) / kStripeCols;
+  const int64_t wave = p.sm_count > 0 ? p.sm_count : 1;
+  const int64_t tiles = (p.tokens + gated::kTileRows - 1) / gated::kTileRows;
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(tiles / 4, 8 * wave / stripes + 1));
+  int64_t best = 1;
+  double best_score = -1.0;
+  for (int64_t chunks = 1; chunks <= most; ++chunks) {
+    const int64_t blocks = stripes * chunks, waves = (blocks + wave - 1) / wave;
+    const double score = static_cast<double>(blocks) / static_cast<double>(waves * wave) - 0.02 * (waves - 1);
+    if (score > best_score + 1e-9) best_score = score, best = chunks;
+  }
+  Plan plan{};
+  plan.stripes = stripes;
+  const int64_t tiles_per_chunk = (tiles + best - 1) / best;
+  plan.chunk_rows = tiles_per_chunk * gated::kTileRows;
+  plan.chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;
+  plan.rows_padded = plan.chunks * plan.chunk_rows;
+  plan.cols_padded = stripes * kStripeCols;
+  return plan;
+}
+
+// one member's sums: gb (T, r) at gb_stride and grad_b (N, r), scaled
+template <typename T, typename TB>
+void launch_gated_sum(const float* gb_partial, const float* db_partial, const Plan& plan, const LoraGatedGradsParams& p,
+                      int member, cudaStream_t stream) {
+  const int64_t total = (p.tokens + p.inner) * gated::kRank;
+  lora_grads_sum_kernel<T, TB><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+      gb_partial, db_partial, static_cast<T*>(p.gb[member]), p.gb_stride, static_cast<TB*>(p.grad_b[member]),
+      p.tokens, p.inner, gated::kRank, plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded,
+      p.scale[member]);
+}
+
+template <typename T, GateActivation A>
+cudaError_t launch_gated(const LoraGatedGradsParams& p, cudaStream_t stream) {
+  const Plan plan = gated_plan(p);
+  GatedArgs<T> a{};
+  a.gate = static_cast<const T*>(p.gate);
+  a.up = static_cast<const T*>(p.up);
+  a.in_stride = p.in_stride;
+  a.d = static_cast<const T*>(p.grad_act);
+  a.d_gate = static_cast<T*>(p.grad_gate);
+  a.d_up = static_cast<T*>(p.grad_up);
+  a.xa_stride = p.xa_stride;
+  float* next = p.workspace;
+  for (int member = 0; member < gated::kMembers; ++member) {
+    a.b[member] = static_cast<const T*>(p.lora_b[member]);
+    a.xa[member] = static_cast<const T*>(p.xa[member]);
+    a.gb_partial[member] = next;
+    next += plan.stripes * plan.rows_padded * gated::kRank;
+    a.db_partial[member] = next;
+    next += plan.chunks * plan.cols_padded * gated::kRank;
+  }
+  a.tokens = p.tokens;
+  a.cols = p.inner;
+  a.chunk_rows = plan.chunk_rows;
+  a.rows_padded = plan.rows_padded;
+  a.cols_padded = plan.cols_padded;
+  auto kernel = lora_gated_grads_kernel<T, A>;
+  if (const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, gated::kShared);
+      err != cudaSuccess) {
+    return err;
+  }
+  if (plan.chunks > 65535) return cudaErrorInvalidConfiguration;
+  kernel<<<dim3(static_cast<unsigned>(plan.stripes), static_cast<unsigned>(plan.chunks)), kThreads, gated::kShared,
+           stream>>>(a);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  for (int member = 0; member < gated::kMembers; ++member) {
+    if (p.grad_b_type == ElementType::kFloat32) {
+      launch_gated_sum<T, float>(a.gb_partial[member], a.db_partial[member], plan, p, member, stream);
+    } else {
+      launch_gated_sum<T, T>(a.gb_partial[member], a.db_partial[member], plan, p, member, stream);
+    }
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_gated_type(const LoraGatedGradsParams& p, cudaStream_t stream) {
+  switch (p.activation) {
+    case GateActivation::kSilu: return launch_gated<T, GateActivation::kSilu>(p, stream);
+    case GateActivation::kGeluTanh: return launch_gated<T, GateActivation::kGeluTanh>(p, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -390,6 +709,30 @@ cudaError_t launch_lora_grads(const LoraGradsParams& p, cudaStream_t stream) {
   if (!lora_grads_supported(p)) return cudaErrorInvalidValue;
   if (p.type == ElementType::kBFloat16) return launch_type<__nv_bfloat16>(p, stream);
   return launch_type<__half>(p, stream);
+}
+
+bool lora_gated_grads_supported(const LoraGatedGradsParams& p) {
+  const bool half_type = p.type == ElementType::kFloat16 || p.type == ElementType::kBFloat16;
+  const bool grad_b_type = p.grad_b_type == ElementType::kFloat32 || p.grad_b_type == p.type;
+  const bool activation = p.activation == GateActivation::kSilu || p.activation == GateActivation::kGeluTanh;
+  bool aligned = aligned16(p.gate) && aligned16(p.up) && aligned16(p.grad_act) && aligned16(p.grad_gate) &&
+                 aligned16(p.grad_up);
+  for (int member = 0; member < gated::kMembers; ++member) {
+    aligned = aligned && aligned16(p.lora_b[member]) && aligned16(p.xa[member]);
+  }
+  return half_type && grad_b_type && activation && aligned && p.sm_major >= 8 && p.rank == gated::kRank &&
+         p.tokens >= 1 && p.inner >= 1 && p.inner % 8 == 0 && p.in_stride % 8 == 0 && p.xa_stride % 8 == 0;
+}
+
+int64_t lora_gated_grads_workspace_floats(const LoraGatedGradsParams& p) {
+  const Plan plan = gated_plan(p);
+  return gated::kMembers * (plan.stripes * plan.rows_padded + plan.chunks * plan.cols_padded) * gated::kRank;
+}
+
+cudaError_t launch_lora_gated_grads(const LoraGatedGradsParams& p, cudaStream_t stream) {
+  if (!lora_gated_grads_supported(p)) return cudaErrorInvalidValue;
+  if (p.type == ElementType::kBFloat16) return launch_gated_type<__nv_bfloat16>(p, stream);
+  return launch_gated_type<__half>(p, stream);
 }
 
 }  // namespace kernels

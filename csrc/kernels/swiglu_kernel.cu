@@ -5,6 +5,7 @@
 // blockIdx.y (looping past the grid's limit) and columns on x in 16-byte chunks where every row
 // is aligned for them (one element otherwise), so no thread divides an index.
 #include "dtype_utils.cuh"
+#include "gate_activation_math.cuh"
 #include "swiglu.cuh"
 
 namespace hasten {
@@ -12,33 +13,6 @@ namespace kernels {
 namespace {
 
 constexpr int kThreads = 128;
-
-// f(g) and f'(g) of the gate activation; the forward kernels use only f, the compiler drops f'.
-struct GateValue {
-  float value, slope;
-};
-
-template <GateActivation A>
-__device__ __forceinline__ GateValue gate_activation(float g);
-
-template <>
-__device__ __forceinline__ GateValue gate_activation<GateActivation::kSilu>(float g) {
-  const float sg = 1.0f / (1.0f + __expf(-g));
-  return {g * sg, sg * (1.0f + g * (1.0f - sg))};
-}
-
-// torch's tanh-approximate GELU and its derivative (aten GeluBackward, approximate="tanh"):
-// t = tanh(k (g + c g^3)), f = 0.5 g (1 + t), f' = 0.5 (1 + t) + 0.5 g (1 - t^2) k (1 + 3 c g^2).
-// tanhf, not a fast approximation: the result must match torch to float rounding.
-template <>
-__device__ __forceinline__ GateValue gate_activation<GateActivation::kGeluTanh>(float g) {
-  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
-  const float g2 = g * g;
-  const float t = tanhf(kSqrt2OverPi * (g + kCubic * g2 * g));
-  const float half_g = 0.5f * g, one_plus_t = 1.0f + t;
-  return {half_g * one_plus_t,
-          0.5f * one_plus_t + half_g * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * g2)};
-}
 
 template <typename T, int V, GateActivation A>
 __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(SwigluParams p) {
@@ -66,12 +40,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(SwigluParams 
     load_chunk<T, V>(static_cast<const T*>(p.up) + r * p.in_stride, v, u);
     load_chunk<T, V>(static_cast<const T*>(p.grad_act) + r * p.inner, v, d);
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float uf = to_float(u[i]), df = to_float(d[i]);
-      const GateValue f = gate_activation<A>(to_float(g[i]));
-      g[i] = from_float<T>(df * uf * f.slope);
-      u[i] = from_float<T>(df * f.value);
-    }
+    for (int i = 0; i < V; ++i) gated_backward_element<A>(g[i], u[i], d[i]);
     store_chunk<T, V>(static_cast<T*>(p.out) + r * p.out_stride, v, g);
     store_chunk<T, V>(static_cast<T*>(p.out_up) + r * p.out_stride, v, u);
   }

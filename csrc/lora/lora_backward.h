@@ -4,12 +4,14 @@
 // come from the device's ThinGrads: ATen's two GEMMs (CPU, and CUDA where its kernel does not take
 // the shapes) or the CUDA kernel that reads g once for both (csrc/kernels/lora_grads.cuh). Also
 // here: what the forward ops share with their backward (rows, mm_as, the group's rank offsets and
-// checks).
+// checks), and the backward of a gated MLP over a gate/up group (lora_gated_group).
 #pragma once
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/types.h>
 #include <torch/version.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -93,6 +95,23 @@ inline void check_group(const char* op, at::TensorList weights, at::TensorList l
   }
 }
 
+// The group's backward after its thin products: gs the members' output gradients (T, out_i) in x's
+// dtype, gb = [s_0 g_0 B_0 | s_1 g_1 B_1 | ...] (T, R), grad_b the d B_i. d A for all members from one
+// read of x, and d x as the LoRA paths' GEMM that every base GEMM accumulates onto.
+inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> group_backward_after_thin(
+    const std::vector<at::Tensor>& gs, const at::Tensor& gb, std::vector<at::Tensor> grad_b, const at::Tensor& x,
+    at::TensorList weights, at::TensorList lora_a, const std::vector<int64_t>& offsets) {
+  const size_t n = weights.size();
+  std::vector<at::Tensor> stacked;
+  for (const auto& a : lora_a) stacked.push_back(a.to(x.scalar_type()));
+  const auto grad_a_all = mm_as(gb.t(), rows(x), lora_a[0].scalar_type());  // (R, in): x read once
+  std::vector<at::Tensor> grad_a;
+  for (size_t i = 0; i < n; ++i) grad_a.push_back(grad_a_all.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).clone());
+  auto grad_x = at::mm(gb, at::cat(stacked, 0));  // (T, in): the LoRA paths, then each base GEMM onto it
+  for (size_t i = 0; i < n; ++i) grad_x.addmm_(gs[i], weights[i]);
+  return {grad_x.view(x.sizes()), grad_a, std::move(grad_b)};
+}
+
 inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> group_backward(
     ThinGrads thin_grads, at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights,
     at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales) {
@@ -104,30 +123,86 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
   TORCH_CHECK(xa.size(-1) == offsets.back() && rows_of(xa) == rows_of(x), "hasten::", op, ": `xa` ",
               shape(xa.sizes()), " must be (..., ", num(offsets.back()), ") over x's rows");
   const auto dtype = x.scalar_type();
-  const auto x2 = rows(x), xa2 = rows(xa);
-  std::vector<at::Tensor> gs, stacked, grad_b;
+  const auto xa2 = rows(xa);
+  std::vector<at::Tensor> gs, grad_b;
   for (size_t i = 0; i < n; ++i) {
     check_lora_linear_args(op, x, std::nullopt, weights[i], std::nullopt, lora_a[i], lora_b[i]);
     TORCH_CHECK(grad_ys[i].size(-1) == weights[i].size(0) && rows_of(grad_ys[i]) == rows_of(x), "hasten::", op,
                 ": `grad_ys[", i, "]` ", shape(grad_ys[i].sizes()), " must be (..., ", num(weights[i].size(0)),
                 ") over x's rows");
     gs.push_back(rows(grad_ys[i].to(dtype)));
-    stacked.push_back(lora_a[i].to(dtype));
   }
   // gb = [s_0 g_0 B_0 | s_1 g_1 B_1 | ...] (T, R); d B_i = s_i g_i^T xa_i (out_i, r_i)
-  auto gb = at::empty({x2.size(0), offsets.back()}, x.options());
+  auto gb = at::empty({rows_of(x), offsets.back()}, x.options());
   for (size_t i = 0; i < n; ++i) {
     const int64_t rank = offsets[i + 1] - offsets[i];
     auto gb_i = gb.narrow(1, offsets[i], rank);
     grad_b.push_back(thin_grads(gs[i], lora_b[i].to(dtype), xa2.narrow(1, offsets[i], rank), scales[i],
                                 lora_b[i].scalar_type(), gb_i));
   }
-  const auto grad_a_all = mm_as(gb.t(), x2, lora_a[0].scalar_type());  // (R, in): x read once
-  std::vector<at::Tensor> grad_a;
-  for (size_t i = 0; i < n; ++i) grad_a.push_back(grad_a_all.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).clone());
-  auto grad_x = at::mm(gb, at::cat(stacked, 0));  // (T, in): the LoRA paths, then each base GEMM onto it
-  for (size_t i = 0; i < n; ++i) grad_x.addmm_(gs[i], weights[i]);
-  return {grad_x.view(x.sizes()), grad_a, grad_b};
+  return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, offsets);
+}
+
+// --- a gated MLP over a gate/up group: act = f(gate) * up (hasten::lora_gated_group) ----------------
+
+// The gated-MLP op of an activation name: "silu" (SwiGLU) or "gelu_tanh" (GeGLU); `suffix` "" for
+// the forward, "_backward" for its backward.
+inline std::string gated_op_name(const char* op, c10::string_view activation, const char* suffix) {
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "hasten::", op,
+              ": `activation` must be \"silu\" or \"gelu_tanh\", got \"", std::string(activation), "\"");
+  return std::string("hasten::") + (activation == "silu" ? "silu_mul" : "gelu_tanh_mul") + suffix;
+}
+
+inline void check_gated_group(const char* op, at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b,
+                              at::ArrayRef<double> scales, size_t biases) {
+  check_group(op, weights, lora_a, lora_b, scales, biases);
+  TORCH_CHECK(weights.size() == 2 && weights[0].size(0) == weights[1].size(0), "hasten::", op,
+              ": the group must be [gate, up], two projections of one output size, got ", weights.size(),
+              " projections", weights.size() == 2 ? " of output sizes " + std::to_string(weights[0].size(0)) +
+              " and " + std::to_string(weights[1].size(0)) : std::string());
+}
+
+// The one-pass path of a device (the activation's backward with both members' thin products): fills
+// d_gate and d_up (T, N), gb (T, R) and grad_b, or returns false when it does not take these inputs.
+using GatedGrads = bool (*)(const at::Tensor& grad_act, const at::Tensor& gate, const at::Tensor& up,
+                            c10::string_view activation, const at::Tensor& xa, at::TensorList lora_b,
+                            at::ArrayRef<double> scales, at::ScalarType grad_b_dtype, std::vector<at::Tensor>& gs,
+                            at::Tensor& gb, std::vector<at::Tensor>& grad_b);
+
+// d act -> (d x, d lora_a, d lora_b) of act = f(gate) * up over the gate/up group: through the
+// device's one pass where it takes the inputs (`gated_grads`, may be null), else the activation's
+// backward op and then the group's backward.
+inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> gated_group_backward(
+    GatedGrads gated_grads, ThinGrads thin_grads, const at::Tensor& grad_act, const at::Tensor& gate,
+    const at::Tensor& up, const at::Tensor& x, at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b,
+    const at::Tensor& xa, at::ArrayRef<double> scales, c10::string_view activation) {
+  const char* op = "lora_gated_group_backward";
+  check_gated_group(op, weights, lora_a, lora_b, scales, 0);
+  const auto backward_name = gated_op_name(op, activation, "_backward");
+  const int64_t inner = weights[0].size(0);
+  for (const auto* t : {&grad_act, &gate, &up}) {
+    TORCH_CHECK(t->size(-1) == inner && rows_of(*t) == rows_of(x) && t->scalar_type() == x.scalar_type(),
+                "hasten::", op, ": `grad_act`, `gate` and `up` must be (..., ", num(inner), ") over x's rows in x's "
+                "dtype, got ", shape(t->sizes()), " ", t->scalar_type());
+  }
+  const auto offsets = rank_offsets(lora_a);
+  TORCH_CHECK(xa.size(-1) == offsets.back() && rows_of(xa) == rows_of(x), "hasten::", op, ": `xa` ",
+              shape(xa.sizes()), " must be (..., ", num(offsets.back()), ") over x's rows");
+  if (gated_grads != nullptr) {
+    for (size_t i = 0; i < 2; ++i) check_lora_linear_args(op, x, std::nullopt, weights[i], std::nullopt, lora_a[i], lora_b[i]);
+    std::vector<at::Tensor> gs, grad_b;
+    auto gb = at::empty({rows_of(x), offsets.back()}, x.options());
+    const std::vector<at::Tensor> b{lora_b[0].to(x.scalar_type()), lora_b[1].to(x.scalar_type())};
+    if (gated_grads(grad_act, gate, up, activation, rows(xa), b, scales, lora_b[0].scalar_type(), gs, gb, grad_b)) {
+      return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, offsets);
+    }
+  }
+  const auto backward = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow(backward_name.c_str(), "")
+                            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                      const at::Tensor&)>();
+  const auto [grad_gate, grad_up] = backward.call(grad_act, gate, up);
+  return group_backward(thin_grads, {grad_gate, grad_up}, x, weights, lora_a, lora_b, xa, scales);
 }
 
 }  // namespace lora

@@ -128,6 +128,34 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_li
   return lora::group_backward(&lora::thin_grads_gemms, grad_ys, x, weights, lora_a, lora_b, xa, scales);
 }
 
+
+// --- a gated MLP's gate/up group and its activation: act = f(gate) * up ---------------------------
+// The forward is the group's and then the activation's op (the same kernels as separately); the
+// outputs gate, up and xa are what the backward reads (autograd keeps them, as it keeps gate and
+// up for the activation and xa for the group when they run as two ops). One op for both lets the
+// backward on CUDA form the activation's gradient and both members' thin products in one pass
+// (lora_linear_cuda.cpp); here it is the activation's backward op, then the group's.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_gated_group(
+    const at::Tensor& x, at::TensorList weights, at::TensorList biases, at::TensorList lora_a, at::TensorList lora_b,
+    at::ArrayRef<double> scales, c10::string_view activation) {
+  const char* op = "lora_gated_group";
+  lora::check_gated_group(op, weights, lora_a, lora_b, scales, biases.size());
+  const auto forward = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow(lora::gated_op_name(op, activation, "").c_str(), "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  auto [ys, xa] = lora_linear_group(x, weights, biases, lora_a, lora_b, scales);
+  auto act = forward.call(ys[0], ys[1]);
+  return {act, ys[0], ys[1], xa};
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_gated_group_backward(
+    const at::Tensor& grad_act, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& x,
+    at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa,
+    at::ArrayRef<double> scales, c10::string_view activation) {
+  return lora::gated_group_backward(nullptr, &lora::thin_grads_gemms, grad_act, gate, up, x, weights, lora_a, lora_b,
+                                    xa, scales, activation);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hasten, CompositeExplicitAutograd, m) {
@@ -135,6 +163,8 @@ TORCH_LIBRARY_IMPL(hasten, CompositeExplicitAutograd, m) {
   m.impl("lora_linear_backward", &lora_linear_backward);
   m.impl("lora_linear_group", &lora_linear_group);
   m.impl("lora_linear_group_backward", &lora_linear_group_backward);
+  m.impl("lora_gated_group", &lora_gated_group);
+  m.impl("lora_gated_group_backward", &lora_gated_group_backward);
 }
 
 }  // namespace hasten

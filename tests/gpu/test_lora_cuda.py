@@ -109,8 +109,11 @@ def test_lora_model_gradients_are_within_the_bf16_noise_of_peft(rank):
     handle = hasten.accelerate(patched.get_base_model(), Config())
     assert any(item.startswith("fused LoRA projections (14 layers") for item in handle.active), handle.report()
     assert any(item.startswith("grouped LoRA projections (10 layers") for item in handle.active), handle.report()
-    one_pass = any("lora_grads_kernel" in n for n in _launched_kernels(lambda: adapter_grads(patched)))
-    assert one_pass == (rank == 16)
+    names = _launched_kernels(lambda: adapter_grads(patched))
+    assert any("lora_grads_kernel" in n for n in names) == (rank == 16)  # q/k/v, o, down
+    # gate/up with the SwiGLU: one op whose backward is one pass at rank 16, the activation's kernel else
+    assert any("lora_gated_grads_kernel" in n for n in names) == (rank == 16)
+    assert any("swiglu_backward_kernel" in n for n in names) == (rank != 16)
     error = float((adapter_grads(patched) - want).norm() / want.norm())
     assert error <= 1.5 * noise, f"hasten {error:.3e} vs the unpatched bf16 model's {noise:.3e}"
     handle.undo()
@@ -284,7 +287,7 @@ def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_i
     float64 formulas of the same rounded inputs, within 1.5x of the two GEMMs' error
     (HASTEN_LORA_GRADS_KERNEL=0); sizes off the kernel's tiles (32 rows, 512 columns), one token,
     no tokens, ranks it does not take (8 and 32: the GEMMs). Repeats bit for bit (fixed summation
-    order). The probe's lean kernel (HASTEN_LORA_GRADS_CONFIG=4) gives the same result."""
+    order). The plain kernel (HASTEN_LORA_GRADS_CONFIG=0) gives the same result as the default lean one."""
     gen = torch.Generator(device="cuda").manual_seed(tokens + n_out)
 
     def rand(*shape, scale=1.0, dt=dtype):
@@ -308,7 +311,7 @@ def test_backward_reads_grad_y_once_and_matches_the_float64_products(tokens, n_i
     first, again = run(), run()
     for got, repeat in zip(first, again):
         assert torch.equal(got, repeat)
-    for config in ("4",):  # the probe's lean kernel
+    for config in ("0",):  # the plain kernel (the default is the lean one)
         monkeypatch.setenv("HASTEN_LORA_GRADS_CONFIG", config)
         # the same sums in another order: float32 rounding apart, which gb's rounding to bf16 (one
         # unit in 256) carries into d lora_a and d x, float32 or not
@@ -375,3 +378,71 @@ def test_group_backward_one_pass_on_narrowed_ranks(b_dtype, monkeypatch):
     for label, mine, theirs, want in pairs:
         error, noise = _relative_error(mine, want), _relative_error(theirs, want)
         assert error <= 1.5 * noise + 1e-5, f"{label}: one pass {error:.2e} vs two GEMMs {noise:.2e}"
+
+
+# --- a gated MLP's gate/up pair: the activation's backward and both thin products in one pass -------
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype,b_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, "x"),
+                                           (torch.float16, torch.float32)])
+@pytest.mark.parametrize("tokens,n_in,inner", [(4097, 64, 1024), (1, 40, 520), (300, 32, 14336), (77, 16, 24),
+                                               (2049, 48, 4104), (0, 16, 64)])
+def test_gated_backward_one_pass_matches_the_float64_products(tokens, n_in, inner, dtype, b_dtype, activation,
+                                                              monkeypatch):
+    """hasten::lora_gated_group_backward with the one-pass kernel (csrc/kernels/lora_grads.cuh,
+    LoraGatedGradsParams) against float64 formulas fed the activation kernel's own rounded d_gate and
+    d_up, within 1.5x of the separate path's error (HASTEN_LORA_GATED_KERNEL=0: the activation's
+    kernel, then the group's backward); sizes off the tiles (16 rows, 512 columns), one token, no
+    tokens; bit-identical repeats."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens + inner)
+
+    def rand(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dt)
+
+    b_dtype = dtype if b_dtype == "x" else b_dtype
+    x, grad_act = rand(tokens, n_in), rand(tokens, inner)
+    gate, up = rand(tokens, inner, scale=2.0), rand(tokens, inner)
+    weights = [rand(inner, n_in, scale=n_in ** -0.5) for _ in range(2)]
+    lora_a = [rand(16, n_in, scale=n_in ** -0.5, dt=b_dtype) for _ in range(2)]
+    lora_b = [rand(inner, 16, scale=0.1, dt=b_dtype) for _ in range(2)]
+    xa = x @ torch.cat([a.to(dtype) for a in lora_a]).t()
+    scales = [2.0, 0.5]
+
+    hasten.ops.load()
+
+    def run():
+        return torch.ops.hasten.lora_gated_group_backward(grad_act, gate, up, x, weights, lora_a, lora_b, xa, scales,
+                                                          activation)
+
+    names = _launched_kernels(run)
+    assert any("lora_gated_grads_kernel" in n for n in names) == (tokens > 0), names
+    assert not any("swiglu_backward_kernel" in n for n in names), names
+    first, again = run(), run()
+    assert torch.equal(first[0], again[0])
+    for mine, repeat in zip(first[1] + first[2], again[1] + again[2]):
+        assert torch.equal(mine, repeat)
+    monkeypatch.setenv("HASTEN_LORA_GATED_KERNEL", "0")
+    names = _launched_kernels(run)
+    assert not any("lora_gated_grads_kernel" in n for n in names)
+    separate = run()
+    monkeypatch.delenv("HASTEN_LORA_GATED_KERNEL")
+
+    backward = torch.ops.hasten.silu_mul_backward if activation == "silu" else torch.ops.hasten.gelu_tanh_mul_backward
+    grad_gate, grad_up = (g.double() for g in backward(grad_act, gate, up))  # the rounded values both paths read
+    gs = [grad_gate, grad_up]
+    a64 = [a.to(dtype).double() for a in lora_a]
+    b64 = [b.to(dtype).double() for b in lora_b]
+    gbs = [s * g @ b for s, g, b in zip(scales, gs, b64)]
+    want_x = sum(gb @ a + g @ w.double() for gb, a, g, w in zip(gbs, a64, gs, weights))
+    want_a = [gb.t() @ x.double() for gb in gbs]
+    want_b = [s * g.t() @ xa[:, 16 * i:16 * i + 16].double() for i, (s, g) in enumerate(zip(scales, gs))]
+    pairs = [("grad_x", first[0], separate[0], want_x)]
+    pairs += [(f"grad_a[{i}]", first[1][i], separate[1][i], want_a[i]) for i in range(2)]
+    pairs += [(f"grad_b[{i}]", first[2][i], separate[2][i], want_b[i]) for i in range(2)]
+    for label, mine, theirs, want in pairs:
+        assert mine.dtype == theirs.dtype
+        if tokens == 0:
+            assert mine.abs().sum() == 0, label
+            continue
+        error, noise = _relative_error(mine, want), _relative_error(theirs, want)
+        assert error <= 1.5 * noise + 1e-5, f"{label}: one pass {error:.2e} vs the separate path {noise:.2e}"

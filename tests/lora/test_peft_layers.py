@@ -172,3 +172,48 @@ def test_accelerate_reports_the_lora_layers_and_undo_restores_them(tmp_path):
     off = hasten.accelerate(_peft_model().get_base_model(), Config.from_dict({"kernels": {"fused_lora": False}}))
     assert any("kernels.fused_lora is false" in item for item in off.inactive)
     off.undo()
+
+
+def test_accelerate_runs_gate_up_and_the_activation_as_one_op_with_peft_gradients(monkeypatch):
+    """With hasten's MLP kernel and the fused LoRA groups on, each layer's gate/up pair and its SwiGLU
+    run as one hasten::lora_gated_group (one backward for the activation and both adapters): the loss
+    and every adapter gradient are PEFT's (float32 rounding; use_cache off: with transformers'
+    default cache its packed path attends across samples) and those of the separate calls. A hook on
+    up_proj (someone watching its output) sends that layer back to the separate calls, which run it."""
+    import hasten.dense.patch as dense_patch
+    import hasten.lora.peft_layers as peft_layers
+
+    model = _peft_model()
+    batch = packed_batch() | {"use_cache": False}
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    want_loss, want = loss_and_grads()
+    calls = []
+    real = peft_layers.lora_gated_group
+    monkeypatch.setattr(peft_layers, "lora_gated_group", lambda *a: calls.append(a[-1]) or real(*a))
+    handle = hasten.accelerate(model.get_base_model(), Config())
+    got_loss, got = loss_and_grads()
+    assert calls == ["silu", "silu"], handle.report()  # the two decoder layers
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    with monkeypatch.context() as separate:
+        separate.setattr(dense_patch, "gated_group_act", lambda *args: None)
+        separate_loss, separate_grads = loss_and_grads()
+    torch.testing.assert_close(got_loss, separate_loss, rtol=1e-6, atol=0)
+    for name in want:
+        torch.testing.assert_close(got[name], separate_grads[name], rtol=1e-6, atol=1e-9, msg=name)
+    seen = []
+    up_proj = model.get_base_model().model.layers[0].mlp.up_proj
+    hook = up_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    calls.clear()
+    hooked_loss, _ = loss_and_grads()
+    assert calls == ["silu"] and len(seen) == 1  # layer 0 one by one (its hook ran), layer 1 fused
+    torch.testing.assert_close(hooked_loss, want_loss, rtol=1e-5, atol=1e-6)
+    hook.remove()
+    handle.undo()

@@ -130,3 +130,56 @@ def test_group_keeps_x_itself_and_the_stacked_rank_sized_product_only():
     assert len(activations) == 2 and activations[0] is x and activations[1].shape == (6, 8)  # x and [xa_0 | xa_1]
     with pytest.raises(NotImplementedError, match="frozen base layers"):
         lora_linear_group(x, [weight.clone().requires_grad_()], [], [a], [b], [1.0])
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows,n_in,inner,ranks", [((1,), 8, 6, (2, 1)), ((2, 7), 24, 40, (4, 4)),
+                                                   ((0,), 8, 6, (2, 2)), ((3, 1), 33, 17, (16, 16))])
+def test_gated_group_matches_the_mlp_written_out(rows, n_in, inner, ranks, with_bias, activation):
+    """hasten::lora_gated_group: f(gate) * up over a [gate, up] group, against the projections and
+    the activation written out (float64): output, and the gradients of x and every adapter; one-token
+    and empty inputs, ranks of their own."""
+    from hasten.ops.lora import lora_gated_group
+
+    gen = torch.Generator().manual_seed(inner + n_in)
+    x = torch.randn(*rows, n_in, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(inner, n_in, generator=gen, dtype=torch.float64) for _ in range(2)]
+    biases = [torch.randn(inner, generator=gen, dtype=torch.float64) for _ in range(2)] if with_bias else []
+    adapters_a = [torch.randn(r, n_in, generator=gen, dtype=torch.float64) for r in ranks]
+    adapters_b = [torch.randn(inner, r, generator=gen, dtype=torch.float64) for r in ranks]
+    scales = [0.75, 2.0]
+    leaves = [t.clone().requires_grad_() for t in [x, *adapters_a, *adapters_b]]
+    ref = [t.clone().requires_grad_() for t in [x, *adapters_a, *adapters_b]]
+    got = lora_gated_group(leaves[0], weights, biases, leaves[1:3], leaves[3:], scales, activation)
+    gate, up = (_reference(ref[0], w, biases[i] if biases else None, ref[1 + i], ref[3 + i], scales[i])
+                for i, w in enumerate(weights))
+    f = torch.nn.functional.silu if activation == "silu" else (
+        lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+    want = f(gate) * up
+    torch.testing.assert_close(got, want)
+    upstream = torch.randn(want.shape, generator=gen, dtype=want.dtype)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for i, (g, w) in enumerate(zip(leaves, ref)):
+        torch.testing.assert_close(g.grad, w.grad, msg=f"grad of leaf {i} (x, lora_a gate, up, lora_b gate, up)")
+
+
+def test_gated_group_keeps_what_the_two_ops_kept_and_refuses_what_is_not_a_gate_up_pair():
+    """gate, up (the activation's), x and [xa_gate | xa_up] (the group's): nothing more."""
+    from hasten.ops.lora import lora_gated_group
+
+    x, weight, _, a, b = _inputs((6,), 16, 12, 4, seed=7)
+    x.requires_grad_()
+    a, b = a.requires_grad_(), b.requires_grad_()
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    kept = _saved(lambda: lora_gated_group(x, [weight, weight], [], [a, a2], [b, b2], [1.0, 1.0], "silu"))
+    activations = sorted((t for t in kept if t.shape[:-1] == x.shape[:-1]), key=lambda t: t.shape[-1])
+    assert [tuple(t.shape) for t in activations] == [(6, 8), (6, 12), (6, 12), (6, 16)]
+    assert activations[-1] is x
+    with pytest.raises(RuntimeError, match="the group must be \\[gate, up\\]"):
+        lora_gated_group(x, [weight], [], [a], [b], [1.0], "silu")
+    with pytest.raises(RuntimeError, match="`activation` must be"):
+        lora_gated_group(x, [weight, weight], [], [a, a2], [b, b2], [1.0, 1.0], "gelu")
+    with pytest.raises(NotImplementedError, match="frozen base layers"):
+        lora_gated_group(x, [weight.clone().requires_grad_(), weight], [], [a, a2], [b, b2], [1.0, 1.0], "silu")

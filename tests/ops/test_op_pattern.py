@@ -21,10 +21,10 @@ from hasten.ops import op_names
 ops = torch.ops.hasten
 DIFFERENTIABLE = {"rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "varlen_attention", "linear_cross_entropy",
                   "moe_permute", "moe_combine", "swiglu", "clamped_swiglu", "lora_linear",
-                  "lora_linear_group"}
+                  "lora_linear_group", "lora_gated_group"}
 BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
                 "moe_combine_weight_grad", "swiglu_backward", "clamped_swiglu_backward", "lora_linear_backward",
-                "lora_linear_group_backward"}
+                "lora_linear_group_backward", "lora_gated_group_backward"}
 # integer-valued or in-place ops, with no derivative to define
 NOT_DIFFERENTIABLE = {"varlen_meta", "moe_group", "cross_entropy_rows_"}
 
@@ -119,6 +119,17 @@ def _cases(requires_grad: bool):
                                         [t(6, 8, grad=False), t(2, 8, grad=False)], [t(4, 8, grad=False),
                                         t(2, 8, grad=False)], [t(6, 4, grad=False), t(2, 2, grad=False)],
                                         t(2, 3, 6, grad=False), [0.5, 2.0])),
+        # a gated MLP's [gate, up]: x (2, 3, 8), two frozen bases (6, 8), ranks 4 and 2; GeGLU with biases
+        ("lora_gated_group", (t(2, 3, 8), [t(6, 8, grad=False), t(6, 8, grad=False)], [], [t(4, 8), t(2, 8)],
+                              [t(6, 4), t(6, 2)], [0.5, 2.0], "silu")),
+        ("lora_gated_group", (t(5, 7), [t(9, 7, grad=False), t(9, 7, grad=False)],
+                              [t(9, grad=False), t(9, grad=False)], [t(3, 7), t(3, 7)], [t(9, 3), t(9, 3)],
+                              [1.5, 1.0], "gelu_tanh")),
+        ("lora_gated_group_backward", (t(2, 3, 6, grad=False), t(2, 3, 6, grad=False), t(2, 3, 6, grad=False),
+                                       t(2, 3, 8, grad=False), [t(6, 8, grad=False), t(6, 8, grad=False)],
+                                       [t(4, 8, grad=False), t(2, 8, grad=False)],
+                                       [t(6, 4, grad=False), t(6, 2, grad=False)], t(2, 3, 6, grad=False),
+                                       [0.5, 2.0], "silu")),
     ]
     return cases
 
@@ -243,6 +254,12 @@ def _bad_inputs():
         ("lora_linear_group", (f(3, 8), [f(6, 8), f(2, 8)], [f(6)], [f(4, 8), f(2, 8)], [f(6, 4), f(2, 2)],
                                [1.0, 1.0])),
         ("lora_linear_group_backward", ([f(3, 6)], f(3, 8), [f(6, 8)], [f(4, 8)], [f(6, 4)], f(3, 5), [1.0])),
+        ("lora_gated_group", (f(3, 8), [f(6, 8), f(5, 8)], [], [f(4, 8), f(2, 8)], [f(6, 4), f(5, 2)], [1.0, 1.0],
+                              "silu")),  # gate and up of different sizes
+        ("lora_gated_group", (f(3, 8), [f(6, 8), f(6, 8)], [], [f(4, 8), f(2, 8)], [f(6, 4), f(6, 2)], [1.0, 1.0],
+                              "relu")),
+        ("lora_gated_group_backward", (f(3, 5), f(3, 6), f(3, 6), f(3, 8), [f(6, 8), f(6, 8)], [f(4, 8), f(2, 8)],
+                                       [f(6, 4), f(6, 2)], f(3, 6), [1.0, 1.0], "silu")),  # grad_act's width
     ]
 
 
@@ -302,8 +319,8 @@ def test_eager_function_and_registered_formula_agree(index):
     name, args = _cases(True)[index]
     if name not in DIFFERENTIABLE:
         pytest.skip(f"{name} has no derivative")
-    if name == "lora_linear_group":
-        pytest.skip("lora_linear_group takes lists of tensors, which an autograd.Function does not track: eager "
+    if name in ("lora_linear_group", "lora_gated_group"):
+        pytest.skip(f"{name} takes lists of tensors, which an autograd.Function does not track: eager "
                     "calls take the op's own autograd kernel (hasten/ops/lora.py)")
     results = []
     for entry in (getattr(ops, name), _EAGER_FUNCTIONS[name].apply):

@@ -36,6 +36,7 @@ from torch import nn
 from hasten.dense.residual import NORM_SPEC_ATTRIBUTE
 from hasten.dense.spec import MlpSpec, NormSpec, RotarySpec
 from hasten.instance_forward import replace_forward, restore_forward, without_hooked
+from hasten.lora.peft_layers import gated_group_act
 from hasten.observability import record_fallback
 from hasten.ops.dense import gelu_tanh_mul, rms_norm, rope, silu_mul
 from hasten.ops.moe import swiglu
@@ -368,10 +369,16 @@ def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
             return self.down_proj(act.view(*gate_up.shape[:-1], act.shape[-1]))
     else:
         gated = silu_mul if spec.kind == "swiglu" else gelu_tanh_mul
+        activation = "silu" if spec.kind == "swiglu" else "gelu_tanh"
         gate_name, up_name, down_name = spec.projections
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return getattr(self, down_name)(gated(getattr(self, gate_name)(x), getattr(self, up_name)(x)))
+            gate_proj, up_proj = getattr(self, gate_name), getattr(self, up_name)
+            # gate/up as one fused LoRA group with the activation (one backward pass), where they are
+            act = gated_group_act(gate_proj, up_proj, x, activation)
+            if act is None:
+                act = gated(gate_proj(x), up_proj(x))
+            return getattr(self, down_name)(act)
 
     for module in patched:
         replace_forward(module, types.MethodType(forward, module))

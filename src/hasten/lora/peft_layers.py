@@ -27,7 +27,7 @@ from torch import nn
 
 from hasten.instance_forward import HOOKED_REASON, hooked, replace_forward, restore_forward
 from hasten.observability import record_fallback
-from hasten.ops.lora import lora_linear, lora_linear_group, lora_linear_quantized
+from hasten.ops.lora import lora_gated_group, lora_linear, lora_linear_group, lora_linear_quantized
 
 
 # PEFT's LoRA layer classes hasten computes, by (module, name): over a plain nn.Linear, and over
@@ -213,6 +213,39 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if adapter is None:
         return _forward(self, x, *args, **kwargs)
     return group.compute(index, x, adapter)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would run hooks that calling its op directly would skip."""
+    from torch.nn.modules import module as module_globals
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module_globals._global_forward_hooks
+                or module_globals._global_forward_pre_hooks)
+
+
+def gated_group_act(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+    """f(gate_proj(x)) * up_proj(x) as one hasten::lora_gated_group (f: "silu" or "gelu_tanh"), when
+    gate_proj and up_proj are, in this order, the two members of one SharedInputGroup that computes
+    this call and neither has hooks; None otherwise (the caller calls the projections and the
+    activation one by one, as before). The same kernels as that path, with one backward: on CUDA
+    the activation's gradient and both members' thin products in one pass."""
+    entry = gate_proj.__dict__.get("_hasten_lora_group")
+    if entry is None:
+        return None
+    group, index = entry
+    if index != 0 or len(group.members) != 2 or group.members[1] is not up_proj or group.waiting_for is not None:
+        return None
+    if _has_hooks(gate_proj) or _has_hooks(up_proj):
+        return None
+    adapter = group.adapter(x, (), {})
+    if adapter is None:
+        return None
+    bases = [m.get_base_layer() for m in group.members]
+    biased = bases[0].bias is not None  # on both members or on neither (shared_input_groups)
+    return lora_gated_group(x, [b.weight for b in bases], [b.bias for b in bases] if biased else [],
+                            [m.lora_A[adapter].weight for m in group.members],
+                            [m.lora_B[adapter].weight for m in group.members],
+                            [m.scaling[adapter] for m in group.members], activation)
 
 
 def shared_input_groups(model: nn.Module, patched: list[nn.Module]) -> list[SharedInputGroup]:

@@ -9,6 +9,9 @@ weights. No gradient for the base weight or bias: the op refuses them requiring 
 `lora_linear_group`: projections that read the same x (q/k/v, gate/up) in one op: x is read once for
 all members' thin GEMM and for all d A, and d x is one tensor their base GEMMs accumulate onto.
 
+`lora_gated_group`: a gated MLP's [gate, up] group and its activation f(gate) * up in one op, so that
+the backward can form the activation's gradient and both members' thin products in one pass.
+
 `lora_linear_quantized`: the same over a quantized base (bitsandbytes NF4/FP4, QLoRA), the weight
 dequantized by the caller's function for the forward and again for the backward, never kept.
 """
@@ -135,6 +138,70 @@ def _backward_group(ctx, grad_ys, _grad_xa):
             [g if need else None for g, need in zip(grad_b, ctx.b_needs_grad)], None)
 
 
+# --- a gated MLP over a gate/up group: hasten::lora_gated_group ------------------------------------
+
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU's and GeGLU's gate, as the op's `activation` names them
+
+
+def _check_gated_group(op, weights, biases, lora_a, lora_b, scales, activation) -> None:
+    _check_group(op, weights, biases, lora_a, lora_b, scales)
+    _checks.check(len(weights) == 2 and weights[0].shape[0] == weights[1].shape[0], op,
+                  lambda: f"the group must be [gate, up], two projections of one output size, got {len(weights)} "
+                  "projections" + (f" of output sizes {weights[0].shape[0]} and {weights[1].shape[0]}"
+                                   if len(weights) == 2 else ""))
+    _checks.check(activation in GATED_ACTIVATIONS, op,
+                  lambda: f'`activation` must be "silu" or "gelu_tanh", got "{activation}"')
+
+
+def _lora_gated_group_fake(x, weights, biases, lora_a, lora_b, scales, activation):
+    _check_gated_group("lora_gated_group", weights, biases, lora_a, lora_b, scales, activation)
+    (gate, up), xa = _lora_linear_group_fake(x, weights, biases, lora_a, lora_b, scales)
+    return gate.new_empty(gate.shape), gate, up, xa
+
+
+def _lora_gated_group_backward_fake(grad_act, gate, up, x, weights, lora_a, lora_b, xa, scales, activation):
+    op = "lora_gated_group_backward"
+    _check_gated_group(op, weights, [], lora_a, lora_b, scales, activation)
+    inner, rows = weights[0].shape[0], x.numel() // x.shape[-1] if x.shape[-1] else 0
+    for t in (grad_act, gate, up):
+        _checks.check(t.shape[-1] == inner and (t.numel() // inner if inner else 0) == rows and t.dtype == x.dtype, op,
+                      lambda: f"`grad_act`, `gate` and `up` must be (..., {inner}) over x's rows in x's dtype, got "
+                      f"{_checks.shape(t.shape)} {_checks.dtype_name(t.dtype)}")
+    return _lora_linear_group_backward_fake([gate, up], x, weights, lora_a, lora_b, xa, scales)
+
+
+def _setup_gated(ctx, inputs, output):
+    x, weights, biases, lora_a, lora_b, scales, activation = inputs
+    _act, gate, up, xa = output
+    ctx.mark_non_differentiable(gate, up, xa)  # kept for the backward, not results
+    if any(w.requires_grad for w in weights) or any(b.requires_grad for b in biases):
+        raise NotImplementedError("hasten::lora_gated_group computes no gradient for the base weights or biases: it "
+                                  "is for frozen base layers (requires_grad=False)")
+    ctx.scales, ctx.x_shape, ctx.ranks, ctx.biases = list(scales), x.shape, [a.shape[0] for a in lora_a], len(biases)
+    ctx.activation = activation
+    ctx.x_needs_grad = x.requires_grad
+    ctx.a_needs_grad = [a.requires_grad for a in lora_a]
+    ctx.b_needs_grad = [b.requires_grad for b in lora_b]
+    # d gate and d up read gate and up; d lora_a reads x, d lora_b reads xa; d x reads the weights
+    ctx.save_for_backward(gate, up, x if any(ctx.a_needs_grad) else None, xa if any(ctx.b_needs_grad) else None,
+                          *weights, *lora_a, *lora_b)
+
+
+def _backward_gated(ctx, grad_act, _grad_gate, _grad_up, _grad_xa):
+    gate, up, x, xa, *rest = ctx.saved_tensors
+    weights, lora_a, lora_b = rest[:2], rest[2:4], rest[4:]
+    if x is None:  # not kept, not read for a gradient anyone asked for: a zero-stride stand-in
+        x = grad_act.new_zeros(()).expand(ctx.x_shape)
+    if xa is None:
+        xa = grad_act.new_zeros(()).expand((*ctx.x_shape[:-1], sum(ctx.ranks)))
+    grad_x, grad_a, grad_b = call_in_backward("lora_gated_group_backward", grad_act.contiguous(), gate, up, x,
+                                              list(weights), list(lora_a), list(lora_b), xa, ctx.scales,
+                                              ctx.activation)
+    return (grad_x if ctx.x_needs_grad else None, [None, None], [None] * ctx.biases,
+            [g if need else None for g, need in zip(grad_a, ctx.a_needs_grad)],
+            [g if need else None for g, need in zip(grad_b, ctx.b_needs_grad)], None, None)
+
+
 def _register() -> None:
     """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
     torch.library.register_fake("hasten::lora_linear", _lora_linear_fake)
@@ -148,6 +215,10 @@ def _register() -> None:
     # layer, against seven lora_linear calls, so the kernel's extra host time is small)
     torch.library.register_autograd("hasten::lora_linear_group", _backward_group, setup_context=_setup_group)
     no_double_backward("lora_linear_group_backward")
+    torch.library.register_fake("hasten::lora_gated_group", _lora_gated_group_fake)
+    torch.library.register_fake("hasten::lora_gated_group_backward", _lora_gated_group_backward_fake)
+    torch.library.register_autograd("hasten::lora_gated_group", _backward_gated, setup_context=_setup_gated)
+    no_double_backward("lora_gated_group_backward")
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
@@ -168,6 +239,18 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
     load()
     return torch.ops.hasten.lora_linear_group(x, list(weights), list(biases), list(lora_a), list(lora_b),
                                               [float(s) for s in scales])[0]
+
+
+def lora_gated_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+                     lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], scales: list[float],
+                     activation: str) -> torch.Tensor:
+    """f(gate) * up for the group [gate, up] of lora_linear_group, f silu ("silu") or tanh GELU
+    ("gelu_tanh"): the same kernels as the group and the activation one after the other, with one
+    backward (on CUDA the activation's gradient and both members' thin products in one pass).
+    Returns (..., out) in x's dtype."""
+    load()
+    return torch.ops.hasten.lora_gated_group(x, list(weights), list(biases), list(lora_a), list(lora_b),
+                                             [float(s) for s in scales], activation)[0]
 
 
 class _QuantizedLoraLinear(torch.autograd.Function):
