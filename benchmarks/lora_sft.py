@@ -10,8 +10,9 @@ the result), W1's batch of 16,384 tokens in 61 samples. One run measures, on the
   hasten_ungrouped  hasten with kernels.fused_lora_groups off: q/k/v and gate/up as separate ops
   hasten_lora_grads_gemms  hasten with the backward's gb and d lora_b from two GEMMs that each read
                     grad_y (HASTEN_LORA_GRADS_KERNEL=0), not the kernel that reads it once
-  hasten_gated_separate  hasten with each MLP's backward as the SwiGLU kernel and then gate/up's thin
-                    products (HASTEN_LORA_GATED_KERNEL=0), not the one pass that does both
+  hasten_gated_one_pass  hasten with each MLP's gate/up group and SwiGLU as one op whose backward
+                    forms the SwiGLU's gradient and gate/up's thin products in one pass
+                    (HASTEN_LORA_GATED=1, experimental; the default runs the SwiGLU kernel, then them)
   hasten_residual_unfused  hasten with kernels.fused_residual off: each layer's residual add a separate
                   PyTorch add before the fused RMSNorm (what hasten ran before it)
   hasten_lean     the same with full activation checkpointing
@@ -152,7 +153,7 @@ def build(name: str, samples):
         full = {"training": {"checkpoint": {"activations": "full"}}}
         offload = {"training": {"checkpoint": {"activations": "full", "offload": "all"}}}
         tiled = {"training": {"checkpoint": {"activations": "full", "offload": "all", "mlp_tile_tokens": 4096}}}
-        settings = {"hasten": {}, "hasten_lora_grads_gemms": {}, "hasten_gated_separate": {},
+        settings = {"hasten": {}, "hasten_lora_grads_gemms": {}, "hasten_gated_one_pass": {},
                     "hasten_ungrouped": {"kernels": {"fused_lora_groups": False}},
                     "hasten_residual_unfused": {"kernels": {"fused_residual": False}},
                     "hasten_lean": full, "hasten_offload": offload, "hasten_tiled": tiled,
@@ -190,9 +191,9 @@ def run_variant(name: str, samples, steps: int, profile: bool = False) -> dict:
 
     # hasten_lora_grads_gemms: hasten with the LoRA backward's gb and d lora_b from two GEMMs that
     # read grad_y once each, instead of the kernel that reads it once for both (read at each call)
-    # hasten_gated_separate: the MLP's backward as the SwiGLU kernel, then gate/up's thin products
+    # hasten_gated_one_pass: the MLP's SwiGLU gradient and gate/up's thin products in one pass
     switch = {"hasten_lora_grads_gemms": {"HASTEN_LORA_GRADS_KERNEL": "0"},
-              "hasten_gated_separate": {"HASTEN_LORA_GATED_KERNEL": "0"}}.get(name, {})
+              "hasten_gated_one_pass": {"HASTEN_LORA_GATED": "1"}}.get(name, {})
     saved = {key: os.environ.get(key) for key in switch}
     os.environ.update(switch)
     try:
@@ -252,7 +253,7 @@ def main() -> int:
     base = {r["variant"]: r for r in rows if r["step_s"] is not None}
     for mine in ("hasten", "hasten_lean", "hasten_offload", "hasten_tiled", "hasten_nf4",
                  "hasten_nf4_lean", "hasten_nf4_offload", "hasten_nf4_tiled"):
-        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_lora_grads_gemms", "hasten_gated_separate",
+        for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_lora_grads_gemms", "hasten_gated_one_pass",
                     "hasten_residual_unfused", "hasten_ungrouped",
                     "hasten_peft_layers", "hf_peft_padded", "hf_peft_bnb", "unsloth_nf4"):
             if mine in base and ref in base:

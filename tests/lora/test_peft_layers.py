@@ -175,8 +175,9 @@ def test_accelerate_reports_the_lora_layers_and_undo_restores_them(tmp_path):
 
 
 def test_accelerate_runs_gate_up_and_the_activation_as_one_op_with_peft_gradients(monkeypatch):
-    """With hasten's MLP kernel and the fused LoRA groups on, each layer's gate/up pair and its SwiGLU
-    run as one hasten::lora_gated_group (one backward for the activation and both adapters): the loss
+    """With hasten's MLP kernel, the fused LoRA groups and HASTEN_LORA_GATED=1 (experimental; without
+    it the MLP calls the projections and the activation one by one), each layer's gate/up pair and
+    its SwiGLU run as one hasten::lora_gated_group (one backward for the activation and both adapters): the loss
     and every adapter gradient are PEFT's (float32 rounding; use_cache off: with transformers'
     default cache its packed path attends across samples) and those of the separate calls. A hook on
     up_proj (someone watching its output) sends that layer back to the separate calls, which run it."""
@@ -197,6 +198,9 @@ def test_accelerate_runs_gate_up_and_the_activation_as_one_op_with_peft_gradient
     real = peft_layers.lora_gated_group
     monkeypatch.setattr(peft_layers, "lora_gated_group", lambda *a: calls.append(a[-1]) or real(*a))
     handle = hasten.accelerate(model.get_base_model(), Config())
+    loss_and_grads()
+    assert calls == []  # off by default
+    monkeypatch.setenv("HASTEN_LORA_GATED", "1")
     got_loss, got = loss_and_grads()
     assert calls == ["silu", "silu"], handle.report()  # the two decoder layers
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)

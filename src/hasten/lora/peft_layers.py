@@ -20,6 +20,7 @@ changes the formula turns hasten's path off instead of training something else.
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -223,14 +224,23 @@ def _has_hooks(module: nn.Module) -> bool:
                 or module_globals._global_forward_pre_hooks)
 
 
+# Experimental, off by default: HASTEN_LORA_GATED=1 runs each gated MLP's gate/up LoRA group and its
+# activation as one hasten::lora_gated_group, whose CUDA backward forms the activation's gradient and
+# both members' thin products in one pass. On the H200 that pass ran at 1.8 TB/s (W4: 1.30 ms a layer
+# against 0.54 ms for the SwiGLU kernel plus about 0.37 ms for the two thin passes), and the one op
+# keeps gate, up and d act alive through its base GEMMs (+0.7 GiB at W4's peak): slower and larger
+# until the kernel reaches the memory's rate (docs/design.md, LoRA).
+GATED_SWITCH = "HASTEN_LORA_GATED"
+
+
 def gated_group_act(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
     """f(gate_proj(x)) * up_proj(x) as one hasten::lora_gated_group (f: "silu" or "gelu_tanh"), when
-    gate_proj and up_proj are, in this order, the two members of one SharedInputGroup that computes
-    this call and neither has hooks; None otherwise (the caller calls the projections and the
-    activation one by one, as before). The same kernels as that path, with one backward: on CUDA
-    the activation's gradient and both members' thin products in one pass."""
+    HASTEN_LORA_GATED=1 is set and gate_proj and up_proj are, in this order, the two members of one
+    SharedInputGroup that computes this call and neither has hooks; None otherwise (the caller calls
+    the projections and the activation one by one). The same kernels as that path, with one
+    backward: on CUDA the activation's gradient and both members' thin products in one pass."""
     entry = gate_proj.__dict__.get("_hasten_lora_group")
-    if entry is None:
+    if entry is None or os.environ.get(GATED_SWITCH) != "1":
         return None
     group, index = entry
     if index != 0 or len(group.members) != 2 or group.members[1] is not up_proj or group.waiting_for is not None:

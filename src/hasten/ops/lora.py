@@ -174,6 +174,7 @@ def _setup_gated(ctx, inputs, output):
     x, weights, biases, lora_a, lora_b, scales, activation = inputs
     _act, gate, up, xa = output
     ctx.mark_non_differentiable(gate, up, xa)  # kept for the backward, not results
+    ctx.set_materialize_grads(False)  # no (T, out) zeros made for gate's and up's unused gradients
     if any(w.requires_grad for w in weights) or any(b.requires_grad for b in biases):
         raise NotImplementedError("hasten::lora_gated_group computes no gradient for the base weights or biases: it "
                                   "is for frozen base layers (requires_grad=False)")
@@ -188,6 +189,8 @@ def _setup_gated(ctx, inputs, output):
 
 
 def _backward_gated(ctx, grad_act, _grad_gate, _grad_up, _grad_xa):
+    if grad_act is None:  # the activation was not used for the loss
+        return None, [None, None], [None] * ctx.biases, [None, None], [None, None], None, None
     gate, up, x, xa, *rest = ctx.saved_tensors
     weights, lora_a, lora_b = rest[:2], rest[2:4], rest[4:]
     if x is None:  # not kept, not read for a gradient anyone asked for: a zero-stride stand-in
