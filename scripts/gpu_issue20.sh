@@ -10,6 +10,9 @@
 #   lora_probe  scripts/lora_grads_probe.py: the LoRA backward's one-pass kernel per tile shape
 #           ($LORA_CONFIGS) against the two GEMMs, at W4's projection shapes                 cap 150 s
 #   w4_configs  W4's hasten row once per HASTEN_LORA_GRADS_CONFIG in $W4_CONFIGS           cap 120 s each
+#   gated_probe  scripts/lora_gated_probe.py: the gated MLP's one-pass backward against the SwiGLU
+#           kernel and the two thin passes, at W4's MLP shape                                  cap 90 s
+#   gated_ncu  Nsight Compute (--set full) on one launch of the gated one pass (W4's MLP shape)  cap 120 s
 #   lora_ncu  Nsight Compute (--set full) on one launch of that kernel at gate/up's shape, tile shape $LORA_NCU_CONFIG (0)  cap 120 s
 #   w4      benchmarks/lora_sft.py --variants $W4_VARIANTS (Llama-8B shape, LoRA r=16), with
 #           $W4_ARGS (e.g. "--profile hasten")                                              cap 300 s
@@ -106,6 +109,9 @@ if (( built )); then
     part lora_probe 150 python3 scripts/lora_grads_probe.py --configs "${LORA_CONFIGS:-0,4}"
     grep -E "config|GEMMs|Error" "$LOGS/lora_probe.log" 2>/dev/null | tee -a "$SUMMARY"
   fi
+  if [[ $PARTS == *" gated_probe "* ]]; then  # the gated MLP's one pass against the SwiGLU kernel + thin passes
+    part gated_probe 90 python3 scripts/lora_gated_probe.py
+  fi
   if [[ $PARTS == *" lora_ncu "* ]]; then  # Nsight Compute on one launch of that kernel (gate/up's shape)
     ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
     if [[ -n "$ncu_bin" ]]; then
@@ -115,6 +121,17 @@ if (( built )); then
         | tee -a "$SUMMARY"
     else
       echo "lora_ncu: no ncu on this machine" | tee -a "$SUMMARY"
+    fi
+  fi
+  if [[ $PARTS == *" gated_ncu "* ]]; then  # Nsight Compute on one launch of the gated MLP's one pass
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+    if [[ -n "$ncu_bin" ]]; then
+      part gated_ncu 120 "$ncu_bin" --kernel-name regex:lora_gated_grads_kernel --launch-skip 3 --launch-count 1 \
+        --set full python3 scripts/lora_gated_probe.py
+      grep -E "Throughput|Bandwidth|Warp Cycles|Issue|Occupancy|Stall|Bank|Duration" "$LOGS/gated_ncu.log" | head -40 \
+        | tee -a "$SUMMARY"
+    else
+      echo "gated_ncu: no ncu on this machine" | tee -a "$SUMMARY"
     fi
   fi
   if [[ $PARTS == *" w4_configs "* ]]; then  # W4's hasten row under each HASTEN_LORA_GRADS_CONFIG in W4_CONFIGS

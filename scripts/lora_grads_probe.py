@@ -3,14 +3,14 @@ shapes, against the two GEMMs it replaces: per shape and configuration, the GPU 
 hasten::lora_linear_backward's kernels (the base GEMM d x = g W and the rest are the same on both
 paths, so the difference is what the one pass saves), the one-pass kernel's own time and the read
 rate of g it reaches, and the error of d lora_a and d lora_b against float64.
-HASTEN_LORA_GRADS_CONFIG=4 picks the lean kernel (0 the default), =0 in HASTEN_LORA_GRADS_KERNEL
-the GEMMs.
+HASTEN_LORA_GRADS_CONFIG=0 picks the plain kernel (4, the lean one, is the default), =0 in
+HASTEN_LORA_GRADS_KERNEL the GEMMs.
 
     python scripts/lora_grads_probe.py [--configs 0,4] [--tokens 16384] [--shape 4096,14336]
 
-Configs: 0 the default (32 rows x 2 stages; 16 x 4, 32 x 3, 16 x 6 and 64 x 2 measured no faster
-and were taken out), 4 the lean variant (fixed copy positions, B in registers, padded partial sums:
-2.2-2.5 TB/s of g against the default's 2.0-2.15 at 8c3886c).
+Configs: 0 the plain kernel (32 rows x 2 stages; 16 x 4, 32 x 3, 16 x 6 and 64 x 2 measured no
+faster and were taken out), 4 the lean one, the default since b368b90 (fixed copy positions, B in
+registers, padded partial sums: 2.2-2.5 TB/s of g against the plain one's 2.0-2.15 at 8c3886c).
 """
 
 from __future__ import annotations

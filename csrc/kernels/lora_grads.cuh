@@ -65,7 +65,7 @@ struct LoraGatedGradsParams {
   const void* grad_act;   // (T, N) contiguous
   void* grad_gate;        // out (T, N) contiguous
   void* grad_up;          // out (T, N) contiguous
-  const void* lora_b[2];  // member 0 = gate, 1 = up: B (N, r) contiguous, g's type
+  const void* lora_b[2];  // member 0 = gate, 1 = up: B (N, r) contiguous, g's type, 32-byte aligned
   const void* xa[2];      // (T, r) each at xa_stride, unit column stride
   int64_t xa_stride;
   void* gb[2];            // out (T, r) each at gb_stride
@@ -79,8 +79,9 @@ struct LoraGatedGradsParams {
   int sm_count, sm_major;
   float* workspace;             // lora_gated_grads_workspace_floats(params) floats
 };
-// Rank 16, N and the row strides multiples of 8 elements, 16-byte aligned pointers,
-// float16/bfloat16, compute capability 8.0 or newer.
+// Rank 16, N a multiple of 16 elements and the row strides of 8, 16-byte aligned pointers (lora_b
+// 32-byte: its fragments load straight from global memory), float16/bfloat16, compute capability 8.0
+// or newer.
 bool lora_gated_grads_supported(const LoraGatedGradsParams& params);
 int64_t lora_gated_grads_workspace_floats(const LoraGatedGradsParams& params);
 // d_gate, d_up, both members' gb and grad_b, in three launches on `stream`.

@@ -376,26 +376,29 @@ cudaError_t launch_type(const LoraGradsParams& p, cudaStream_t stream) {
 
 
 // --- the gated MLP's gate/up pair (lora_grads.cuh, LoraGatedGradsParams) ----------------------------
-// Block (256 threads) = a stripe of kStripeCols columns x a chunk of rows, tiles of 16 rows through a
-// 2-stage cp.async ring holding gate, up and d_act. Thread t copies part t % 64 (8 columns) of rows
-// t / 64 + 4 k of each tensor, and then computes d_gate and d_up at those very places, writing them
-// to global memory and over gate and up in shared memory (its own copies: no other thread reads them
-// before the barrier). From there, as in lora_grads_kernel, for both members: warp w keeps grad_b's
-// (64, r) partial of its columns [64 w, 64 w + 64) in registers, and the tile's (16, r) gb product
-// over those columns goes through shared memory, where the 8 warps' products are added in order.
+// Block (512 threads, 16 warps, one a multiprocessor) = a stripe of kStripeCols columns x a chunk of
+// rows, tiles of 16 rows through a 3-stage cp.async ring holding gate, up and d_act (two tiles in
+// flight while one is worked on). Thread t copies part t % 64 (8 columns) of rows t / 64 + 8 k of
+// each tensor, then computes d_gate and d_up at those very places, writing them to global memory
+// and over gate and up in shared memory (its own copies: no other thread reads them before the
+// barrier). From there, as in lora_grads_kernel, for both members: warp w keeps grad_b's (32, r)
+// partial of its columns [32 w, 32 w + 32) in registers, with its B fragments (read once from
+// global memory), and the tile's (16, r) gb product over those columns goes through shared memory,
+// where the 16 warps' products are added in order. The first version (256 threads, 2 stages)
+// ran at 1.8 TB/s on the H200, issue-bound: the activation's float math of every element on 8 warps.
 namespace gated {
-constexpr int kTileRows = 16, kStages = 2, kRank = 16, kMembers = 2;
-constexpr int kLdR = kRank + kPad;                  // B's rows in shared memory
+constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int kTileRows = 16, kStages = 3, kRank = 16, kMembers = 2;
 constexpr int kLdX = kMembers * kRank + kPad;       // a tile row of both members' xa
 constexpr int kLdSum = kRank + 4;                   // padded partial-sum rows (bank conflicts)
-constexpr int kGroupCols = kStripeCols / kWarps;    // 64: a warp's columns, for gb and grad_b alike
+constexpr int kGroupCols = kStripeCols / kWarps;    // 32: a warp's columns, for gb and grad_b alike
 constexpr int kInputs = 3;                          // gate, up, d_act
 constexpr int kTileElements = kTileRows * kLdG;
 constexpr int kSumFloats = kMembers * kWarps * kTileRows * kLdSum;  // one tile's gb products
-constexpr int kShared = (kStages * kInputs * kTileElements + kMembers * kStripeCols * kLdR +
-                         kStages * kTileRows * kLdX) * 2 + 2 * kSumFloats * static_cast<int>(sizeof(float));
+constexpr int kShared = (kStages * kInputs * kTileElements + kStages * kTileRows * kLdX) * 2 +
+                        kSumFloats * static_cast<int>(sizeof(float));
 static_assert(kShared + kSharedReserved <= kSharedPerSm, "one block fits a multiprocessor");
-constexpr int kParts = kStripeCols / 8, kRowStep = kThreads / kParts;  // 64 parts a row, rows 4 apart
+constexpr int kParts = kStripeCols / 8, kRowStep = kThreads / kParts;  // 64 parts a row, rows 8 apart
 static_assert(kTileRows % kRowStep == 0 && kTileRows * kMembers * (kRank / 8) <= kThreads, "copy positions");
 }  // namespace gated
 
@@ -416,28 +419,19 @@ struct GatedArgs {
 };
 
 template <typename T, GateActivation A>
-__global__ void __launch_bounds__(kThreads, 1) lora_gated_grads_kernel(GatedArgs<T> a) {
+__global__ void __launch_bounds__(gated::kThreads, 1) lora_gated_grads_kernel(GatedArgs<T> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   namespace wmma = nvcuda::wmma;
   // the gated plan's constants (local names shadow the plain kernel's)
-  constexpr int kTileRows = gated::kTileRows;
-  constexpr int kStages = gated::kStages;
-  constexpr int kRank = gated::kRank;
-  constexpr int kMembers = gated::kMembers;
-  constexpr int kLdR = gated::kLdR;
-  constexpr int kLdX = gated::kLdX;
-  constexpr int kLdSum = gated::kLdSum;
-  constexpr int kGroupCols = gated::kGroupCols;
-  constexpr int kInputs = gated::kInputs;
-  constexpr int kTileElements = gated::kTileElements;
-  constexpr int kSumFloats = gated::kSumFloats;
-  constexpr int kParts = gated::kParts;
-  constexpr int kRowStep = gated::kRowStep;
+  constexpr int kThreads = gated::kThreads, kWarps = gated::kWarps;
+  constexpr int kTileRows = gated::kTileRows, kStages = gated::kStages, kRank = gated::kRank;
+  constexpr int kMembers = gated::kMembers, kLdX = gated::kLdX, kLdSum = gated::kLdSum;
+  constexpr int kGroupCols = gated::kGroupCols, kInputs = gated::kInputs, kTileElements = gated::kTileElements;
+  constexpr int kParts = gated::kParts, kRowStep = gated::kRowStep;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   T* s_in = reinterpret_cast<T*>(shared_raw);             // [kStages][kInputs][kTileRows][kLdG]
-  T* s_b = s_in + kStages * kInputs * kTileElements;     // [kMembers][kStripeCols][kLdR]
-  T* s_x = s_b + kMembers * kStripeCols * kLdR;          // [kStages][kTileRows][kLdX]
-  float* s_sum = reinterpret_cast<float*>(s_x + kStages * kTileRows * kLdX);  // [2][kMembers][kWarps][kTileRows][kLdSum]
+  T* s_x = s_in + kStages * kInputs * kTileElements;     // [kStages][kTileRows][kLdX]
+  float* s_sum = reinterpret_cast<float*>(s_x + kStages * kTileRows * kLdX);  // [kMembers][kWarps][kTileRows][kLdSum]
 
   const int64_t stripe = blockIdx.x, chunk = blockIdx.y;
   const int64_t col0 = stripe * kStripeCols;
@@ -445,18 +439,10 @@ __global__ void __launch_bounds__(kThreads, 1) lora_gated_grads_kernel(GatedArgs
   const int64_t row_end = min(a.tokens, row_begin + a.chunk_rows);
   const int tiles = static_cast<int>((row_end - row_begin + kTileRows - 1) / kTileRows);
 
-  // both members' B stripes, once (rows past N as zeros), in the first copy group with tile 0
-  for (int i = threadIdx.x; i < kMembers * kStripeCols * (kRank / 8); i += kThreads) {
-    const int member = i / (kStripeCols * (kRank / 8)), rest = i % (kStripeCols * (kRank / 8));
-    const int row = rest / (kRank / 8), part = rest % (kRank / 8);
-    const bool valid = col0 + row < a.cols;
-    copy16_async(s_b + (member * kStripeCols + row) * kLdR + part * 8,
-                 valid ? a.b[member] + (col0 + row) * kRank + part * 8 : a.b[member], valid);
-  }
   // this thread's places: part `part` of rows row0 + kRowStep k of every tile
   const int part = threadIdx.x % kParts, row0 = threadIdx.x / kParts;
   const int64_t col = col0 + part * 8;
-  const bool column_in = col < a.cols;  // N % 8 == 0: a part is all in or all out
+  const bool column_in = col < a.cols;  // N % 16 == 0: a part is all in or all out
   const int64_t in_first = (row_begin + row0) * a.in_stride + col;  // gate and up
   const int64_t out_first = (row_begin + row0) * a.cols + col;      // d_act, d_gate, d_up
   const int shared_first = row0 * kLdG + part * 8;
@@ -490,44 +476,46 @@ __global__ void __launch_bounds__(kThreads, 1) lora_gated_grads_kernel(GatedArgs
   };
   // the stripe's partial gb of tile `tile` for both members: the warps' products added in order
   auto write_gb = [&](int tile) {
-    const float* sums = s_sum + (tile & 1) * kSumFloats;
     const int64_t row_at = row_begin + static_cast<int64_t>(tile) * kTileRows;
     for (int i = threadIdx.x; i < kMembers * kTileRows * kRank; i += kThreads) {
       const int member = i / (kTileRows * kRank), rest = i % (kTileRows * kRank);
       const int at = (member * kWarps * kTileRows + rest / kRank) * kLdSum + rest % kRank;
-      float total = sums[at];
+      float total = s_sum[at];
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) total += sums[at + w * kTileRows * kLdSum];
+      for (int w = 1; w < kWarps; ++w) total += s_sum[at + w * kTileRows * kLdSum];
       a.gb_partial[member][(stripe * a.rows_padded + row_at) * kRank + rest] = total;
     }
   };
 
-  if (tiles > 0) load_tile(0);
-  commit_copies();
+#pragma unroll
+  for (int tile = 0; tile < kStages - 1; ++tile) {
+    if (tile < tiles) load_tile(tile);
+    commit_copies();  // empty groups too: the count wait_copies relies on
+  }
 
   const int warp = threadIdx.x / 32;
   const int warp_col = kGroupCols * warp;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> db_acc[kMembers][kGroupCols / 16];
+  // the warp's slice of each member's B, once from global memory (16-column groups past N: zeros)
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_held[kMembers][kGroupCols / 16];
 #pragma unroll
   for (int member = 0; member < kMembers; ++member) {
 #pragma unroll
-    for (int m = 0; m < kGroupCols / 16; ++m) wmma::fill_fragment(db_acc[member][m], 0.0f);
-  }
-  wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b_held[kMembers][kGroupCols / 16];
-
-  for (int tile = 0; tile < tiles; ++tile) {
-    wait_copies<0>();
-    __syncthreads();  // tile `tile` landed; everyone is done with the other stage and its sums
-    if (tile == 0) {
-#pragma unroll
-      for (int member = 0; member < kMembers; ++member) {
-#pragma unroll
-        for (int k = 0; k < kGroupCols / 16; ++k) {
-          wmma::load_matrix_sync(b_held[member][k], s_b + (member * kStripeCols + warp_col + 16 * k) * kLdR, kLdR);
-        }
+    for (int k = 0; k < kGroupCols / 16; ++k) {
+      wmma::fill_fragment(db_acc[member][k], 0.0f);
+      const int64_t b_row = col0 + warp_col + 16 * k;
+      if (b_row < a.cols) {
+        wmma::load_matrix_sync(b_held[member][k], a.b[member] + b_row * kRank, kRank);
+      } else {
+        wmma::fill_fragment(b_held[member][k], from_float<T>(0.0f));
       }
     }
-    if (tile + 1 < tiles) load_tile(tile + 1);
+  }
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    wait_copies<kStages - 2>();
+    __syncthreads();  // tile `tile` landed; everyone is done with tile - 1's stage and its sums
+    if (tile + kStages - 1 < tiles) load_tile(tile + kStages - 1);
     commit_copies();
     if (tile > 0) write_gb(tile - 1);
 
@@ -557,32 +545,28 @@ __global__ void __launch_bounds__(kThreads, 1) lora_gated_grads_kernel(GatedArgs
         }
       }
     }
-    __syncthreads();  // d_gate and d_up of the tile in shared memory
+    __syncthreads();  // d_gate and d_up of the tile in shared memory; tile - 1's sums written out
 
     const T* x = s_x + (tile % kStages) * kTileRows * kLdX;
-    float* sums = s_sum + (tile & 1) * kSumFloats;
 #pragma unroll
     for (int member = 0; member < kMembers; ++member) {
       const T* g = g_tile + member * kTileElements;  // d_gate, then d_up
       // grad_b partial += g^T xa over the tile's 16 rows: g read column-major is g^T
       wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> x_frag;
       wmma::load_matrix_sync(x_frag, x + member * kRank, kLdX);
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> gb_acc;
+      wmma::fill_fragment(gb_acc, 0.0f);
 #pragma unroll
       for (int m = 0; m < kGroupCols / 16; ++m) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> gt_frag;
         wmma::load_matrix_sync(gt_frag, g + warp_col + 16 * m, kLdG);
         wmma::mma_sync(db_acc[member][m], gt_frag, x_frag, db_acc[member][m]);
-      }
-      // gb over the warp's 64 columns, all 16 rows
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> gb_acc;
-      wmma::fill_fragment(gb_acc, 0.0f);
-#pragma unroll
-      for (int k = 0; k < kGroupCols / 16; ++k) {
+        // gb over the warp's columns, all 16 rows
         wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> g_frag;
-        wmma::load_matrix_sync(g_frag, g + warp_col + 16 * k, kLdG);
-        wmma::mma_sync(gb_acc, g_frag, b_held[member][k], gb_acc);
+        wmma::load_matrix_sync(g_frag, g + warp_col + 16 * m, kLdG);
+        wmma::mma_sync(gb_acc, g_frag, b_held[member][m], gb_acc);
       }
-      wmma::store_matrix_sync(sums + (member * kWarps + warp) * kTileRows * kLdSum, gb_acc, kLdSum,
+      wmma::store_matrix_sync(s_sum + (member * kWarps + warp) * kTileRows * kLdSum, gb_acc, kLdSum,
                               wmma::mem_row_major);
     }
   }
@@ -668,8 +652,8 @@ cudaError_t launch_gated(const LoraGatedGradsParams& p, cudaStream_t stream) {
     return err;
   }
   if (plan.chunks > 65535) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(static_cast<unsigned>(plan.stripes), static_cast<unsigned>(plan.chunks)), kThreads, gated::kShared,
-           stream>>>(a);
+  kernel<<<dim3(static_cast<unsigned>(plan.stripes), static_cast<unsigned>(plan.chunks)), gated::kThreads,
+           gated::kShared, stream>>>(a);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   for (int member = 0; member < gated::kMembers; ++member) {
     if (p.grad_b_type == ElementType::kFloat32) {
@@ -717,11 +701,11 @@ bool lora_gated_grads_supported(const LoraGatedGradsParams& p) {
   const bool activation = p.activation == GateActivation::kSilu || p.activation == GateActivation::kGeluTanh;
   bool aligned = aligned16(p.gate) && aligned16(p.up) && aligned16(p.grad_act) && aligned16(p.grad_gate) &&
                  aligned16(p.grad_up);
-  for (int member = 0; member < gated::kMembers; ++member) {
-    aligned = aligned && aligned16(p.lora_b[member]) && aligned16(p.xa[member]);
+  for (int member = 0; member < gated::kMembers; ++member) {  // B's fragments load from global memory: 32 bytes
+    aligned = aligned && reinterpret_cast<uintptr_t>(p.lora_b[member]) % 32 == 0 && aligned16(p.xa[member]);
   }
   return half_type && grad_b_type && activation && aligned && p.sm_major >= 8 && p.rank == gated::kRank &&
-         p.tokens >= 1 && p.inner >= 1 && p.inner % 8 == 0 && p.in_stride % 8 == 0 && p.xa_stride % 8 == 0;
+         p.tokens >= 1 && p.inner >= 1 && p.inner % 16 == 0 && p.in_stride % 8 == 0 && p.xa_stride % 8 == 0;
 }
 
 int64_t lora_gated_grads_workspace_floats(const LoraGatedGradsParams& p) {
