@@ -226,10 +226,10 @@ def _has_hooks(module: nn.Module) -> bool:
 
 # Experimental, off by default: HASTEN_LORA_GATED=1 runs each gated MLP's gate/up LoRA group and its
 # activation as one hasten::lora_gated_group, whose CUDA backward forms the activation's gradient and
-# both members' thin products in one pass. On the H200 that pass ran at 1.8 TB/s (W4: 1.30 ms a layer
-# against 0.54 ms for the SwiGLU kernel plus about 0.37 ms for the two thin passes), and the one op
-# keeps gate, up and d act alive through its base GEMMs (+0.7 GiB at W4's peak): slower and larger
-# until the kernel reaches the memory's rate (docs/design.md, LoRA).
+# both members' thin products in one pass. On the H200 that pass is slower than what it replaces
+# (8f75139: 922 us a layer at W4's shape against 541 us for the SwiGLU kernel plus 333 us for the
+# two thin passes; W4 17,701 against 17,833 tokens/s with the first version), until the kernel
+# reaches the memory's rate (docs/design.md, LoRA).
 GATED_SWITCH = "HASTEN_LORA_GATED"
 
 
