@@ -128,7 +128,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_li
   return lora::group_backward(&lora::thin_grads_gemms, grad_ys, x, weights, lora_a, lora_b, xa, scales);
 }
 
-
 // --- a gated MLP's gate/up group and its activation: act = f(gate) * up ---------------------------
 // The forward is the group's and then the activation's op (the same kernels as separately); the
 // outputs gate, up and xa are what the backward reads (autograd keeps them, as it keeps gate and

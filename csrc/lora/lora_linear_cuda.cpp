@@ -114,7 +114,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_li
   return lora::group_backward(&thin_grads_one_pass, grad_ys, x, weights, lora_a, lora_b, xa, scales);
 }
 
-
 // The gated MLP's one pass (lora_grads.cuh, LoraGatedGradsParams): d_gate, d_up and both members'
 // gb and grad_b. False (the caller runs the activation's kernel and the thin products) for what it
 // does not take: ranks other than 16, float32, rows not 16-byte aligned, gate and up at different

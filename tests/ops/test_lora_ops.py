@@ -118,13 +118,19 @@ def test_group_matches_each_projection_written_out(rows, n_in, outs, ranks, with
         torch.testing.assert_close(g.grad, w.grad, msg=f"grad of leaf {i} (x, then each lora_a, then each lora_b)")
 
 
-def test_group_keeps_x_itself_and_the_stacked_rank_sized_product_only():
-    from hasten.ops.lora import lora_linear_group
-
+def _two_member_inputs():
+    """x (6, 16) and a frozen (12, 16) base with two rank-4 adapter pairs, all but the base trainable."""
     x, weight, _, a, b = _inputs((6,), 16, 12, 4, seed=7)
     x.requires_grad_()
     a, b = a.requires_grad_(), b.requires_grad_()
     a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    return x, weight, a, b, a2, b2
+
+
+def test_group_keeps_x_itself_and_the_stacked_rank_sized_product_only():
+    from hasten.ops.lora import lora_linear_group
+
+    x, weight, a, b, a2, b2 = _two_member_inputs()
     kept = _saved(lambda: lora_linear_group(x, [weight, weight], [], [a, a2], [b, b2], [1.0, 1.0]))
     activations = [t for t in kept if t.shape[:-1] == x.shape[:-1]]
     assert len(activations) == 2 and activations[0] is x and activations[1].shape == (6, 8)  # x and [xa_0 | xa_1]
@@ -169,10 +175,7 @@ def test_gated_group_keeps_what_the_two_ops_kept_and_refuses_what_is_not_a_gate_
     """gate, up (the activation's), x and [xa_gate | xa_up] (the group's): nothing more."""
     from hasten.ops.lora import lora_gated_group
 
-    x, weight, _, a, b = _inputs((6,), 16, 12, 4, seed=7)
-    x.requires_grad_()
-    a, b = a.requires_grad_(), b.requires_grad_()
-    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    x, weight, a, b, a2, b2 = _two_member_inputs()
     kept = _saved(lambda: lora_gated_group(x, [weight, weight], [], [a, a2], [b, b2], [1.0, 1.0], "silu"))
     activations = sorted((t for t in kept if t.shape[:-1] == x.shape[:-1]), key=lambda t: t.shape[-1])
     assert [tuple(t.shape) for t in activations] == [(6, 8), (6, 12), (6, 12), (6, 16)]

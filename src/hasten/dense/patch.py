@@ -375,6 +375,7 @@ def install_fused_mlp(model: nn.Module, spec: MlpSpec = _SWIGLU, config=None):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             gate_proj, up_proj = getattr(self, gate_name), getattr(self, up_name)
             # gate/up as one fused LoRA group with the activation (one backward pass), where they are
+            # and HASTEN_LORA_GATED=1 asks for it (experimental)
             act = gated_group_act(gate_proj, up_proj, x, activation)
             if act is None:
                 act = gated(gate_proj(x), up_proj(x))

@@ -25,6 +25,7 @@ import types
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_globals  # the global forward hooks
 
 from hasten.instance_forward import HOOKED_REASON, hooked, replace_forward, restore_forward
 from hasten.observability import record_fallback
@@ -218,10 +219,8 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def _has_hooks(module: nn.Module) -> bool:
     """Whether calling `module` would run hooks that calling its op directly would skip."""
-    from torch.nn.modules import module as module_globals
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module_globals._global_forward_hooks
-                or module_globals._global_forward_pre_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module_globals._global_forward_hooks
+                or _module_globals._global_forward_pre_hooks)
 
 
 # Experimental, off by default: HASTEN_LORA_GATED=1 runs each gated MLP's gate/up LoRA group and its
