@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 
 from hasten.config import Config
-from hasten.config_docs import REGENERATE, field_comments, render_config_reference
+from hasten.config_docs import ENVIRONMENT, REGENERATE, field_comments, render_config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -82,3 +82,18 @@ def test_descriptions_come_from_source_comments():
 def test_defaults_block_loads_back_to_the_default_config():
     block = re.search(r"```yaml\n(.*?)```", render_config_reference(), re.S).group(1)
     assert Config.from_dict(yaml.safe_load(block)) == Config()
+
+
+def test_every_environment_variable_the_code_reads_is_documented():
+    """Each HASTEN_* name read through os.environ or getenv in src/, csrc/ or setup.py has a row in
+    ENVIRONMENT (and so in docs/configuration.md), and each row names a variable the code reads."""
+    read = set()
+    sources = [ROOT / "setup.py", *(ROOT / "src").rglob("*.py"),
+               *(p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cpp", ".h", ".cu", ".cuh"))]
+    pattern = re.compile(r"(?:getenv|environ(?:\.get)?)\s*[(\[]\s*\"(HASTEN_[A-Z0-9_]+)\"")
+    for path in sources:
+        read |= set(pattern.findall(path.read_text(encoding="utf-8")))
+    documented = {name for name, _when, _what in ENVIRONMENT}
+    assert read, "the pattern found no variable: it no longer matches how the code reads them"
+    assert read <= documented, f"read but not documented in hasten.config_docs.ENVIRONMENT: {sorted(read - documented)}"
+    assert documented <= read, f"documented but not read anywhere: {sorted(documented - read)}"

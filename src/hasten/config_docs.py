@@ -133,6 +133,38 @@ def _defaults_yaml(keys: list[Key]) -> list[str]:
     return lines
 
 
+# Environment variables hasten reads, beside the config file: (name, when it is read, what it does).
+# tests/test_config_docs.py checks that every HASTEN_* variable the code reads is listed here.
+ENVIRONMENT = (
+    ("HASTEN_CPU_ONLY", "install", "`1`: build the CPU implementations only, even where a CUDA torch and nvcc "
+     "are present."),
+    ("HASTEN_CUDNN_ATTENTION", "install", "`0`: leave out the cuDNN varlen attention op (a build about two "
+     "minutes shorter); packed attention then runs flash-attn or torch's varlen kernel, said at run time."),
+    ("HASTEN_CUDNN_FRONTEND_INCLUDE", "install", "the folder holding `cudnn_frontend.h`, where the "
+     "nvidia-cudnn-frontend pip package is not installed."),
+    ("HASTEN_VERIFY", "run", "`1`: every attention call re-derives the packing metadata from position_ids and "
+     "raises on a mismatch (as `attention.verify: true`); under torch.compile it is read when a layer is traced."),
+    ("HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES", "run", "the float32 workspace, in bytes, above which the "
+     "varlen attention backward runs once per K/V head (default 1 GiB; `0`: every call)."),
+    ("HASTEN_LORA_GRADS_KERNEL", "run", "`0`: the fused LoRA backward's two thin products from two GEMMs instead "
+     "of the kernel that reads the output gradient once (a comparison; same results to rounding)."),
+    ("HASTEN_LORA_GRADS_CONFIG", "run", "`0`: that kernel's plain variant instead of the lean default (a "
+     "comparison)."),
+    ("HASTEN_LORA_GATED", "run", "`1` (experimental): a gated MLP's gate/up LoRA pair and its activation as one op "
+     "whose CUDA backward is one pass; slower than the default on the H200 so far (docs/design.md, LoRA)."),
+    ("HASTEN_LORA_GATED_KERNEL", "run", "`0`: that op's backward as the activation's kernel, then the thin "
+     "products (a comparison)."),
+)
+
+
+def _environment_section() -> list[str]:
+    out = ["## Environment variables", "",
+           "Read at install (`pip install -e .`, `make install`) or at run time; none is needed for a normal run.",
+           "", "| variable | read at | what it does |", "| --- | --- | --- |"]
+    out += [f"| `{name}` | {when} | {_cell(what)} |" for name, when, what in ENVIRONMENT]
+    return out + [""]
+
+
 def render_config_reference() -> str:
     keys = walk()
     inactive = inactive_keys()
@@ -168,6 +200,7 @@ def render_config_reference() -> str:
             out.append(f"| `{key.path}` | {_cell(type_name(key.hint))} | `{yaml_value(key.default)}` | "
                        f"{_cell(description)} |")
         out.append("")
+    out += _environment_section()
     out += ["## All keys with their defaults", "", "```yaml", *_defaults_yaml(keys), "```", ""]
     return "\n".join(out)
 

@@ -229,7 +229,6 @@ def _has_hooks(module: nn.Module) -> bool:
 # (8f75139: 922 us a layer at W4's shape against 541 us for the SwiGLU kernel plus 333 us for the
 # two thin passes; W4 17,701 against 17,833 tokens/s with the first version), until the kernel
 # reaches the memory's rate (docs/design.md, LoRA).
-GATED_SWITCH = "HASTEN_LORA_GATED"
 
 
 def gated_group_act(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
@@ -239,7 +238,7 @@ def gated_group_act(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor, a
     the projections and the activation one by one). The same kernels as that path, with one
     backward: on CUDA the activation's gradient and both members' thin products in one pass."""
     entry = gate_proj.__dict__.get("_hasten_lora_group")
-    if entry is None or os.environ.get(GATED_SWITCH) != "1":
+    if entry is None or os.environ.get("HASTEN_LORA_GATED") != "1":
         return None
     group, index = entry
     if index != 0 or len(group.members) != 2 or group.members[1] is not up_proj or group.waiting_for is not None:
