@@ -15,7 +15,8 @@
 // Measured on the H200 (scripts/lora_grads_probe.py, 2026-12-04): g read at 2.0-2.2 TB/s at W4's
 // shapes whatever the tile shape (16 x 4, 32 x 2, 32 x 3, 16 x 6, 64 x 2 stages), about what the
 // two GEMMs take for reading it twice at ~4 TB/s; rank 32 at 1.0-1.4 TB/s, slower than the GEMMs,
-// so only rank 16 runs here. Not memory-bound: why is open (see docs/design.md).
+// so only rank 16 runs here. Not memory-bound: Nsight Compute finds it latency- and
+// instruction-bound (DRAM 43%, 8 cycles an issued instruction at 25% occupancy; docs/design.md).
 #include <mma.h>
 
 #include <algorithm>
@@ -85,14 +86,14 @@ struct Args {
   int64_t tokens, cols, chunk_rows, rows_padded, cols_padded;
 };
 
-__device__ __forceinline__ void copy16_async(void* shared, const void* global, bool valid) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are filled with zeros, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(bytes));
-}
+// 16 bytes from global to shared memory, asynchronously; not `valid`: the 16 bytes are filled with
+// zeros and nothing is read
 __device__ __forceinline__ void copy16_async_to(unsigned shared_address, const void* global, bool valid) {
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address), "l"(global), "r"(bytes));
+}
+__device__ __forceinline__ void copy16_async(void* shared, const void* global, bool valid) {
+  copy16_async_to(static_cast<unsigned>(__cvta_generic_to_shared(shared)), global, valid);
 }
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int Pending>
@@ -319,12 +320,23 @@ constexpr int kTileRows = 32, kStages = 2, kRank = 16;
 static_assert(Config<kTileRows, kStages, kRank>::kBlocksPerSm == Config<kTileRows, kStages, kRank, true>::kBlocksPerSm,
               "the plain and lean kernels share one plan (and so one workspace size)");
 
-template <typename T, typename TB>
-void launch_sum(const Args<T>& a, const Plan& plan, const LoraGradsParams& p, cudaStream_t stream) {
-  const int64_t total = (p.tokens + p.out_features) * kRank;
-  lora_grads_sum_kernel<T, TB><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-      a.gb_partial, a.db_partial, static_cast<T*>(p.gb), p.gb_stride, static_cast<TB*>(p.grad_b), p.tokens,
-      p.out_features, kRank, plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded, p.scale);
+// The sums of one projection's partials: gb (T, rank) at gb_stride and grad_b (N, rank) in
+// grad_b_type (float32 or T), scaled.
+template <typename T>
+void launch_sum(const float* gb_partial, const float* db_partial, const Plan& plan, void* gb, int64_t gb_stride,
+                void* grad_b, ElementType grad_b_type, int64_t tokens, int64_t cols, int64_t rank, float scale,
+                cudaStream_t stream) {
+  const int64_t total = (tokens + cols) * rank;
+  const unsigned blocks = static_cast<unsigned>((total + 255) / 256);
+  if (grad_b_type == ElementType::kFloat32) {
+    lora_grads_sum_kernel<T, float><<<blocks, 256, 0, stream>>>(
+        gb_partial, db_partial, static_cast<T*>(gb), gb_stride, static_cast<float*>(grad_b), tokens, cols, rank,
+        plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded, scale);
+  } else {
+    lora_grads_sum_kernel<T, T><<<blocks, 256, 0, stream>>>(
+        gb_partial, db_partial, static_cast<T*>(gb), gb_stride, static_cast<T*>(grad_b), tokens, cols, rank,
+        plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded, scale);
+  }
 }
 
 Plan default_plan(const LoraGradsParams& p) {
@@ -361,11 +373,8 @@ cudaError_t launch(const LoraGradsParams& p, cudaStream_t stream) {
   kernel<<<dim3(static_cast<unsigned>(plan.stripes), static_cast<unsigned>(plan.chunks)), kThreads, C::kShared,
            stream>>>(a);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  if (p.grad_b_type == ElementType::kFloat32) {
-    launch_sum<T, float>(a, plan, p, stream);
-  } else {
-    launch_sum<T, T>(a, plan, p, stream);
-  }
+  launch_sum<T>(a.gb_partial, a.db_partial, plan, p.gb, p.gb_stride, p.grad_b, p.grad_b_type, p.tokens,
+                p.out_features, kRank, p.scale, stream);
   return cudaGetLastError();
 }
 
@@ -373,7 +382,6 @@ template <typename T>
 cudaError_t launch_type(const LoraGradsParams& p, cudaStream_t stream) {
   return p.config == 0 ? launch<T, false>(p, stream) : launch<T, true>(p, stream);
 }
-
 
 // --- the gated MLP's gate/up pair (lora_grads.cuh, LoraGatedGradsParams) ----------------------------
 // Block (512 threads, 16 warps, one a multiprocessor) = a stripe of kStripeCols columns x a chunk of
@@ -609,17 +617,6 @@ Plan gated_plan(const LoraGatedGradsParams& p) {
   return plan;
 }
 
-// one member's sums: gb (T, r) at gb_stride and grad_b (N, r), scaled
-template <typename T, typename TB>
-void launch_gated_sum(const float* gb_partial, const float* db_partial, const Plan& plan, const LoraGatedGradsParams& p,
-                      int member, cudaStream_t stream) {
-  const int64_t total = (p.tokens + p.inner) * gated::kRank;
-  lora_grads_sum_kernel<T, TB><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-      gb_partial, db_partial, static_cast<T*>(p.gb[member]), p.gb_stride, static_cast<TB*>(p.grad_b[member]),
-      p.tokens, p.inner, gated::kRank, plan.stripes, plan.chunks, plan.rows_padded, plan.cols_padded,
-      p.scale[member]);
-}
-
 template <typename T, GateActivation A>
 cudaError_t launch_gated(const LoraGatedGradsParams& p, cudaStream_t stream) {
   const Plan plan = gated_plan(p);
@@ -656,11 +653,8 @@ cudaError_t launch_gated(const LoraGatedGradsParams& p, cudaStream_t stream) {
            gated::kShared, stream>>>(a);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   for (int member = 0; member < gated::kMembers; ++member) {
-    if (p.grad_b_type == ElementType::kFloat32) {
-      launch_gated_sum<T, float>(a.gb_partial[member], a.db_partial[member], plan, p, member, stream);
-    } else {
-      launch_gated_sum<T, T>(a.gb_partial[member], a.db_partial[member], plan, p, member, stream);
-    }
+    launch_sum<T>(a.gb_partial[member], a.db_partial[member], plan, p.gb[member], p.gb_stride, p.grad_b[member],
+                  p.grad_b_type, p.tokens, p.inner, gated::kRank, p.scale[member], stream);
   }
   return cudaGetLastError();
 }

@@ -145,12 +145,33 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
 
 // --- a gated MLP over a gate/up group: act = f(gate) * up (hasten::lora_gated_group) ----------------
 
-// The gated-MLP op of an activation name: "silu" (SwiGLU) or "gelu_tanh" (GeGLU); `suffix` "" for
-// the forward, "_backward" for its backward.
-inline std::string gated_op_name(const char* op, c10::string_view activation, const char* suffix) {
+// The gated-MLP ops of an activation name, "silu" (SwiGLU) or "gelu_tanh" (GeGLU), through the
+// dispatcher (their CPU or CUDA kernel); each handle looked up once.
+using GatedForward = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+using GatedBackward = c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                                 const at::Tensor&)>;
+
+inline bool is_silu(const char* op, c10::string_view activation) {
   TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "hasten::", op,
               ": `activation` must be \"silu\" or \"gelu_tanh\", got \"", std::string(activation), "\"");
-  return std::string("hasten::") + (activation == "silu" ? "silu_mul" : "gelu_tanh_mul") + suffix;
+  return activation == "silu";
+}
+
+inline const GatedForward& gated_forward_op(const char* op, c10::string_view activation) {
+  static const GatedForward silu = c10::Dispatcher::singleton().findSchemaOrThrow("hasten::silu_mul", "")
+                                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  static const GatedForward gelu_tanh = c10::Dispatcher::singleton().findSchemaOrThrow("hasten::gelu_tanh_mul", "")
+                                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return is_silu(op, activation) ? silu : gelu_tanh;
+}
+
+inline const GatedBackward& gated_backward_op(const char* op, c10::string_view activation) {
+  using Signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+  static const GatedBackward silu =
+      c10::Dispatcher::singleton().findSchemaOrThrow("hasten::silu_mul_backward", "").typed<Signature>();
+  static const GatedBackward gelu_tanh =
+      c10::Dispatcher::singleton().findSchemaOrThrow("hasten::gelu_tanh_mul_backward", "").typed<Signature>();
+  return is_silu(op, activation) ? silu : gelu_tanh;
 }
 
 inline void check_gated_group(const char* op, at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b,
@@ -178,7 +199,7 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
     const at::Tensor& xa, at::ArrayRef<double> scales, c10::string_view activation) {
   const char* op = "lora_gated_group_backward";
   check_gated_group(op, weights, lora_a, lora_b, scales, 0);
-  const auto backward_name = gated_op_name(op, activation, "_backward");
+  const GatedBackward& activation_backward = gated_backward_op(op, activation);
   const int64_t inner = weights[0].size(0);
   for (const auto* t : {&grad_act, &gate, &up}) {
     TORCH_CHECK(t->size(-1) == inner && rows_of(*t) == rows_of(x) && t->scalar_type() == x.scalar_type(),
@@ -188,7 +209,7 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
   const auto offsets = rank_offsets(lora_a);
   TORCH_CHECK(xa.size(-1) == offsets.back() && rows_of(xa) == rows_of(x), "hasten::", op, ": `xa` ",
               shape(xa.sizes()), " must be (..., ", num(offsets.back()), ") over x's rows");
-  if (gated_grads != nullptr) {
+  if (gated_grads != nullptr) {  // (group_backward checks the members on the other path)
     for (size_t i = 0; i < 2; ++i) check_lora_linear_args(op, x, std::nullopt, weights[i], std::nullopt, lora_a[i], lora_b[i]);
     std::vector<at::Tensor> gs, grad_b;
     auto gb = at::empty({rows_of(x), offsets.back()}, x.options());
@@ -197,11 +218,7 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
       return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, offsets);
     }
   }
-  const auto backward = c10::Dispatcher::singleton()
-                            .findSchemaOrThrow(backward_name.c_str(), "")
-                            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                      const at::Tensor&)>();
-  const auto [grad_gate, grad_up] = backward.call(grad_act, gate, up);
+  const auto [grad_gate, grad_up] = activation_backward.call(grad_act, gate, up);
   return group_backward(thin_grads, {grad_gate, grad_up}, x, weights, lora_a, lora_b, xa, scales);
 }
 

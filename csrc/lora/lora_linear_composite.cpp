@@ -139,9 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_gated_group(
     at::ArrayRef<double> scales, c10::string_view activation) {
   const char* op = "lora_gated_group";
   lora::check_gated_group(op, weights, lora_a, lora_b, scales, biases.size());
-  const auto forward = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow(lora::gated_op_name(op, activation, "").c_str(), "")
-                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  const lora::GatedForward& forward = lora::gated_forward_op(op, activation);
   auto [ys, xa] = lora_linear_group(x, weights, biases, lora_a, lora_b, scales);
   auto act = forward.call(ys[0], ys[1]);
   return {act, ys[0], ys[1], xa};

@@ -158,11 +158,13 @@ bool gated_grads_one_pass(const at::Tensor& grad_act, const at::Tensor& gate, co
   p.activation = activation == "silu" ? kernels::GateActivation::kSilu : kernels::GateActivation::kGeluTanh;
   p.sm_count = device.sm_count;
   p.sm_major = device.sm_major;
+  // asked before the (T, N) outputs exist (null pointers pass the alignment test; fresh ones are
+  // aligned): a call the kernel does not take allocates nothing here
+  if (!kernels::lora_gated_grads_supported(p)) return false;
   auto grad_gate = at::empty({p.tokens, p.inner}, gate.options());
   auto grad_up = at::empty({p.tokens, p.inner}, gate.options());
   p.grad_gate = grad_gate.data_ptr();
   p.grad_up = grad_up.data_ptr();
-  if (!kernels::lora_gated_grads_supported(p)) return false;
   auto workspace = at::empty({kernels::lora_gated_grads_workspace_floats(p)}, gate.options().dtype(at::kFloat));
   grad_b = {at::empty({p.inner, rank}, gate.options().dtype(grad_b_dtype)),
             at::empty({p.inner, rank}, gate.options().dtype(grad_b_dtype))};

@@ -94,6 +94,13 @@ def hooked(module: nn.Module) -> bool:
     return "_hf_hook" in module.__dict__
 
 
+def has_call_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` runs forward hooks (its own or torch's global ones) that a fused op
+    reaching past its call would skip."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
+                or nn.modules.module._global_forward_pre_hooks)
+
+
 def without_hooked(modules: list[nn.Module]) -> tuple[list[nn.Module], list[str]]:
     """(the modules accelerate's hooks do not wrap, [the reason, with how many were left] or [])."""
     kept, left = [m for m in modules if not hooked(m)], [m for m in modules if hooked(m)]

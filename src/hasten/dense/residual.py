@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from hasten.dense.spec import NormSpec
-from hasten.instance_forward import replace_forward, restore_forward, without_hooked
+from hasten.instance_forward import has_call_hooks, replace_forward, restore_forward, without_hooked
 from hasten.ops.dense import add_rms_norm
 
 # The name the rewritten forward calls <add_norm> by (a closure variable: the modeling module's
@@ -50,9 +50,7 @@ def add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tenso
     weight = getattr(norm, "weight", None)
     if (spec is not None and spec.kind == "rms" and "forward" in norm.__dict__ and isinstance(weight, torch.Tensor)
             and hidden_states.shape == residual.shape and hidden_states.dtype == residual.dtype == weight.dtype
-            and hidden_states.device == residual.device
-            and not (norm._forward_hooks or norm._forward_pre_hooks or nn.modules.module._global_forward_hooks
-                     or nn.modules.module._global_forward_pre_hooks)):
+            and hidden_states.device == residual.device and not has_call_hooks(norm)):
         return add_rms_norm(hidden_states, residual, weight, getattr(norm, spec.eps_attribute), spec.weight_offset)
     total = residual + hidden_states
     return norm(total), total

@@ -25,9 +25,8 @@ import types
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_globals  # the global forward hooks
 
-from hasten.instance_forward import HOOKED_REASON, hooked, replace_forward, restore_forward
+from hasten.instance_forward import HOOKED_REASON, has_call_hooks, hooked, replace_forward, restore_forward
 from hasten.observability import record_fallback
 from hasten.ops.lora import lora_gated_group, lora_linear, lora_linear_group, lora_linear_quantized
 
@@ -217,12 +216,6 @@ def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return group.compute(index, x, adapter)
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` would run hooks that calling its op directly would skip."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or _module_globals._global_forward_hooks
-                or _module_globals._global_forward_pre_hooks)
-
-
 # Experimental, off by default: HASTEN_LORA_GATED=1 runs each gated MLP's gate/up LoRA group and its
 # activation as one hasten::lora_gated_group, whose CUDA backward forms the activation's gradient and
 # both members' thin products in one pass. On the H200 that pass is slower than what it replaces
@@ -243,7 +236,7 @@ def gated_group_act(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor, a
     group, index = entry
     if index != 0 or len(group.members) != 2 or group.members[1] is not up_proj or group.waiting_for is not None:
         return None
-    if _has_hooks(gate_proj) or _has_hooks(up_proj):
+    if has_call_hooks(gate_proj) or has_call_hooks(up_proj):
         return None
     adapter = group.adapter(x, (), {})
     if adapter is None:
