@@ -218,6 +218,7 @@ def test_accelerate_runs_gate_up_and_the_activation_as_one_op_with_peft_gradient
     calls.clear()
     hooked_loss, _ = loss_and_grads()
     assert calls == ["silu"] and len(seen) == 1  # layer 0 one by one (its hook ran), layer 1 fused
+    assert fallback_counts().get("lora_gated_hooked") == 1  # said, and counted
     torch.testing.assert_close(hooked_loss, want_loss, rtol=1e-5, atol=1e-6)
     hook.remove()
     handle.undo()

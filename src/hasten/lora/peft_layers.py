@@ -237,6 +237,8 @@ def gated_group_act(gate_proj: nn.Module, up_proj: nn.Module, x: torch.Tensor, a
     if index != 0 or len(group.members) != 2 or group.members[1] is not up_proj or group.waiting_for is not None:
         return None
     if has_call_hooks(gate_proj) or has_call_hooks(up_proj):
+        record_fallback("lora_gated_hooked", "HASTEN_LORA_GATED=1, but a gate or up projection has forward hooks, "
+                        "which one op for the pair would skip: that MLP calls them one by one")
         return None
     adapter = group.adapter(x, (), {})
     if adapter is None:
