@@ -48,6 +48,7 @@ import argparse
 import dataclasses
 import gc
 import math
+import os
 import sys
 import time
 import traceback
@@ -273,6 +274,16 @@ def print_profile(name: str, step) -> None:
     print("  top operators by their own device time, with input shapes:")
     for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:30]:
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:40]:40s} {str(e.input_shapes)[:90]}")
+    trace = os.environ.get("HASTEN_PROFILE_TRACE")  # a chrome trace, and where the GPU waited for the host
+    if trace:
+        import importlib.util
+
+        prof.export_chrome_trace(trace)
+        spec = importlib.util.spec_from_file_location(
+            "trace_gaps", Path(__file__).resolve().parent.parent / "scripts" / "trace_gaps.py")
+        gaps = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gaps)
+        print(gaps.summarise(trace, top=int(os.environ.get("HASTEN_PROFILE_GAPS", "12"))))
 
 
 def dynamo_counts() -> dict:
