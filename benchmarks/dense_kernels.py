@@ -71,9 +71,17 @@ def rms_rows(name: str, rows: int, hidden: int, weight_grad: bool = True) -> lis
     inputs = (xr, wr) if weight_grad else (xr,)
     eager = time_us(lambda: torch.autograd.grad(eager_rms_norm(xr, wr), inputs, g))
     frozen = "" if weight_grad else ", frozen weight"
+    # the residual add fused in (hasten::add_rms_norm, a decoder layer's post-attention norm): x and
+    # the residual read, the sum and the output written; its backward also reads the gradient the
+    # sum gets from the residual stream (grad_add)
+    r = torch.randn_like(x)
+    add_fwd = time_us(lambda: torch.ops.hasten.add_rms_norm(x, r, w, 1e-6, 0.0))
+    add_bwd = time_us(lambda: torch.ops.hasten.rms_norm_backward(g, x, w, rstd, 0.0, weight_grad, r))
     return [{"kernel": f"{name} forward", "us": fwd, "min_bytes": 2 * size},
             {"kernel": f"{name} backward{frozen}", "us": bwd, "min_bytes": 3 * size},
-            {"kernel": f"{name} eager fwd+bwd", "us": eager, "min_bytes": 5 * size}]
+            {"kernel": f"{name} eager fwd+bwd", "us": eager, "min_bytes": 5 * size},
+            {"kernel": f"{name} + residual add forward", "us": add_fwd, "min_bytes": 4 * size},
+            {"kernel": f"{name} + residual add backward{frozen}", "us": add_bwd, "min_bytes": 4 * size}]
 
 
 def swiglu_rows(intermediate: int) -> list[dict]:

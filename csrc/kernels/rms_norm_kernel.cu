@@ -134,9 +134,14 @@ __global__ void __launch_bounds__(kThreads) rms_norm_forward_kernel(RmsNormParam
 // (all K loads issued before the sum needs the first), summed, normalised and stored from there.
 // The same additions in the same order as rms_norm_forward_kernel: the same rstd and output.
 // Two blocks an SM at K = 16 (registers capped at 128: without the cap nvcc hoists the weight's
-// loads too, 152 registers, one block an SM).
+// loads too, 152 registers, one block an SM). With the residual (kAdd), x and the residual of all
+// K vectors are loaded before the first sum is stored: a store to p.sum may alias the inputs as far
+// as nvcc knows, so loads after it wait for it, and storing each sum as it came (load_input) paid
+// one memory latency per vector (W4's (16384, 4096) add + norm at 173 us, 3.0 TB/s); the two
+// (K, V) arrays need more than 128 registers, so one block an SM there.
 template <typename T, int V, int K, bool kAdd>
-__global__ void __launch_bounds__(kThreads, K >= 16 ? 2 : 1) rms_norm_forward_cached_kernel(RmsNormParams p, int group) {
+__global__ void __launch_bounds__(kThreads, (K >= 16 && !kAdd) ? 2 : 1)
+    rms_norm_forward_cached_kernel(RmsNormParams p, int group) {
   // K > 1 means more vectors than lanes, so a whole warp: a constant stride lets the K loads
   // share one address register (immediate offsets)
   const int lanes = K > 1 ? 32 : group;
@@ -148,10 +153,29 @@ __global__ void __launch_bounds__(kThreads, K >= 16 ? 2 : 1) rms_norm_forward_ca
     const bool active = row < p.rows;
     const int64_t offset = (active ? row : 0) * p.hidden;
     T xs[K][V];
+    if constexpr (kAdd) {  // every load first, then round_to_T(x + r) and its store (as load_input)
+      T rs[K][V];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t v = walk.lane + k * lanes;
-      if (active && v < vectors) load_input<T, V, kAdd>(p, offset, v, xs[k]);
+      for (int k = 0; k < K; ++k) {
+        const int64_t v = walk.lane + k * lanes;
+        if (!active || v >= vectors) continue;
+        load_chunk<T, V>(static_cast<const T*>(p.x) + offset, v, xs[k]);
+        load_chunk<T, V>(static_cast<const T*>(p.residual) + offset, v, rs[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t v = walk.lane + k * lanes;
+        if (!active || v >= vectors) continue;
+#pragma unroll
+        for (int i = 0; i < V; ++i) xs[k][i] = from_float<T>(to_float(xs[k][i]) + to_float(rs[k][i]));
+        store_chunk<T, V>(static_cast<T*>(p.sum) + offset, v, xs[k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t v = walk.lane + k * lanes;
+        if (active && v < vectors) load_chunk<T, V>(static_cast<const T*>(p.x) + offset, v, xs[k]);
+      }
     }
     float squares = 0.f;
 #pragma unroll
@@ -378,8 +402,10 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_kernel(RmsNormPara
 }
 
 // The backward of a frozen weight (no grad_weight) for rows of at most K vectors per lane: x and
-// grad_y of the row loaded into registers, all 2K loads issued first; grad_x stored from there.
-// The same arithmetic in the same order as rms_norm_backward_kernel<T, V, false>.
+// grad_y of the row (and grad_add, kAdd) loaded into registers, every load issued first; grad_x
+// stored from there. The same arithmetic in the same order as rms_norm_backward_kernel<T, V, false>.
+// grad_add is loaded up front too: read next to the stores of grad_x (which may alias it as far as
+// nvcc knows), each vector waited out one memory latency (W4's (16384, 4096) at 231 us, 2.2 TB/s).
 template <typename T, int V, int K, bool kAdd>
 __global__ void __launch_bounds__(kThreads) rms_norm_backward_cached_kernel(RmsNormParams p, int group) {
   // K > 1 means more vectors than lanes, so a whole warp: a constant stride lets the K loads
@@ -394,12 +420,14 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_cached_kernel(RmsN
     const int64_t offset = (active ? row : 0) * p.hidden;
     const float rstd = active ? p.rstd[row] : 0.f;
     T xs[K][V], gs[K][V];
+    T adds[kAdd ? K : 1][V];  // grad_add's vectors (unused without it)
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = walk.lane + k * lanes;
       if (!active || v >= vectors) continue;
       load_chunk<T, V>(static_cast<const T*>(p.x) + offset, v, xs[k]);
       load_chunk<T, V>(static_cast<const T*>(p.grad_y) + offset, v, gs[k]);
+      if constexpr (kAdd) load_chunk<T, V>(static_cast<const T*>(p.grad_add) + offset, v, adds[k]);
     }
     float dot = 0.f;
 #pragma unroll
@@ -420,12 +448,11 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_cached_kernel(RmsN
       if (v >= vectors) continue;
       T ws[V];
       load_chunk<T, V>(w, v, ws);
-      float add[V];
-      load_grad_add<T, V, kAdd>(p, offset, v, add);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float n = to_float(xs[k][i]) * rstd;
-        xs[k][i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * to_float(gs[k][i]) - n * mean_dot) + add[i]);
+        const float add = kAdd ? to_float(adds[kAdd ? k : 0][i]) : 0.f;
+        xs[k][i] = from_float<T>(rstd * ((to_float(ws[i]) + p.offset) * to_float(gs[k][i]) - n * mean_dot) + add);
       }
       store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
     }

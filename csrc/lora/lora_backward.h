@@ -97,16 +97,20 @@ inline void check_group(const char* op, at::TensorList weights, at::TensorList l
 
 // The group's backward after its thin products: gs the members' output gradients (T, out_i) in x's
 // dtype, gb = [s_0 g_0 B_0 | s_1 g_1 B_1 | ...] (T, R), grad_b the d B_i. d A for all members from one
-// read of x, and d x as the LoRA paths' GEMM that every base GEMM accumulates onto.
+// read of x, and d x as the LoRA paths' GEMM that every base GEMM accumulates onto (grad_input
+// false: an empty d x, none of those GEMMs run).
 inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> group_backward_after_thin(
     const std::vector<at::Tensor>& gs, const at::Tensor& gb, std::vector<at::Tensor> grad_b, const at::Tensor& x,
-    at::TensorList weights, at::TensorList lora_a, const std::vector<int64_t>& offsets) {
+    at::TensorList weights, at::TensorList lora_a, const std::vector<int64_t>& offsets, bool grad_input) {
   const size_t n = weights.size();
-  std::vector<at::Tensor> stacked;
-  for (const auto& a : lora_a) stacked.push_back(a.to(x.scalar_type()));
   const auto grad_a_all = mm_as(gb.t(), rows(x), lora_a[0].scalar_type());  // (R, in): x read once
   std::vector<at::Tensor> grad_a;
-  for (size_t i = 0; i < n; ++i) grad_a.push_back(grad_a_all.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).clone());
+  for (size_t i = 0; i < n; ++i) {
+    grad_a.push_back(grad_a_all.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).clone());
+  }
+  if (!grad_input) return {at::empty({0}, x.options()), grad_a, std::move(grad_b)};
+  std::vector<at::Tensor> stacked;
+  for (const auto& a : lora_a) stacked.push_back(a.to(x.scalar_type()));
   auto grad_x = at::mm(gb, at::cat(stacked, 0));  // (T, in): the LoRA paths, then each base GEMM onto it
   for (size_t i = 0; i < n; ++i) grad_x.addmm_(gs[i], weights[i]);
   return {grad_x.view(x.sizes()), grad_a, std::move(grad_b)};
@@ -114,7 +118,8 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
 
 inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> group_backward(
     ThinGrads thin_grads, at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights,
-    at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales) {
+    at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales,
+    bool grad_input) {
   const char* op = "lora_linear_group_backward";
   check_group(op, weights, lora_a, lora_b, scales, 0);
   const size_t n = weights.size();
@@ -140,7 +145,7 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
     grad_b.push_back(thin_grads(gs[i], lora_b[i].to(dtype), xa2.narrow(1, offsets[i], rank), scales[i],
                                 lora_b[i].scalar_type(), gb_i));
   }
-  return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, offsets);
+  return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, offsets, grad_input);
 }
 
 // --- a gated MLP over a gate/up group: act = f(gate) * up (hasten::lora_gated_group) ----------------
@@ -196,7 +201,7 @@ using GatedGrads = bool (*)(const at::Tensor& grad_act, const at::Tensor& gate, 
 inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> gated_group_backward(
     GatedGrads gated_grads, ThinGrads thin_grads, const at::Tensor& grad_act, const at::Tensor& gate,
     const at::Tensor& up, const at::Tensor& x, at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b,
-    const at::Tensor& xa, at::ArrayRef<double> scales, c10::string_view activation) {
+    const at::Tensor& xa, at::ArrayRef<double> scales, c10::string_view activation, bool grad_input) {
   const char* op = "lora_gated_group_backward";
   check_gated_group(op, weights, lora_a, lora_b, scales, 0);
   const GatedBackward& activation_backward = gated_backward_op(op, activation);
@@ -215,11 +220,12 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
     auto gb = at::empty({rows_of(x), offsets.back()}, x.options());
     const std::vector<at::Tensor> b{lora_b[0].to(x.scalar_type()), lora_b[1].to(x.scalar_type())};
     if (gated_grads(grad_act, gate, up, activation, rows(xa), b, scales, lora_b[0].scalar_type(), gs, gb, grad_b)) {
-      return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, offsets);
+      return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, offsets,
+                                       grad_input);
     }
   }
   const auto [grad_gate, grad_up] = activation_backward.call(grad_act, gate, up);
-  return group_backward(thin_grads, {grad_gate, grad_up}, x, weights, lora_a, lora_b, xa, scales);
+  return group_backward(thin_grads, {grad_gate, grad_up}, x, weights, lora_a, lora_b, xa, scales, grad_input);
 }
 
 }  // namespace lora

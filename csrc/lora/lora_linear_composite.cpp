@@ -124,8 +124,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
 
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_linear_group_backward(
     at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights, at::TensorList lora_a,
-    at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales) {
-  return lora::group_backward(&lora::thin_grads_gemms, grad_ys, x, weights, lora_a, lora_b, xa, scales);
+    at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales, bool grad_input) {
+  return lora::group_backward(&lora::thin_grads_gemms, grad_ys, x, weights, lora_a, lora_b, xa, scales, grad_input);
 }
 
 // --- a gated MLP's gate/up group and its activation: act = f(gate) * up ---------------------------
@@ -148,9 +148,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_gated_group(
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_gated_group_backward(
     const at::Tensor& grad_act, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& x,
     at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa,
-    at::ArrayRef<double> scales, c10::string_view activation) {
+    at::ArrayRef<double> scales, c10::string_view activation, bool grad_input) {
   return lora::gated_group_backward(nullptr, &lora::thin_grads_gemms, grad_act, gate, up, x, weights, lora_a, lora_b,
-                                    xa, scales, activation);
+                                    xa, scales, activation, grad_input);
 }
 
 }  // namespace

@@ -110,8 +110,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_
 
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_linear_group_backward_cuda(
     at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights, at::TensorList lora_a,
-    at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales) {
-  return lora::group_backward(&thin_grads_one_pass, grad_ys, x, weights, lora_a, lora_b, xa, scales);
+    at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales, bool grad_input) {
+  return lora::group_backward(&thin_grads_one_pass, grad_ys, x, weights, lora_a, lora_b, xa, scales, grad_input);
 }
 
 // The gated MLP's one pass (lora_grads.cuh, LoraGatedGradsParams): d_gate, d_up and both members'
@@ -179,9 +179,9 @@ bool gated_grads_one_pass(const at::Tensor& grad_act, const at::Tensor& gate, co
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_gated_group_backward_cuda(
     const at::Tensor& grad_act, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& x,
     at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa,
-    at::ArrayRef<double> scales, c10::string_view activation) {
+    at::ArrayRef<double> scales, c10::string_view activation, bool grad_input) {
   return lora::gated_group_backward(&gated_grads_one_pass, &thin_grads_one_pass, grad_act, gate, up, x, weights,
-                                    lora_a, lora_b, xa, scales, activation);
+                                    lora_a, lora_b, xa, scales, activation, grad_input);
 }
 
 }  // namespace

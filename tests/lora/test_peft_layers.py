@@ -61,6 +61,31 @@ def test_fused_layers_give_peft_loss_and_gradients(dropout):
     torch.testing.assert_close(again_loss, want_loss)
 
 
+def test_the_first_layers_input_under_a_frozen_embedding_gets_no_input_gradient():
+    """The first layer's q/k/v group reads the normed embedding, which needs no gradient in a LoRA
+    job (frozen embedding, PEFT without input gradients): its backward is asked for no d x (the
+    three base GEMMs of it skipped); every later group needs it. The loss and gradients are those
+    of test_fused_layers_give_peft_loss_and_gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _peft_model()
+    install_fused_lora(model)
+    asked = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("lora_linear_group_backward"):
+                asked.append(args[7] if len(args) > 7 else True)
+            return func(*args, **(kwargs or {}))
+
+    model.zero_grad(set_to_none=True)
+    loss = model(**packed_batch()).loss
+    with Record():
+        loss.backward()
+    assert sorted(asked) == [False] + [True] * 3  # layers 1 to 0 backwards: q/k/v and gate/up each
+    assert asked[-1] is False  # the last group the backward reaches: layer 0's q/k/v
+
+
 def test_groups_off_give_the_same_loss_and_gradients_as_groups_on():
     model = _peft_model()
     undo, _, grouped, _ = install_fused_lora(model)

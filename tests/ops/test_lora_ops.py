@@ -118,6 +118,50 @@ def test_group_matches_each_projection_written_out(rows, n_in, outs, ranks, with
         torch.testing.assert_close(g.grad, w.grad, msg=f"grad of leaf {i} (x, then each lora_a, then each lora_b)")
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_an_input_without_gradient_gets_no_input_gradient_computed(gated):
+    """The first layer's q/k/v under a frozen embedding: x needs no gradient, so the backward op is
+    asked for none (grad_input false: its d x GEMMs do not run) and the adapters' gradients are the
+    ones an x that needs a gradient gets."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hasten.ops.lora import lora_gated_group, lora_linear_group
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 24, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(10, 24, generator=gen, dtype=torch.float64) for _ in range(2)]
+    scales = [0.5, 2.0]
+
+    def adapters_and_grads(x_needs_grad):
+        g = torch.Generator().manual_seed(4)
+        adapters = [torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+                    for shape in ((3, 24), (3, 24), (10, 3), (10, 3))]
+        leaf = x.clone().requires_grad_(x_needs_grad)
+        calls = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if "group_backward" in func.__name__:
+                    calls.append(args[-1] if isinstance(args[-1], bool) else True)
+                return func(*args, **(kwargs or {}))
+
+        if gated:
+            out = lora_gated_group(leaf, weights, [], adapters[:2], adapters[2:], scales, "silu")
+        else:
+            out = sum(y * (i + 1) for i, y in enumerate(lora_linear_group(leaf, weights, [], adapters[:2], adapters[2:],
+                                                                          scales)))
+        with Record():
+            (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        return [a.grad for a in adapters], leaf.grad, calls
+
+    grads_with, x_grad, calls_with = adapters_and_grads(True)
+    grads_without, no_x_grad, calls_without = adapters_and_grads(False)
+    assert calls_with == [True] and calls_without == [False]
+    assert x_grad is not None and no_x_grad is None
+    for got, want in zip(grads_without, grads_with):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _two_member_inputs():
     """x (6, 16) and a frozen (12, 16) base with two rank-4 adapter pairs, all but the base trainable."""
     x, weight, _, a, b = _inputs((6,), 16, 12, 4, seed=7)

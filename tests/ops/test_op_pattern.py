@@ -119,6 +119,10 @@ def _cases(requires_grad: bool):
                                         [t(6, 8, grad=False), t(2, 8, grad=False)], [t(4, 8, grad=False),
                                         t(2, 8, grad=False)], [t(6, 4, grad=False), t(2, 2, grad=False)],
                                         t(2, 3, 6, grad=False), [0.5, 2.0])),
+        # an input that needs no gradient (the first layer's, under a frozen embedding): d x empty
+        ("lora_linear_group_backward", ([t(5, 9, grad=False)], t(5, 7, grad=False), [t(9, 7, grad=False)],
+                                        [t(3, 7, grad=False)], [t(9, 3, grad=False)], t(5, 3, grad=False), [1.5],
+                                        False)),
         # a gated MLP's [gate, up]: x (2, 3, 8), two frozen bases (6, 8), ranks 4 and 2; GeGLU with biases
         ("lora_gated_group", (t(2, 3, 8), [t(6, 8, grad=False), t(6, 8, grad=False)], [], [t(4, 8), t(2, 8)],
                               [t(6, 4), t(6, 2)], [0.5, 2.0], "silu")),
@@ -130,6 +134,11 @@ def _cases(requires_grad: bool):
                                        [t(4, 8, grad=False), t(2, 8, grad=False)],
                                        [t(6, 4, grad=False), t(6, 2, grad=False)], t(2, 3, 6, grad=False),
                                        [0.5, 2.0], "silu")),
+        ("lora_gated_group_backward", (t(5, 9, grad=False), t(5, 9, grad=False), t(5, 9, grad=False),
+                                       t(5, 7, grad=False), [t(9, 7, grad=False), t(9, 7, grad=False)],
+                                       [t(3, 7, grad=False), t(3, 7, grad=False)],
+                                       [t(9, 3, grad=False), t(9, 3, grad=False)], t(5, 6, grad=False),
+                                       [1.5, 1.0], "gelu_tanh", False)),
     ]
     return cases
 

@@ -86,7 +86,7 @@ def _lora_linear_group_fake(x, weights, biases, lora_a, lora_b, scales):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights], x.new_empty((*x.shape[:-1], ranks))
 
 
-def _lora_linear_group_backward_fake(grad_ys, x, weights, lora_a, lora_b, xa, scales):
+def _lora_linear_group_backward_fake(grad_ys, x, weights, lora_a, lora_b, xa, scales, grad_input=True):
     op = "lora_linear_group_backward"
     _check_group(op, weights, [], lora_a, lora_b, scales)
     n, rows = len(weights), x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -98,7 +98,8 @@ def _lora_linear_group_backward_fake(grad_ys, x, weights, lora_a, lora_b, xa, sc
         _checks.check_lora_linear_args(op, x, None, w, None, a, b)
         _checks.check(g.shape[-1] == w.shape[0] and (g.numel() // w.shape[0] if w.shape[0] else 0) == rows, op,
                       lambda: f"`grad_ys[{i}]` {_checks.shape(g.shape)} must be (..., {w.shape[0]}) over x's rows")
-    return (x.new_empty(x.shape), [a.new_empty(a.shape) for a in lora_a], [b.new_empty(b.shape) for b in lora_b])
+    return (x.new_empty(x.shape if grad_input else (0,)), [a.new_empty(a.shape) for a in lora_a],
+            [b.new_empty(b.shape) for b in lora_b])
 
 
 def _setup_group(ctx, inputs, output):
@@ -129,8 +130,9 @@ def _backward_group(ctx, grad_ys, _grad_xa):
         xa = any_grad.new_zeros(()).expand((*ctx.x_shape[:-1], sum(ctx.ranks)))
     grads = [g.contiguous() if g is not None else any_grad.new_zeros((*ctx.x_shape[:-1], w.shape[0]))
              for g, w in zip(grad_ys, weights)]
+    # grad_input: the first layer's input under a frozen embedding needs no d x (its GEMMs skipped)
     grad_x, grad_a, grad_b = call_in_backward("lora_linear_group_backward", grads, x, list(weights), list(lora_a),
-                                              list(lora_b), xa, ctx.scales)
+                                              list(lora_b), xa, ctx.scales, ctx.x_needs_grad)
     # the inputs' structure: a list for each Tensor[] (the frozen weights and biases: Nones), one
     # entry for the float[] scales
     return (grad_x if ctx.x_needs_grad else None, [None] * n, [None] * ctx.biases,
@@ -159,7 +161,8 @@ def _lora_gated_group_fake(x, weights, biases, lora_a, lora_b, scales, activatio
     return gate.new_empty(gate.shape), gate, up, xa
 
 
-def _lora_gated_group_backward_fake(grad_act, gate, up, x, weights, lora_a, lora_b, xa, scales, activation):
+def _lora_gated_group_backward_fake(grad_act, gate, up, x, weights, lora_a, lora_b, xa, scales, activation,
+                                    grad_input=True):
     op = "lora_gated_group_backward"
     _check_gated_group(op, weights, [], lora_a, lora_b, scales, activation)
     inner, rows = weights[0].shape[0], x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -167,7 +170,7 @@ def _lora_gated_group_backward_fake(grad_act, gate, up, x, weights, lora_a, lora
         _checks.check(t.shape[-1] == inner and (t.numel() // inner if inner else 0) == rows and t.dtype == x.dtype, op,
                       lambda: f"`grad_act`, `gate` and `up` must be (..., {inner}) over x's rows in x's dtype, got "
                       f"{_checks.shape(t.shape)} {_checks.dtype_name(t.dtype)}")
-    return _lora_linear_group_backward_fake([gate, up], x, weights, lora_a, lora_b, xa, scales)
+    return _lora_linear_group_backward_fake([gate, up], x, weights, lora_a, lora_b, xa, scales, grad_input)
 
 
 def _setup_gated(ctx, inputs, output):
@@ -199,7 +202,7 @@ def _backward_gated(ctx, grad_act, _grad_gate, _grad_up, _grad_xa):
         xa = grad_act.new_zeros(()).expand((*ctx.x_shape[:-1], sum(ctx.ranks)))
     grad_x, grad_a, grad_b = call_in_backward("lora_gated_group_backward", grad_act.contiguous(), gate, up, x,
                                               list(weights), list(lora_a), list(lora_b), xa, ctx.scales,
-                                              ctx.activation)
+                                              ctx.activation, ctx.x_needs_grad)
     return (grad_x if ctx.x_needs_grad else None, [None, None], [None] * ctx.biases,
             [g if need else None for g, need in zip(grad_a, ctx.a_needs_grad)],
             [g if need else None for g, need in zip(grad_b, ctx.b_needs_grad)], None, None)
