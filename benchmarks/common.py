@@ -103,6 +103,20 @@ def parse_clock_samples(text: str) -> list[tuple[float, float]]:
     return samples
 
 
+def time_us(fn, iters: int = 50) -> float:
+    """Microseconds per call of `fn()` on the GPU: 3 warm-up calls, then `iters` between two events
+    (back to back, no sync between calls: a kernel's own time, launch gaps hidden)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
 def time_steps(step, warmup: int, iters: int) -> list[float]:
     """Seconds per call of `step()`, each measured with a device sync around it."""
     for _ in range(warmup):

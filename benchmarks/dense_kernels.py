@@ -32,18 +32,6 @@ SHAPES = {"w1": (1024, 16, 8, 128, 3072, True, True), "w4": (4096, 32, 8, 128, 1
 BF16 = 2
 
 
-def time_us(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
 def eager_rms_norm(x, w, eps=1e-6):
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -54,8 +42,9 @@ def ceiling_rows(hidden: int) -> list[dict]:
     x, y = (torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty_like(x)
     size = x.numel() * BF16
-    return [{"kernel": f"copy ({TOKENS} x {hidden})", "us": time_us(lambda: out.copy_(x)), "min_bytes": 2 * size},
-            {"kernel": f"add ({TOKENS} x {hidden})", "us": time_us(lambda: torch.add(x, y, out=out)),
+    return [{"kernel": f"copy ({TOKENS} x {hidden})", "us": common.time_us(lambda: out.copy_(x)),
+             "min_bytes": 2 * size},
+            {"kernel": f"add ({TOKENS} x {hidden})", "us": common.time_us(lambda: torch.add(x, y, out=out)),
              "min_bytes": 3 * size}]
 
 
@@ -65,18 +54,18 @@ def rms_rows(name: str, rows: int, hidden: int, weight_grad: bool = True) -> lis
     g = torch.randn_like(x)
     y, rstd = torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0)
     size = x.numel() * BF16
-    fwd = time_us(lambda: torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0))
-    bwd = time_us(lambda: torch.ops.hasten.rms_norm_backward(g, x, w, rstd, 0.0, weight_grad))
+    fwd = common.time_us(lambda: torch.ops.hasten.rms_norm(x, w, 1e-6, 0.0))
+    bwd = common.time_us(lambda: torch.ops.hasten.rms_norm_backward(g, x, w, rstd, 0.0, weight_grad))
     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_(weight_grad)
     inputs = (xr, wr) if weight_grad else (xr,)
-    eager = time_us(lambda: torch.autograd.grad(eager_rms_norm(xr, wr), inputs, g))
+    eager = common.time_us(lambda: torch.autograd.grad(eager_rms_norm(xr, wr), inputs, g))
     frozen = "" if weight_grad else ", frozen weight"
     # the residual add fused in (hasten::add_rms_norm, a decoder layer's post-attention norm): x and
     # the residual read, the sum and the output written; its backward also reads the gradient the
     # sum gets from the residual stream (grad_add)
     r = torch.randn_like(x)
-    add_fwd = time_us(lambda: torch.ops.hasten.add_rms_norm(x, r, w, 1e-6, 0.0))
-    add_bwd = time_us(lambda: torch.ops.hasten.rms_norm_backward(g, x, w, rstd, 0.0, weight_grad, r))
+    add_fwd = common.time_us(lambda: torch.ops.hasten.add_rms_norm(x, r, w, 1e-6, 0.0))
+    add_bwd = common.time_us(lambda: torch.ops.hasten.rms_norm_backward(g, x, w, rstd, 0.0, weight_grad, r))
     return [{"kernel": f"{name} forward", "us": fwd, "min_bytes": 2 * size},
             {"kernel": f"{name} backward{frozen}", "us": bwd, "min_bytes": 3 * size},
             {"kernel": f"{name} eager fwd+bwd", "us": eager, "min_bytes": 5 * size},
@@ -88,10 +77,10 @@ def swiglu_rows(intermediate: int) -> list[dict]:
     gate, up = (torch.randn(TOKENS, intermediate, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     grad = torch.randn_like(gate)
     size = gate.numel() * BF16
-    fwd = time_us(lambda: torch.ops.hasten.silu_mul(gate, up))
-    bwd = time_us(lambda: torch.ops.hasten.silu_mul_backward(grad, gate, up))
+    fwd = common.time_us(lambda: torch.ops.hasten.silu_mul(gate, up))
+    bwd = common.time_us(lambda: torch.ops.hasten.silu_mul_backward(grad, gate, up))
     gr, ur = gate.detach().requires_grad_(), up.detach().requires_grad_()
-    eager = time_us(lambda: torch.autograd.grad(torch.nn.functional.silu(gr) * ur, (gr, ur), grad))
+    eager = common.time_us(lambda: torch.autograd.grad(torch.nn.functional.silu(gr) * ur, (gr, ur), grad))
     return [{"kernel": "swiglu forward", "us": fwd, "min_bytes": 3 * size},
             {"kernel": "swiglu backward", "us": bwd, "min_bytes": 5 * size},
             {"kernel": "swiglu eager fwd+bwd", "us": eager, "min_bytes": 8 * size}]
@@ -106,7 +95,7 @@ def rope_rows(heads: int, kv_heads: int, head_dim: int) -> list[dict]:
         x = torch.randn(1, TOKENS, n, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         size = x.numel() * BF16
         for direction, backward in (("forward", False), ("backward", True)):
-            us = time_us(lambda: torch.ops.hasten.rope(x, cos, sin, backward, False))
+            us = common.time_us(lambda: torch.ops.hasten.rope(x, cos, sin, backward, False))
             rows.append({"kernel": f"rope {name} ({n} heads) {direction}", "us": us, "min_bytes": 2 * size})
     return rows
 

@@ -10,19 +10,13 @@ hasten build needed; prints microseconds per call.
     python scripts/lora_gemm_orientation_probe.py
 """
 
+import sys
+from pathlib import Path
+
 import torch
 
-
-def time_us(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from common import time_us  # noqa: E402  (torch only: no hasten build needed)
 
 
 def main() -> None:
