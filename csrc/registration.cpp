@@ -136,8 +136,7 @@ TORCH_LIBRARY(hasten, m) {
         "float[] scales, str activation) -> (Tensor act, Tensor gate, Tensor up, Tensor xa)");
   m.def("lora_gated_group_backward(Tensor grad_act, Tensor gate, Tensor up, Tensor x, Tensor[] weights, "
         "Tensor[] lora_a, Tensor[] lora_b, Tensor xa, float[] scales, str activation, bool grad_input=True) -> "
-        "(Tensor grad_x, "
-        "Tensor[] grad_a, Tensor[] grad_b)");
+        "(Tensor grad_x, Tensor[] grad_a, Tensor[] grad_b)");
 
   // LM head + cross-entropy in chunks of tokens (csrc/loss/linear_cross_entropy_composite.cpp):
   // hidden (T, H), weight (V, H), bias (V,)?, targets (T,) int64 (already shifted),
