@@ -1,8 +1,9 @@
 """The residual add fused with the RMSNorm after it (kernels.fused_residual): the decoder layer's
-own forward rewritten on its `h = residual + h; residual = h; h = self.<norm>(h)` runs, the rest of
-it (the attention's and MLP's calls, decorators) the model's own; classes whose residual stream is
-written otherwise (Granite's multiplier, Phi-3's dropout, OLMo 2's post-norms) keep their forward,
-said once. Every packed zoo type with it on: tests/integrations/test_model_parity.py."""
+own forward rewritten on its `h = residual + h; residual = h; h = self.<norm>(h)` runs, and on its
+`residual = h; h = self.<norm>(h)` pairs (the norm passes its input through as a view whose
+gradient its backward kernel adds), the rest of it (the attention's and MLP's calls, decorators)
+the model's own; classes whose residual stream is written otherwise keep their forward, said once.
+Every packed zoo type with it on: tests/integrations/test_model_parity.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 
 import hasten
 from hasten.config import Config
-from hasten.dense.residual import NORM_SPEC_ATTRIBUTE, add_norm, fused_forward, install_fused_residual
+from hasten.dense.residual import NORM_SPEC_ATTRIBUTE, add_norm, fused_forward, install_fused_residual, norm_passing
 from hasten.dense.spec import NormSpec
 from hasten.ops.dense import rms_norm
 from tests.tiny_models import MODELS, packed_batch
@@ -73,13 +74,24 @@ class _Layer(nn.Module):
 
 
 class _Multiplied(_Layer):
-    def forward(self, hidden_states):  # Granite's residual multiplier: not the pattern
+    def forward(self, hidden_states):  # a residual multiplier, norms called inline: neither pattern
         residual = hidden_states
         hidden_states = self.attn(self.input_layernorm(hidden_states))
         hidden_states = residual + hidden_states * 0.5
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class _ResidualChangedInPlace(_Layer):
+    def forward(self, hidden_states):  # `residual` changed in place after its pair: not rewritten
+        skip = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.attn(hidden_states) + skip
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
-        return residual + self.mlp(hidden_states)
+        residual = residual * 2
+        residual.mul_(0.5)
+        residual += 1.0
+        return hidden_states + residual
 
 
 class _Inherited(_Layer):
@@ -114,7 +126,7 @@ def test_the_rewrite_fuses_every_run_and_keeps_the_rest_of_the_forward():
     undo, count, reasons = install_fused_residual([layer], fused)
     assert (count, reasons) == (1, [])
     _, norms, _ = fused_forward(_Layer, frozenset({"post_attention_layernorm", "pre_mlp_layernorm", "input_layernorm"}))
-    assert norms == ["post_attention_layernorm", "pre_mlp_layernorm"]
+    assert norms == ["input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm"]
     got, got_grads = _loss_and_grads(layer, x, scale_old=0.5)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for g, w in zip(got_grads, want_grads):
@@ -126,28 +138,53 @@ def test_the_rewrite_fuses_every_run_and_keeps_the_rest_of_the_forward():
 def test_the_fused_op_runs_where_the_rewrite_calls_it(monkeypatch):
     import hasten.dense.residual as residual
 
-    seen = []
-    real = residual.add_rms_norm
+    seen, passing = [], []
+    real, real_passing = residual.add_rms_norm, residual.rms_norm_passing_input
     monkeypatch.setattr(residual, "add_rms_norm", lambda *a: seen.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(residual, "rms_norm_passing_input", lambda *a: passing.append(a[0].shape) or real_passing(*a))
     layer = _Layer()
     install_fused_residual([layer], {id(m) for m in layer.modules() if isinstance(m, _Norm)})
-    layer(torch.randn(1, 3, 16))
-    assert seen == [(1, 3, 16), (1, 3, 16)]
+    layer(torch.randn(1, 3, 16, requires_grad=True))
+    assert seen == [(1, 3, 16), (1, 3, 16)] and passing == [(1, 3, 16)]
+    with torch.no_grad():  # nothing to pass a gradient to: the norm as written
+        layer(torch.randn(1, 3, 16))
+    assert len(passing) == 1
 
 
 def test_layers_written_otherwise_keep_their_forward_and_say_why():
     layer = _Multiplied()
     undo, count, reasons = install_fused_residual([layer], {id(m) for m in layer.modules() if isinstance(m, _Norm)})
     assert count == 0 and "forward" not in layer.__dict__
-    assert reasons == ["_Multiplied.forward has no `h = residual + h; residual = h; h = self.<norm>(h)` to fuse "
-                       "(its residual stream is written otherwise)"]
+    assert reasons == ["_Multiplied.forward has no `h = residual + h; residual = h; h = self.<norm>(h)` and no "
+                       "`residual = h; h = self.<norm>(h)` to fuse (its residual stream is written otherwise)"]
+    undo()
+
+
+def test_a_residual_changed_in_place_keeps_its_pair_as_written():
+    """A view a custom Function returned refuses in-place changes: a pair whose residual name is
+    changed in place anywhere after it (`+=`, a method ending in `_`; by name, not by flow) stays as
+    written; the other pair is fused."""
+    norms = frozenset({"input_layernorm", "post_attention_layernorm"})
+    _, fused, _ = fused_forward(_ResidualChangedInPlace, norms)
+    assert fused == ["input_layernorm"]
+    layer = _ResidualChangedInPlace()
+    x = torch.randn(2, 3, 16)
+    want, want_grads = _loss_and_grads(layer, x)
+    undo, count, _ = install_fused_residual([layer], {id(m) for m in layer.modules() if isinstance(m, _Norm)})
+    got, got_grads = _loss_and_grads(layer, x)
+    assert count == 1
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     undo()
 
 
 def test_a_norm_hasten_did_not_patch_is_not_fused():
-    layer = _Layer()  # only the first norm is hasten's: the runs name the other two
+    layer = _Layer()  # only the first norm is hasten's: the runs on the other two stay as written
     undo, count, reasons = install_fused_residual([layer], {id(layer.input_layernorm)})
-    assert count == 0 and reasons and "has no" in reasons[0]
+    assert count == 1 and not reasons
+    _, norms, _ = fused_forward(_Layer, frozenset({"input_layernorm"}))
+    assert norms == ["input_layernorm"]
     undo()
 
 
@@ -180,6 +217,39 @@ def test_add_norm_runs_the_statements_as_written_where_the_op_would_differ(case,
     y, total = add_norm(norm, x, r)
     assert torch.equal(total, r + x)
     assert torch.equal(y, norm(r + x))
+    monkeypatch.setattr(residual, "rms_norm_passing_input", lambda *a: pytest.fail("the passing op ran"))
+    leaf = x.clone().requires_grad_()
+    y, passed = norm_passing(norm, leaf)
+    assert passed is leaf and torch.equal(y, norm(leaf))
+
+
+def test_norm_passing_gives_the_statements_gradients():
+    """rms_norm_passing_input: the normed output and the view, and x's gradient through both (the
+    view's added in the norm's backward) and the weight's, as `residual = h; h = norm(h)` gives them;
+    only the view used, or only the output."""
+    from hasten.ops.dense import rms_norm_passing_input
+
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 7, 24, generator=gen), torch.randn(24, generator=gen)
+    up_y, up_r = torch.randn(3, 7, 24, generator=gen), torch.randn(3, 7, 24, generator=gen)
+    for uses in ("both", "view", "output"):
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        refs = [t.clone().requires_grad_() for t in (x, w)]
+        y, passed = rms_norm_passing_input(leaves[0], leaves[1], 1e-6, 0.5)
+        want_y, want_r = rms_norm(refs[0], refs[1], 1e-6, 0.5), refs[0]
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+        assert torch.equal(passed, leaves[0]) and passed._base is leaves[0]
+        loss = {"both": (y * up_y).sum() + (passed * up_r).sum(), "view": (passed * up_r).sum(),
+                "output": (y * up_y).sum()}[uses]
+        want = {"both": (want_y * up_y).sum() + (want_r * up_r).sum(), "view": (want_r * up_r).sum(),
+                "output": (want_y * up_y).sum()}[uses]
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(leaves[0].grad, refs[0].grad, msg=uses)
+        if uses == "view":
+            assert leaves[1].grad is None or torch.equal(leaves[1].grad, torch.zeros_like(w))
+        else:
+            torch.testing.assert_close(leaves[1].grad, refs[1].grad, msg=uses)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

@@ -16,11 +16,24 @@ forward is parsed, each run of exactly those three statements becomes
 
 (the branch joining the stream may have its own name: Llama 4's `residual + attention_states`),
 and the rest is compiled unchanged in the modeling module's namespace (its decorators included),
-so the attention's and MLP's calls stay the model's own, argument for argument. A class whose
-forward has no such run, or whose source cannot be read, keeps its forward, with the reason. At
-each call <add_norm> takes the fused op only where it computes what the statements compute (the
-norm is hasten's patched RMSNorm, no hooks on it, one shape and dtype); otherwise it runs the
-three statements as written.
+so the attention's and MLP's calls stay the model's own, argument for argument.
+
+The stream's other join is in the backward: after
+
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+
+the layer's input gets two gradients (through `residual` and through the norm) that autograd adds
+with a kernel of its own. Each such pair (not followed by an in-place change of `residual`) becomes
+
+    hidden_states, residual = <norm_passing>(self.input_layernorm, hidden_states)
+
+where `residual` is a view of the input whose gradient the norm's backward kernel adds (grad_add,
+hasten.ops.dense.rms_norm_passing_input). A class whose forward has neither pattern, or whose
+source cannot be read, keeps its forward, with the reason. At each call the helpers take the fused
+path only where it computes what the statements compute (the norm is hasten's patched RMSNorm, no
+hooks on it, one shape and dtype; <norm_passing> also only for an input that needs a gradient and
+outside torch.compile); otherwise they run the statements as written.
 """
 
 from __future__ import annotations
@@ -35,25 +48,45 @@ from torch import nn
 
 from hasten.dense.spec import NormSpec
 from hasten.instance_forward import has_call_hooks, replace_forward, restore_forward, without_hooked
-from hasten.ops.dense import add_rms_norm
+from hasten.ops.dense import add_rms_norm, rms_norm_passing_input
 
-# The name the rewritten forward calls <add_norm> by (a closure variable: the modeling module's
-# namespace is not touched).
+# The names the rewritten forward calls <add_norm> and <norm_passing> by (closure variables: the
+# modeling module's namespace is not touched).
 _HELPER = "_hasten_add_norm"
+_PASSING_HELPER = "_hasten_norm_passing"
 # Set by install_fused_norms on each norm it patched: the NormSpec the patched forward computes.
 NORM_SPEC_ATTRIBUTE = "_hasten_norm_spec"
 
 
-def add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor):
-    """(norm(residual + hidden_states), residual + hidden_states): fused where it is the same."""
+def _patched_rms(norm: nn.Module, x: torch.Tensor) -> NormSpec | None:
+    """The norm's spec where hasten's patched RMSNorm computes it on x: no hooks, x's dtype."""
     spec: NormSpec | None = getattr(norm, NORM_SPEC_ATTRIBUTE, None)
     weight = getattr(norm, "weight", None)
     if (spec is not None and spec.kind == "rms" and "forward" in norm.__dict__ and isinstance(weight, torch.Tensor)
-            and hidden_states.shape == residual.shape and hidden_states.dtype == residual.dtype == weight.dtype
-            and hidden_states.device == residual.device and not has_call_hooks(norm)):
-        return add_rms_norm(hidden_states, residual, weight, getattr(norm, spec.eps_attribute), spec.weight_offset)
+            and x.dtype == weight.dtype and not has_call_hooks(norm)):
+        return spec
+    return None
+
+
+def add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor):
+    """(norm(residual + hidden_states), residual + hidden_states): fused where it is the same."""
+    spec = _patched_rms(norm, hidden_states)
+    if (spec is not None and hidden_states.shape == residual.shape and hidden_states.dtype == residual.dtype
+            and hidden_states.device == residual.device):
+        return add_rms_norm(hidden_states, residual, norm.weight, getattr(norm, spec.eps_attribute), spec.weight_offset)
     total = residual + hidden_states
     return norm(total), total
+
+
+def norm_passing(norm: nn.Module, hidden_states: torch.Tensor):
+    """(norm(hidden_states), hidden_states): where fused, the second is a view whose gradient the
+    norm's backward kernel adds to the norm's own (no separate add in the backward)."""
+    spec = _patched_rms(norm, hidden_states)
+    if (spec is not None and hidden_states.requires_grad and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):
+        return rms_norm_passing_input(hidden_states, norm.weight, getattr(norm, spec.eps_attribute),
+                                      spec.weight_offset)
+    return norm(hidden_states), hidden_states
 
 
 def _name(node: ast.AST) -> str | None:
@@ -93,20 +126,63 @@ def _match(body: list[ast.stmt], i: int, norms: frozenset[str]) -> tuple[str, st
     return hidden, branch, residual, call.func.attr
 
 
+def _changed_in_place(name: str, statements: list[ast.stmt]) -> bool:
+    """Whether `statements` may change `name`'s tensor in place: `name += ...`, `name[...] = ...`
+    or a method call ending in `_` on it (a custom Function's view output refuses those)."""
+    for node in (n for statement in statements for n in ast.walk(statement)):
+        if isinstance(node, ast.AugAssign) and _name(node.target) == name:
+            return True
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Subscript) and _name(t.value) == name for t in targets):
+                return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _name(node.func.value) == name
+                and node.func.attr.endswith("_") and not node.func.attr.startswith("_")):
+            return True
+    return False
+
+
+def _match_passing(body: list[ast.stmt], i: int, norms: frozenset[str]) -> tuple[str, str, str] | None:
+    """(hidden, residual, norm attribute) when body[i:i+2] is `r = h; h = self.norm(h)` with `norm`
+    one of `norms` and nothing after it changes r in place."""
+    if i + 2 > len(body):
+        return None
+    first, second = body[i:i + 2]
+    residual, hidden = _single_target(first), _name(first.value) if isinstance(first, ast.Assign) else None
+    if residual is None or hidden is None or residual == hidden or _single_target(second) != hidden:
+        return None
+    call = second.value
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and _name(call.args[0]) == hidden
+            and isinstance(call.func, ast.Attribute) and _name(call.func.value) == "self" and call.func.attr in norms):
+        return None
+    if _changed_in_place(residual, body[i + 2:]):
+        return None
+    return hidden, residual, call.func.attr
+
+
 def _rewrite(body: list[ast.stmt], candidates: frozenset[str]) -> tuple[list[ast.stmt], list[str]]:
-    """The statements with every match on one of the `candidates` norms fused, and those norms."""
+    """The statements with every match on one of the `candidates` norms fused, and those norms in
+    the order they come (with the add before them, or passing their input through)."""
     out, norms, i = [], [], 0
     while i < len(body):
         found = _match(body, i, candidates)
-        if found is None:
-            out.append(body[i])
-            i += 1
+        if found is not None:
+            hidden, branch, residual, norm = found
+            fused = ast.parse(f"{hidden}, {residual} = {_HELPER}(self.{norm}, {branch}, {residual})").body[0]
+            out.append(ast.copy_location(fused, body[i]))
+            norms.append(norm)
+            i += 3
             continue
-        hidden, branch, residual, norm = found
-        fused = ast.parse(f"{hidden}, {residual} = {_HELPER}(self.{norm}, {branch}, {residual})").body[0]
-        out.append(ast.copy_location(fused, body[i]))
-        norms.append(norm)
-        i += 3
+        found_passing = _match_passing(body, i, candidates)
+        if found_passing is not None:
+            hidden, residual, norm = found_passing
+            fused = ast.parse(f"{hidden}, {residual} = {_PASSING_HELPER}(self.{norm}, {hidden})").body[0]
+            out.append(ast.copy_location(fused, body[i]))
+            norms.append(norm)
+            i += 2
+            continue
+        out.append(body[i])
+        i += 1
     return out, norms
 
 
@@ -128,16 +204,18 @@ def fused_forward(cls: type, candidates: frozenset[str]) -> tuple[types.Function
     definition.body, norms = _rewrite(definition.body, candidates)
     if not norms:
         return None, [], (f"{cls.__name__}.forward has no `h = residual + h; residual = h; h = self.<norm>(h)` "
-                          "to fuse (its residual stream is written otherwise)")
-    # def _hasten_factory(_hasten_add_norm): <the forward, decorators and all>; return forward
-    module = ast.parse(f"def _hasten_factory({_HELPER}):\n    pass\n")
+                          "and no `residual = h; h = self.<norm>(h)` to fuse (its residual stream is written "
+                          "otherwise)")
+    # def _hasten_factory(_hasten_add_norm, _hasten_norm_passing): <the forward, decorators and all>;
+    # return forward
+    module = ast.parse(f"def _hasten_factory({_HELPER}, {_PASSING_HELPER}):\n    pass\n")
     module.body[0].body = [definition, ast.Return(value=ast.Name(id=definition.name, ctx=ast.Load()))]
     ast.fix_missing_locations(module)
     ast.increment_lineno(module, first_line - 1)  # tracebacks point at the modeling file's lines
     namespace: dict = {}
     # the namespace the forward was written in (an inherited forward: its parent's module)
     exec(compile(module, filename, "exec"), inspect.unwrap(function).__globals__, namespace)  # noqa: S102
-    return namespace["_hasten_factory"](add_norm), norms, None
+    return namespace["_hasten_factory"](add_norm, norm_passing), norms, None
 
 
 def install_fused_residual(layers: list[nn.Module], fused_norms: set[int]):

@@ -160,6 +160,41 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return y, total
 
 
+class _RmsNormPassingInput(torch.autograd.Function):
+    """(rms_norm(x), x as a view) whose backward is rms_norm_backward with the view's gradient as
+    grad_add: a pre-norm layer's `residual = h; h = norm(h)`, where `residual` carries the stream's
+    gradient back to h, gets that gradient and the norm's summed in the norm's kernel, not in an
+    add autograd would make (one (T, hidden) read and write less a layer). An autograd.Function,
+    not a registered op: an op's output may not alias its input, and a copy would cost what the
+    add costs. Not under torch.compile (the caller runs the two statements there)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        with torch._C._AutoDispatchBelowAutograd():
+            y, rstd = torch.ops.hasten.rms_norm(x, weight, eps, offset)
+        ctx.offset = offset
+        ctx.save_for_backward(x, weight, rstd)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_passed):
+        x, weight, rstd = ctx.saved_tensors
+        if grad_y is None:  # the normed output did not reach the loss: only the stream's gradient
+            return grad_passed, None, None, None
+        grad_x, grad_weight = call_in_backward("rms_norm_backward", grad_y.contiguous(), x, weight, rstd, ctx.offset,
+                                               ctx.needs_input_grad[1], grad_passed)
+        return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
+                None, None)
+
+
+def rms_norm_passing_input(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x), x as a view): the view's gradient joins the norm's in the norm's backward
+    kernel (grad_add). For x that needs a gradient, outside torch.compile."""
+    load()
+    return _RmsNormPassingInput.apply(x, weight, float(eps), float(offset))
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel; backward keeps only gate and up."""
     load()
