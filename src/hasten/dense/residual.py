@@ -117,13 +117,19 @@ def _match(body: list[ast.stmt], i: int, norms: frozenset[str]) -> tuple[str, st
     if residual not in (left, right) or left == right:
         return None
     branch = right if left == residual else left
-    if _single_target(third) != hidden:
+    norm = _norm_call(third, hidden, norms)
+    return None if norm is None else (hidden, branch, residual, norm)
+
+
+def _norm_call(statement: ast.stmt, hidden: str, norms: frozenset[str]) -> str | None:
+    """The norm attribute when `statement` is `hidden = self.<norm>(hidden)`, `norm` one of `norms`."""
+    if _single_target(statement) != hidden:
         return None
-    call = third.value
+    call = statement.value
     if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and _name(call.args[0]) == hidden
             and isinstance(call.func, ast.Attribute) and _name(call.func.value) == "self" and call.func.attr in norms):
         return None
-    return hidden, branch, residual, call.func.attr
+    return call.func.attr
 
 
 def _changed_in_place(name: str, statements: list[ast.stmt]) -> bool:
@@ -149,15 +155,12 @@ def _match_passing(body: list[ast.stmt], i: int, norms: frozenset[str]) -> tuple
         return None
     first, second = body[i:i + 2]
     residual, hidden = _single_target(first), _name(first.value) if isinstance(first, ast.Assign) else None
-    if residual is None or hidden is None or residual == hidden or _single_target(second) != hidden:
+    if residual is None or hidden is None or residual == hidden:
         return None
-    call = second.value
-    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and _name(call.args[0]) == hidden
-            and isinstance(call.func, ast.Attribute) and _name(call.func.value) == "self" and call.func.attr in norms):
+    norm = _norm_call(second, hidden, norms)
+    if norm is None or _changed_in_place(residual, body[i + 2:]):
         return None
-    if _changed_in_place(residual, body[i + 2:]):
-        return None
-    return hidden, residual, call.func.attr
+    return hidden, residual, norm
 
 
 def _rewrite(body: list[ast.stmt], candidates: frozenset[str]) -> tuple[list[ast.stmt], list[str]]:
