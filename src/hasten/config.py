@@ -184,9 +184,11 @@ class KernelsConfig:
     # each way (the add, the norm, and in backward the sum of the stream's two gradients): one
     # read and one write of the hidden state fewer per fused norm, and one launch fewer. Only the
     # add inside a layer fuses (the one before its post-attention norm; the next layer's input norm
-    # sits across the layer boundary): W1 and W4 measured 1.00x with it on or off. Also each
-    # `residual = h; h = norm(h)`: the norm's backward adds the stream's gradient of h (no add).
+    # sits across the layer boundary): W1 and W4 measured 1.00x with it on or off.
     fused_residual: bool = True
+    # With fused_residual: each `residual = h; h = norm(h)` too, the norm's backward adding the
+    # stream's gradient of h (no separate add). Off until its GPU parity and speed are measured.
+    fused_residual_grad: bool = False
     # silu(gate) * up of the dense MLPs in one kernel; backward keeps only gate and up.
     swiglu: bool = True
     # Rotary embedding of q and k in one kernel each (transformers' rotate_half convention).

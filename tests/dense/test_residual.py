@@ -271,3 +271,31 @@ def test_on_by_default_and_off_by_its_switch():
     handle = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_residual": False}}))
     assert not any("residual add" in item for item in handle.active), handle.active
     handle.undo()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_the_input_norms_passing_switch_gives_the_models_loss_and_gradients(name, monkeypatch):
+    """kernels.fused_residual_grad (off by default until the GPU measures it): each layer's input
+    norm passes its input through (rms_norm_passing_input runs once per layer), and the packed loss
+    and every gradient are those of the model with the switch off."""
+    import hasten.dense.residual as residual
+
+    torch.manual_seed(0)
+    model = MODELS[name]().train()
+    reference = MODELS[name]().train()
+    reference.load_state_dict(model.state_dict())
+    calls = []
+    real = residual.rms_norm_passing_input
+    monkeypatch.setattr(residual, "rms_norm_passing_input", lambda *a: calls.append(1) or real(*a))
+    on = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_residual_grad": True}}))
+    off = hasten.accelerate(reference, Config())
+    batch = packed_batch()
+    loss, want = model(**batch).loss, reference(**batch).loss
+    loss.backward()
+    want.backward()
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+    on.undo()
+    off.undo()

@@ -163,7 +163,8 @@ def _match_passing(body: list[ast.stmt], i: int, norms: frozenset[str]) -> tuple
     return hidden, residual, norm
 
 
-def _rewrite(body: list[ast.stmt], candidates: frozenset[str]) -> tuple[list[ast.stmt], list[str]]:
+def _rewrite(body: list[ast.stmt], candidates: frozenset[str],
+             passing: bool) -> tuple[list[ast.stmt], list[str]]:
     """The statements with every match on one of the `candidates` norms fused, and those norms in
     the order they come (with the add before them, or passing their input through)."""
     out, norms, i = [], [], 0
@@ -176,7 +177,7 @@ def _rewrite(body: list[ast.stmt], candidates: frozenset[str]) -> tuple[list[ast
             norms.append(norm)
             i += 3
             continue
-        found_passing = _match_passing(body, i, candidates)
+        found_passing = _match_passing(body, i, candidates) if passing else None
         if found_passing is not None:
             hidden, residual, norm = found_passing
             fused = ast.parse(f"{hidden}, {residual} = {_PASSING_HELPER}(self.{norm}, {hidden})").body[0]
@@ -189,9 +190,11 @@ def _rewrite(body: list[ast.stmt], candidates: frozenset[str]) -> tuple[list[ast
     return out, norms
 
 
-def fused_forward(cls: type, candidates: frozenset[str]) -> tuple[types.FunctionType | None, list[str], str | None]:
+def fused_forward(cls: type, candidates: frozenset[str],
+                  passing: bool = True) -> tuple[types.FunctionType | None, list[str], str | None]:
     """(the rewritten forward of decoder-layer class `cls`, the norms it fuses, None) or (None, [],
-    why not); `candidates`: the attribute names of the layer's norms hasten patched."""
+    why not); `candidates`: the attribute names of the layer's norms hasten patched; `passing`:
+    whether `residual = h; h = self.<norm>(h)` pairs are rewritten too."""
     function = cls.forward
     try:
         source_lines, first_line = inspect.getsourcelines(function)
@@ -204,7 +207,7 @@ def fused_forward(cls: type, candidates: frozenset[str]) -> tuple[types.Function
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
         return None, [], f"{cls.__name__}.forward is not a plain function definition"
     definition = tree.body[0]
-    definition.body, norms = _rewrite(definition.body, candidates)
+    definition.body, norms = _rewrite(definition.body, candidates, passing)
     if not norms:
         return None, [], (f"{cls.__name__}.forward has no `h = residual + h; residual = h; h = self.<norm>(h)` "
                           "and no `residual = h; h = self.<norm>(h)` to fuse (its residual stream is written "
@@ -221,10 +224,10 @@ def fused_forward(cls: type, candidates: frozenset[str]) -> tuple[types.Function
     return namespace["_hasten_factory"](add_norm, norm_passing), norms, None
 
 
-def install_fused_residual(layers: list[nn.Module], fused_norms: set[int]):
+def install_fused_residual(layers: list[nn.Module], fused_norms: set[int], passing: bool = True):
     """Give each decoder layer in `layers` its class's forward rewritten on the norms among its
-    children that are `fused_norms` (ids of the norms hasten patched). Returns (undo, number of
-    layers, reasons classes were left alone)."""
+    children that are `fused_norms` (ids of the norms hasten patched), the input norms' pairs too
+    where `passing`. Returns (undo, number of layers, reasons classes were left alone)."""
     rewritten: dict[tuple, tuple] = {}
     layers, hooked = without_hooked(layers)
     reasons: set[str] = set(hooked)
@@ -234,7 +237,7 @@ def install_fused_residual(layers: list[nn.Module], fused_norms: set[int]):
         candidates = frozenset(name for name, child in layer.named_children() if id(child) in fused_norms)
         key = (type(layer), candidates)
         if key not in rewritten:
-            rewritten[key] = fused_forward(type(layer), candidates)
+            rewritten[key] = fused_forward(type(layer), candidates, passing)
         forward, _norms, why = rewritten[key]
         if forward is None:
             reasons.add(why)

@@ -1261,7 +1261,7 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
             handle.inactive.append(f"fused {norm_name} (no {spec.norm.class_suffix} modules with a 1-D weight and "
                                    f"`{spec.norm.eps_attribute}` in this model)")
         if kernels.fused_residual and count and spec.norm.kind == "rms":
-            _install_fused_residual(handle, target, done)
+            _install_fused_residual(handle, target, done, kernels.fused_residual_grad)
     mlp_name = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU"}.get(spec.mlp.kind)
     if kernels.swiglu and mlp_name is None:
         handle.inactive.append("fused MLP (an ungated MLP: the model's own activation runs between its projections)"
@@ -1292,14 +1292,16 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
         handle.active.append("fused kernels (" + ", ".join(done) + ")")
 
 
-def _install_fused_residual(handle: AccelerationHandle, model: torch.nn.Module, done: list[str]) -> None:
+def _install_fused_residual(handle: AccelerationHandle, model: torch.nn.Module, done: list[str],
+                            norms_pass_input: bool) -> None:
     """kernels.fused_residual: each decoder layer's residual add with the RMSNorm after it
-    (hasten/dense/residual.py), where the norm is one hasten patched."""
+    (hasten/dense/residual.py), where the norm is one hasten patched; kernels.fused_residual_grad:
+    the input norms passing their input through too."""
     from hasten.dense.residual import NORM_SPEC_ATTRIBUTE, install_fused_residual
     from hasten.memory.offload import decoder_layers
 
     fused_norms = {id(m) for m in model.modules() if NORM_SPEC_ATTRIBUTE in m.__dict__}
-    undo, count, refused = install_fused_residual(decoder_layers(model), fused_norms)
+    undo, count, refused = install_fused_residual(decoder_layers(model), fused_norms, norms_pass_input)
     handle._undo_steps.append(undo)
     if count:
         done.append(f"residual add + RMSNorm x{count}")
