@@ -187,8 +187,8 @@ class KernelsConfig:
     # sits across the layer boundary): W1 and W4 measured 1.00x with it on or off.
     fused_residual: bool = True
     # With fused_residual: each `residual = h; h = norm(h)` too, the norm's backward adding the
-    # stream's gradient of h (no separate add). Off until its GPU parity and speed are measured.
-    fused_residual_grad: bool = False
+    # stream's gradient of h (no separate add of a layer input's two gradients).
+    fused_residual_grad: bool = True
     # silu(gate) * up of the dense MLPs in one kernel; backward keeps only gate and up.
     swiglu: bool = True
     # Rotary embedding of q and k in one kernel each (transformers' rotate_half convention).

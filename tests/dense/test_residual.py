@@ -275,9 +275,9 @@ def test_on_by_default_and_off_by_its_switch():
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_the_input_norms_passing_switch_gives_the_models_loss_and_gradients(name, monkeypatch):
-    """kernels.fused_residual_grad (off by default until the GPU measures it): each layer's input
-    norm passes its input through (rms_norm_passing_input runs once per layer), and the packed loss
-    and every gradient are those of the model with the switch off."""
+    """kernels.fused_residual_grad (on by default): each layer's input norm passes its input through
+    (rms_norm_passing_input runs once per layer), and the packed loss and every gradient are those
+    of the model with the switch off."""
     import hasten.dense.residual as residual
 
     torch.manual_seed(0)
@@ -288,7 +288,7 @@ def test_the_input_norms_passing_switch_gives_the_models_loss_and_gradients(name
     real = residual.rms_norm_passing_input
     monkeypatch.setattr(residual, "rms_norm_passing_input", lambda *a: calls.append(1) or real(*a))
     on = hasten.accelerate(model, Config.from_dict({"kernels": {"fused_residual_grad": True}}))
-    off = hasten.accelerate(reference, Config())
+    off = hasten.accelerate(reference, Config.from_dict({"kernels": {"fused_residual_grad": False}}))
     batch = packed_batch()
     loss, want = model(**batch).loss, reference(**batch).loss
     loss.backward()
