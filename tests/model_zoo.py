@@ -983,9 +983,13 @@ def packed_batch(batch_samples: list[dict], device=None) -> dict:
 def packed_run(model: torch.nn.Module, batch_samples: list[dict], config: Config | None = None, device=None):
     """(handle, loss, gradients) of the hasten-accelerated model on one packed row."""
     handle = hasten.accelerate(model, config or Config())
-    model.zero_grad(set_to_none=True)
-    loss = model(**packed_batch(batch_samples, device)).loss
-    loss.backward()
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = model(**packed_batch(batch_samples, device)).loss
+        loss.backward()
+    except BaseException:  # a refused batch: the patches (some on the modeling module) undone
+        handle.undo()
+        raise
     return handle, loss.detach().float(), gradients(model)
 
 

@@ -8,6 +8,7 @@ lfm2, lfm2_moe, lfm3, lara_mini, kimi_linear); the GPU run of the same with flas
 kernels in tests/gpu."""
 
 import gc
+import inspect
 import sys
 
 import pytest
@@ -182,6 +183,27 @@ def test_padded_batches_and_undo_leave_the_model_its_own():
     assert modeling.causal_conv1d_fn is not own[0]  # the other model still uses the replacement
     second.undo()
     assert (modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule) == own
+
+
+def test_the_gpu_parity_references_find_the_torch_function_under_a_live_replacement():
+    """The GPU parity test's references run transformers' torch function (torch_function_of): with a
+    hasten handle live, the modeling module holds hasten's replacement, functools.wraps of what
+    5.25 puts there (the `kernels` package's nn.Module, `(*args, **kwargs)`); unwrapping stopped at
+    that module, whose signature dropped the keyword arguments (g, beta) on the GPU at 5b235b3."""
+    sys.path.insert(0, "tests/gpu")
+    try:
+        from test_model_parity_cuda import torch_function_of
+    finally:
+        sys.path.remove("tests/gpu")
+    model = zoo.build(zoo.ENTRIES["qwen3_next"])
+    modeling = sys.modules[type(model).__module__]
+    handle = hasten.accelerate(model)
+    try:
+        found = torch_function_of(modeling.torch_chunk_gated_delta_rule)
+        assert inspect.isfunction(found) and found.__name__ == "torch_chunk_gated_delta_rule", found
+        assert {"g", "beta"} <= set(inspect.signature(found).parameters)
+    finally:
+        handle.undo()
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "lfm2_moe", "lfm3", "lara_mini", "kimi_linear"])
