@@ -15,8 +15,8 @@ the result), W1's batch of 16,384 tokens in 61 samples. One run measures, on the
                     (HASTEN_LORA_GATED=1, experimental; the default runs the SwiGLU kernel, then them)
   hasten_residual_unfused  hasten with kernels.fused_residual off: each layer's residual add a separate
                   PyTorch add before the fused RMSNorm (what hasten ran before it)
-  hasten_residual_grad_unfused  hasten with kernels.fused_residual_grad off: a layer input's two
-                  gradients added by autograd, not in the input norm's backward
+  hasten_residual_grad_fused  hasten with kernels.fused_residual_grad on: a layer input's two
+                  gradients added in the input norm's backward, not by autograd
   hasten_lean     the same with full activation checkpointing
   hasten_offload  full checkpointing with each layer's checkpointed input on the host (offload all)
   hasten_tiled    hasten_offload with the MLP in tiles of 4,096 tokens (hasten's lowest-memory setting)
@@ -158,7 +158,7 @@ def build(name: str, samples):
         settings = {"hasten": {}, "hasten_lora_grads_gemms": {}, "hasten_gated_one_pass": {},
                     "hasten_ungrouped": {"kernels": {"fused_lora_groups": False}},
                     "hasten_residual_unfused": {"kernels": {"fused_residual": False}},
-                    "hasten_residual_grad_unfused": {"kernels": {"fused_residual_grad": False}},
+                    "hasten_residual_grad_fused": {"kernels": {"fused_residual_grad": True}},
                     "hasten_lean": full, "hasten_offload": offload, "hasten_tiled": tiled,
                     "hasten_nf4": {}, "hasten_nf4_lean": full, "hasten_nf4_offload": offload,
                     "hasten_nf4_tiled": tiled, "hasten_peft_layers": {"kernels": {"fused_lora": False}, **full}}[name]
@@ -257,7 +257,7 @@ def main() -> int:
     for mine in ("hasten", "hasten_lean", "hasten_offload", "hasten_tiled", "hasten_nf4",
                  "hasten_nf4_lean", "hasten_nf4_offload", "hasten_nf4_tiled"):
         for ref in ("unsloth", "hf_peft_packed", "liger", "hasten_lora_grads_gemms", "hasten_gated_one_pass",
-                    "hasten_residual_unfused", "hasten_residual_grad_unfused", "hasten_ungrouped",
+                    "hasten_residual_unfused", "hasten_residual_grad_fused", "hasten_ungrouped",
                     "hasten_peft_layers", "hf_peft_padded", "hf_peft_bnb", "unsloth_nf4"):
             if mine in base and ref in base:
                 common.print_ratio(base[mine], base[ref])

@@ -54,8 +54,11 @@ if (( built )); then
       timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_tf $GPU_TRANSFORMERS \
         >> "$LOGS/wheels.log" 2>&1 && tests_site=/tmp/site_tf:/tmp/bnb_site
     fi
-    # GPU_TESTS: node ids and files, split on spaces; GPU_K: one -k expression, passed whole
-    PYTHONPATH=$tests_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} \
+    # GPU_TESTS: node ids and files, split on spaces; GPU_K: one -k expression, passed whole;
+    # GPU_SHARDS: that many pytest processes side by side (scripts/pytest_shards.sh; default 1)
+    runner=(python3 -m pytest)
+    (( ${GPU_SHARDS:-1} > 1 )) && runner=(bash scripts/pytest_shards.sh "$GPU_SHARDS")
+    PYTHONPATH=$tests_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" "${runner[@]}" ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} \
       ${GPU_K:+-k "$GPU_K"} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi

@@ -275,7 +275,7 @@ def test_on_by_default_and_off_by_its_switch():
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_the_input_norms_passing_switch_gives_the_models_loss_and_gradients(name, monkeypatch):
-    """kernels.fused_residual_grad (on by default): each layer's input norm passes its input through
+    """kernels.fused_residual_grad (off by default): each layer's input norm passes its input through
     (rms_norm_passing_input runs once per layer), and the packed loss and every gradient are those
     of the model with the switch off."""
     import hasten.dense.residual as residual
