@@ -6,9 +6,10 @@ allowance to 0.93, kolibri1's from below 0.30 to 0.52, both passing).
     python3 scripts/parity_switch_probe.py kernels.fused_residual_grad mellum kolibri1 gemma4"""
 import sys
 import traceback
+from pathlib import Path
 
-sys.path[:0] = [".", "tests/gpu", "tests"]
-import test_model_parity_cuda as parity  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.gpu import test_model_parity_cuda as parity  # noqa: E402
 
 from hasten.config import Config  # noqa: E402
 

@@ -190,11 +190,8 @@ def test_the_gpu_parity_references_find_the_torch_function_under_a_live_replacem
     hasten handle live, the modeling module holds hasten's replacement, functools.wraps of what
     5.25 puts there (the `kernels` package's nn.Module, `(*args, **kwargs)`); unwrapping stopped at
     that module, whose signature dropped the keyword arguments (g, beta) on the GPU at 5b235b3."""
-    sys.path.insert(0, "tests/gpu")
-    try:
-        from test_model_parity_cuda import torch_function_of
-    finally:
-        sys.path.remove("tests/gpu")
+    from tests.gpu.test_model_parity_cuda import torch_function_of
+
     model = zoo.build(zoo.ENTRIES["qwen3_next"])
     modeling = sys.modules[type(model).__module__]
     handle = hasten.accelerate(model)
