@@ -58,7 +58,9 @@ if (( built )); then
     # GPU_SHARDS: that many pytest processes side by side (scripts/pytest_shards.sh; default 1)
     runner=(python3 -m pytest)
     (( ${GPU_SHARDS:-1} > 1 )) && runner=(bash scripts/pytest_shards.sh "$GPU_SHARDS")
-    PYTHONPATH=$tests_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" "${runner[@]}" ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} \
+    # each failure's traceback written as it happens (tests/conftest.py), kept if the part times out
+    HASTEN_TEST_FAILURES=$LOGS/gpu_failures.txt \
+      PYTHONPATH=$tests_site${PYTHONPATH:+:$PYTHONPATH} part gpu "${GPU_CAP:-150}" "${runner[@]}" ${GPU_TESTS:-tests/gpu/test_lora_cuda.py} \
       ${GPU_K:+-k "$GPU_K"} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi

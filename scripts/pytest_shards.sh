@@ -16,6 +16,8 @@ done
 python3 -m pytest --collect-only -q "${selection[@]}" 2>/dev/null | grep "::" > "$work/ids"
 echo "pytest_shards: $(wc -l < "$work/ids") tests in $shards processes"
 if [[ ! -s $work/ids ]]; then echo "pytest_shards: the selection collected no tests: $*"; rm -rf "$work"; exit 5; fi
+# cut off (the caller's timeout): the shards stopped, what each printed so far shown
+trap 'kill $(jobs -p) 2>/dev/null; for f in "$work"/out.*; do echo "=== $f (cut off)"; cat "$f"; done; rm -rf "$work"; exit 124' TERM INT
 for ((i = 0; i < shards; i++)); do
   awk -v n="$shards" -v i="$i" 'NR % n == i' "$work/ids" > "$work/ids.$i"
   [[ -s $work/ids.$i ]] || continue
