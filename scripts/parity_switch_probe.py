@@ -2,7 +2,9 @@
 boolean config switch on and then off, in one process, each outcome on a line and each failure's
 traceback: what a switch changes in the error of every type's worst parameter (at 5b235b3:
 kernels.fused_residual_grad moved mellum's layer-1 router gradient from below 0.30 of its
-allowance to 0.93, kolibri1's from below 0.30 to 0.52, both passing).
+allowance to 0.93, kolibri1's from below 0.30 to 0.52, both passing; for top-k types such a move
+can be the allocator-dependent spread that scripts/parity_spread_probe.py measures, not the switch:
+mellum's forward loss moved by one ulp though that switch changes only the backward).
     python3 scripts/parity_switch_probe.py kernels.fused_residual_grad mellum kolibri1 gemma4"""
 import sys
 import traceback
