@@ -294,6 +294,8 @@ def test_the_input_norms_passing_switch_gives_the_models_loss_and_gradients(name
     loss.backward()
     want.backward()
     assert len(calls) == model.config.num_hidden_layers
+    assert any(f"input RMSNorm passing its input x{len(calls)}" in item for item in on.active), on.active
+    assert not any("passing its input" in item for item in off.active), off.active
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)

@@ -224,6 +224,17 @@ def fused_forward(cls: type, candidates: frozenset[str],
     return namespace["_hasten_factory"](add_norm, norm_passing), norms, None
 
 
+def passing_layers(layers: list[nn.Module]) -> int:
+    """How many of `layers` run a rewritten forward in which an input norm passes its input through
+    (the forward's code names the passing helper), for the handle's report."""
+    count = 0
+    for layer in layers:
+        function = getattr(layer.__dict__.get("forward"), "__func__", None)
+        function = inspect.unwrap(function) if callable(function) else None  # under the class's decorators
+        count += _PASSING_HELPER in getattr(getattr(function, "__code__", None), "co_freevars", ())
+    return count
+
+
 def install_fused_residual(layers: list[nn.Module], fused_norms: set[int], passing: bool = True):
     """Give each decoder layer in `layers` its class's forward rewritten on the norms among its
     children that are `fused_norms` (ids of the norms hasten patched), the input norms' pairs too
