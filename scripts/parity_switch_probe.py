@@ -1,47 +1,40 @@
-"""The GPU packed parity (tests/gpu/test_model_parity_cuda.py's check) of zoo types with one
-boolean config switch on and then off, in one process, each outcome on a line and each failure's
-traceback: what a switch changes in the error of every type's worst parameter (at 5b235b3:
-kernels.fused_residual_grad moved mellum's layer-1 router gradient from below 0.30 of its
-allowance to 0.93, kolibri1's from below 0.30 to 0.52, both passing; for top-k types such a move
-can be the allocator-dependent spread that scripts/parity_spread_probe.py measures, not the switch:
-mellum's forward loss moved by one ulp though that switch changes only the backward).
-    python3 scripts/parity_switch_probe.py kernels.fused_residual_grad mellum kolibri1 gemma4"""
+"""One boolean config switch's GPU packed parity (tests/gpu/test_model_parity_cuda.py's
+check_packed_parity) on and then off for each zoo type, in one process, one JSON row each (on the
+GPU machine). At 5b235b3 kernels.fused_residual_grad moved mellum's layer-1 router gradient from
+below 0.30 of its allowance to 0.93 and kolibri1's to 0.52, both passing; for top-k types such a
+move can be the allocator-dependent spread scripts/parity_spread_probe.py measures, not the switch
+(mellum's forward loss moved by one ulp though that switch changes only the backward).
+
+    python3 scripts/parity_switch_probe.py kernels.fused_residual_grad mellum kolibri1 > rows.jsonl
+"""
+
+from __future__ import annotations
+
+import json
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.gpu import test_model_parity_cuda as parity  # noqa: E402
 
-from hasten.config import Config  # noqa: E402
+from tests.gpu.test_model_parity_cuda import LENGTHS, check_packed_parity  # noqa: E402
 
-
-def settings(key: str, value: bool) -> dict:
-    """{'kernels': {'fused_residual_grad': True}} from 'kernels.fused_residual_grad', True."""
-    section, name = key.split(".")
-    return {section: {name: value}}
+KEEP = ("loss_error", "loss_noise", "grad_error", "grad_noise", "worst_param", "worst_of_allowed", "failure")
 
 
 def main(key: str, names: list[str]) -> int:
-    real_packed_run = parity.zoo.packed_run
-    failures = 0
+    section, switch = key.split(".")
     for name in names:
         for value in (True, False):
-            config = Config.from_dict(settings(key, value))
-            parity.zoo.packed_run = lambda model, samples, _config=None, device=None, _c=config: \
-                real_packed_run(model, samples, _c, device)
             try:
-                row = parity.check_packed_parity(name, parity.LENGTHS, report=False)
-                print(f"PROBE {name} {key}={value}: passed, worst {row.get('worst_of_allowed', 0):.3f} of its allowance "
-                      f"({row.get('worst_param')}), loss error {row.get('loss_error', 0):.2e}, "
-                      f"gradient error {row.get('grad_error', 0):.3e}", flush=True)
-            except BaseException as exc:  # noqa: BLE001 - a probe reports every outcome and goes on
-                failures += 1
-                print(f"PROBE {name} {key}={value}: FAILED {type(exc).__name__}: {str(exc)[:600]}", flush=True)
-                traceback.print_exc(limit=-6)
-            finally:
-                parity.zoo.packed_run = real_packed_run
-    return 1 if failures else 0
+                row = check_packed_parity(name, LENGTHS, report=False, settings={section: {switch: value}})
+                outcome = "pass"
+            except AssertionError as failure:  # _judge's per-parameter or global check
+                row, outcome = {"failure": str(failure)[:900]}, "fail"
+            except BaseException as exc:  # noqa: BLE001 - a skip or an error: reported, the next goes on
+                row, outcome = {"failure": f"{type(exc).__name__}: {str(exc)[:300]}"}, "error"
+            print(json.dumps({"model_type": name, key: value, "outcome": outcome,
+                              **{k: row[k] for k in KEEP if k in row}}), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

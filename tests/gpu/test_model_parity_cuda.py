@@ -141,11 +141,14 @@ def _skip_if_refused_for_the_environment(name: str, refusal: PackedBatchRefused)
         pytest.skip(f"{name} needs flash-linear-attention for packed batches, not installed here: {refusal}")
 
 
-def check_packed_parity(name: str, lengths, report: bool = True) -> dict:
+def check_packed_parity(name: str, lengths, report: bool = True, settings: dict | None = None) -> dict:
     """The zoo type `name` on one packed row of samples of `lengths` tokens: hasten's bf16 loss and
     every gradient within the unpatched bf16 model's noise of the float32 per-sample reference (or
-    the batch refused, as the zoo says). Returns the report row (written out unless `report` is
-    False: a negative control's rows are not results)."""
+    the batch refused, as the zoo says), hasten configured by `settings` (a Config dict; None: the
+    defaults). Returns the report row (written out unless `report` is False: a negative control's
+    rows are not results)."""
+    from hasten.config import Config
+
     entry = zoo.ENTRIES[name]
     batch_samples = zoo.samples(lengths=lengths)
     reference = zoo.build(entry).to("cuda")
@@ -158,13 +161,13 @@ def check_packed_parity(name: str, lengths, report: bool = True) -> dict:
 
     if entry.attention == "refused":
         with pytest.raises(PackedBatchRefused, match="packed_sequence: false"):
-            zoo.packed_run(patched, batch_samples, device="cuda")
+            zoo.packed_run(patched, batch_samples, Config.from_dict(settings or {}), device="cuda")
         row = {"model_type": name, "outcome": "refused"}
         if report:
             _report(row)
         return row
     try:
-        handle, loss, got = zoo.packed_run(patched, batch_samples, device="cuda")
+        handle, loss, got = zoo.packed_run(patched, batch_samples, Config.from_dict(settings or {}), device="cuda")
     except PackedBatchRefused as refusal:
         # this transformers' layer cannot take the boundaries (5.17's Lfm2ShortConv), or the
         # machine lacks flash-linear-attention for the stateful layers: refused loudly, which is

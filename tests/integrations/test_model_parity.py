@@ -383,19 +383,24 @@ def test_selective_checkpointing_equals_each_sample_alone(name):
         handle.undo()
 
 
+@pytest.mark.parametrize("passing", [False, True], ids=["add", "add_and_passing"])
 @pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
-def test_fused_residual_add_equals_each_sample_alone(name):
+def test_fused_residual_add_equals_each_sample_alone(name, passing):
     """kernels.fused_residual on every packed type: the decoder layers whose forward has the
     `h = residual + h; residual = h; h = self.<norm>(h)` run on a norm hasten patched get it
     rewritten onto hasten::add_rms_norm (Llama, Qwen, Mistral, Gemma's pre-feedforward norm...);
-    the others keep their forward and say why. Either way the model's loss and gradients."""
+    the others keep their forward and say why. With kernels.fused_residual_grad (`passing`) each
+    `residual = h; h = self.<norm>(h)` too (rms_norm_passing_input), said in the handle's report.
+    Either way the model's loss and gradients."""
     entry = zoo.ENTRIES[name]
     batch_samples = zoo.samples()
     patched, want_loss, want = _reference_and_copy(entry, batch_samples)
-    config = Config.from_dict({"kernels": {"fused_residual": True}})
+    config = Config.from_dict({"kernels": {"fused_residual": True, "fused_residual_grad": passing}})
     handle, loss, got = zoo.packed_run(patched, batch_samples, config)
     try:
         _assert_equal_to_reference(name, loss, got, want_loss, want)
+        if not passing:
+            assert not any("passing its input" in item for item in handle.active), handle.active
     finally:
         handle.undo()
     assert not any("forward" in m.__dict__ for m in patched.modules())

@@ -164,10 +164,10 @@ def _match_passing(body: list[ast.stmt], i: int, norms: frozenset[str]) -> tuple
 
 
 def _rewrite(body: list[ast.stmt], candidates: frozenset[str],
-             passing: bool) -> tuple[list[ast.stmt], list[str]]:
-    """The statements with every match on one of the `candidates` norms fused, and those norms in
-    the order they come (with the add before them, or passing their input through)."""
-    out, norms, i = [], [], 0
+             passing: bool) -> tuple[list[ast.stmt], list[str], list[str]]:
+    """The statements with every match on one of the `candidates` norms fused, those norms in the
+    order they come (with the add before them, or passing their input through), and the latter."""
+    out, norms, passed, i = [], [], [], 0
     while i < len(body):
         found = _match(body, i, candidates)
         if found is not None:
@@ -183,35 +183,37 @@ def _rewrite(body: list[ast.stmt], candidates: frozenset[str],
             fused = ast.parse(f"{hidden}, {residual} = {_PASSING_HELPER}(self.{norm}, {hidden})").body[0]
             out.append(ast.copy_location(fused, body[i]))
             norms.append(norm)
+            passed.append(norm)
             i += 2
             continue
         out.append(body[i])
         i += 1
-    return out, norms
+    return out, norms, passed
 
 
-def fused_forward(cls: type, candidates: frozenset[str],
-                  passing: bool = True) -> tuple[types.FunctionType | None, list[str], str | None]:
-    """(the rewritten forward of decoder-layer class `cls`, the norms it fuses, None) or (None, [],
-    why not); `candidates`: the attribute names of the layer's norms hasten patched; `passing`:
-    whether `residual = h; h = self.<norm>(h)` pairs are rewritten too."""
+def fused_forward(cls: type, candidates: frozenset[str], passing: bool = True
+                  ) -> tuple[types.FunctionType | None, list[str], list[str], str | None]:
+    """(the rewritten forward of decoder-layer class `cls`, the norms it fuses, those of them that
+    pass their input through, None) or (None, [], [], why not); `candidates`: the attribute names
+    of the layer's norms hasten patched; `passing`: whether `residual = h; h = self.<norm>(h)`
+    pairs are rewritten too."""
     function = cls.forward
     try:
         source_lines, first_line = inspect.getsourcelines(function)
         filename = inspect.getsourcefile(function) or f"<{cls.__module__}>"
     except (OSError, TypeError) as exc:
-        return None, [], f"{cls.__name__}.forward's source cannot be read ({exc})"
+        return None, [], [], f"{cls.__name__}.forward's source cannot be read ({exc})"
     if "__class__" in inspect.unwrap(function).__code__.co_freevars:
-        return None, [], f"{cls.__name__}.forward uses super() (a closure the rewrite cannot carry)"
+        return None, [], [], f"{cls.__name__}.forward uses super() (a closure the rewrite cannot carry)"
     tree = ast.parse(textwrap.dedent("".join(source_lines)))
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
-        return None, [], f"{cls.__name__}.forward is not a plain function definition"
+        return None, [], [], f"{cls.__name__}.forward is not a plain function definition"
     definition = tree.body[0]
-    definition.body, norms = _rewrite(definition.body, candidates, passing)
+    definition.body, norms, passed = _rewrite(definition.body, candidates, passing)
     if not norms:
-        return None, [], (f"{cls.__name__}.forward has no `h = residual + h; residual = h; h = self.<norm>(h)` "
-                          "and no `residual = h; h = self.<norm>(h)` to fuse (its residual stream is written "
-                          "otherwise)")
+        return None, [], [], (f"{cls.__name__}.forward has no `h = residual + h; residual = h; "
+                              "h = self.<norm>(h)` and no `residual = h; h = self.<norm>(h)` to fuse (its residual "
+                              "stream is written otherwise)")
     # def _hasten_factory(_hasten_add_norm, _hasten_norm_passing): <the forward, decorators and all>;
     # return forward
     module = ast.parse(f"def _hasten_factory({_HELPER}, {_PASSING_HELPER}):\n    pass\n")
@@ -221,43 +223,34 @@ def fused_forward(cls: type, candidates: frozenset[str],
     namespace: dict = {}
     # the namespace the forward was written in (an inherited forward: its parent's module)
     exec(compile(module, filename, "exec"), inspect.unwrap(function).__globals__, namespace)  # noqa: S102
-    return namespace["_hasten_factory"](add_norm, norm_passing), norms, None
-
-
-def passing_layers(layers: list[nn.Module]) -> int:
-    """How many of `layers` run a rewritten forward in which an input norm passes its input through
-    (the forward's code names the passing helper), for the handle's report."""
-    count = 0
-    for layer in layers:
-        function = getattr(layer.__dict__.get("forward"), "__func__", None)
-        function = inspect.unwrap(function) if callable(function) else None  # under the class's decorators
-        count += _PASSING_HELPER in getattr(getattr(function, "__code__", None), "co_freevars", ())
-    return count
+    return namespace["_hasten_factory"](add_norm, norm_passing), norms, passed, None
 
 
 def install_fused_residual(layers: list[nn.Module], fused_norms: set[int], passing: bool = True):
     """Give each decoder layer in `layers` its class's forward rewritten on the norms among its
     children that are `fused_norms` (ids of the norms hasten patched), the input norms' pairs too
-    where `passing`. Returns (undo, number of layers, reasons classes were left alone)."""
+    where `passing`. Returns (undo, number of layers, how many of them pass an input norm's input
+    through, reasons classes were left alone)."""
     rewritten: dict[tuple, tuple] = {}
     layers, hooked = without_hooked(layers)
     reasons: set[str] = set(hooked)
-    patched = []
+    patched, passing_layers = [], 0
     for layer in layers:
         # the layer's own norms hasten patched, by attribute name (one rewrite per class and set)
         candidates = frozenset(name for name, child in layer.named_children() if id(child) in fused_norms)
         key = (type(layer), candidates)
         if key not in rewritten:
             rewritten[key] = fused_forward(type(layer), candidates, passing)
-        forward, _norms, why = rewritten[key]
+        forward, _norms, passed, why = rewritten[key]
         if forward is None:
             reasons.add(why)
             continue
         replace_forward(layer, types.MethodType(forward, layer))
         patched.append(layer)
+        passing_layers += bool(passed)
 
     def undo() -> None:
         for layer in patched:
             restore_forward(layer)
 
-    return undo, len(patched), sorted(reasons)
+    return undo, len(patched), passing_layers, sorted(reasons)

@@ -1297,16 +1297,15 @@ def _install_fused_residual(handle: AccelerationHandle, model: torch.nn.Module, 
     """kernels.fused_residual: each decoder layer's residual add with the RMSNorm after it
     (hasten/dense/residual.py), where the norm is one hasten patched; kernels.fused_residual_grad:
     the input norms passing their input through too."""
-    from hasten.dense.residual import NORM_SPEC_ATTRIBUTE, install_fused_residual, passing_layers
+    from hasten.dense.residual import NORM_SPEC_ATTRIBUTE, install_fused_residual
     from hasten.memory.offload import decoder_layers
 
     fused_norms = {id(m) for m in model.modules() if NORM_SPEC_ATTRIBUTE in m.__dict__}
-    layers = decoder_layers(model)
-    undo, count, refused = install_fused_residual(layers, fused_norms, norms_pass_input)
+    undo, count, passing, refused = install_fused_residual(decoder_layers(model), fused_norms, norms_pass_input)
     handle._undo_steps.append(undo)
     if count:
         done.append(f"residual add + RMSNorm x{count}")
-    if passing := passing_layers(layers):
+    if passing:
         done.append(f"input RMSNorm passing its input x{passing}")
     for reason in refused:
         handle.inactive.append(f"fused residual add ({reason})")

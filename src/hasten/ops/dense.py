@@ -66,13 +66,19 @@ def _rms_norm_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, rstd)
 
 
-def _rms_norm_backward(ctx, grad_y, _grad_rstd):
+def _rms_norm_grads(ctx, grad_y, grad_add=None):
+    """(d x, d weight, None, None) from what _rms_norm_setup saved; `grad_add`, a gradient of x from
+    elsewhere, summed into d x in the same kernel."""
     x, weight, rstd = ctx.saved_tensors
     # a frozen weight (LoRA): the kernel skips the weight gradient's per-block sums
     grad_x, grad_weight = call_in_backward("rms_norm_backward", grad_y, x, weight, rstd, ctx.offset,
-                                           ctx.needs_input_grad[1])
+                                           ctx.needs_input_grad[1], grad_add)
     return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
             None, None)
+
+
+def _rms_norm_backward(ctx, grad_y, _grad_rstd):
+    return _rms_norm_grads(ctx, grad_y)
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
@@ -170,21 +176,15 @@ class _RmsNormPassingInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        with torch._C._AutoDispatchBelowAutograd():
-            y, rstd = torch.ops.hasten.rms_norm(x, weight, eps, offset)
+        y, rstd = torch.ops.hasten.rms_norm(x, weight, eps, offset)  # grad mode is off in here
         ctx.offset = offset
-        ctx.save_for_backward(x, weight, rstd)
+        ctx.save_for_backward(x, weight, rstd)  # what _rms_norm_setup saves: one backward for both
         return y, x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_y, grad_passed):
-        x, weight, rstd = ctx.saved_tensors
-        if grad_y is None:  # the normed output did not reach the loss: only the stream's gradient
-            return grad_passed, None, None, None
-        grad_x, grad_weight = call_in_backward("rms_norm_backward", grad_y.contiguous(), x, weight, rstd, ctx.offset,
-                                               ctx.needs_input_grad[1], grad_passed)
-        return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
-                None, None)
+        # an output that did not reach the loss arrives as zeros (materialized), never None
+        return _rms_norm_grads(ctx, grad_y, grad_passed)
 
 
 def rms_norm_passing_input(x: torch.Tensor, weight: torch.Tensor, eps: float,
