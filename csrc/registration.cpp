@@ -110,10 +110,14 @@ TORCH_LIBRARY(hasten, m) {
   // (x_lora A^T) B^T (..., out); xa = x_lora A^T (..., r), kept for the backward. The base
   // weight and bias get no gradient (frozen). The backward returns d x, d x_lora (empty when
   // shared_input: then d x includes the LoRA path), d lora_a and d lora_b in the adapters' dtypes.
+  // adapters: the forward's one copy of lora_a and lora_b in x's dtype when they have another
+  // (flat [A | B]; empty when they have x's dtype), kept for the backward, which reads its views
+  // instead of casting the adapters again (None: the backward casts them).
   m.def("lora_linear(Tensor x, Tensor? x_lora, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, "
-        "float scale) -> (Tensor y, Tensor xa)");
+        "float scale) -> (Tensor y, Tensor xa, Tensor adapters)");
   m.def("lora_linear_backward(Tensor grad_y, Tensor x_lora, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor xa, "
-        "float scale, bool shared_input) -> (Tensor grad_x, Tensor grad_x_lora, Tensor grad_a, Tensor grad_b)");
+        "float scale, bool shared_input, Tensor? adapters=None) -> (Tensor grad_x, Tensor grad_x_lora, "
+        "Tensor grad_a, Tensor grad_b)");
   // Frozen projections that read one input, each with its LoRA update (q/k/v, gate/up; same file):
   // x (..., in); per member i weight_i (out_i, in), lora_a_i (r_i, in), lora_b_i
   // (out_i, r_i), scale_i; biases empty or one (out_i) per member. ys[i] = x W_i^T (+ b_i) +
@@ -122,12 +126,13 @@ TORCH_LIBRARY(hasten, m) {
   // backward takes every member's grad_y and returns d x (one tensor: the members' terms summed by
   // accumulating GEMMs, no separate adds), d lora_a_i and d lora_b_i in the adapters' dtypes.
   // grad_input false: x needs no gradient (the first layer's input under a frozen embedding), d x
-  // is returned empty and its GEMMs are not run.
+  // is returned empty and its GEMMs are not run. adapters: as lora_linear's, flat
+  // [A_0 | A_1 | ... | B_0 | B_1 | ...].
   m.def("lora_linear_group(Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] lora_a, Tensor[] lora_b, "
-        "float[] scales) -> (Tensor[] ys, Tensor xa)");
+        "float[] scales) -> (Tensor[] ys, Tensor xa, Tensor adapters)");
   m.def("lora_linear_group_backward(Tensor[] grad_ys, Tensor x, Tensor[] weights, Tensor[] lora_a, "
-        "Tensor[] lora_b, Tensor xa, float[] scales, bool grad_input=True) -> (Tensor grad_x, Tensor[] grad_a, "
-        "Tensor[] grad_b)");
+        "Tensor[] lora_b, Tensor xa, float[] scales, bool grad_input=True, Tensor? adapters=None) -> "
+        "(Tensor grad_x, Tensor[] grad_a, Tensor[] grad_b)");
   // A gated MLP's gate and up as one such group with the activation after it: act = f(gate) * up
   // (..., out) with f silu ("silu", SwiGLU) or tanh GELU ("gelu_tanh", GeGLU), weights = [gate, up]
   // of one output size. gate, up (..., out) and xa (..., r_0 + r_1) are returned for the backward.

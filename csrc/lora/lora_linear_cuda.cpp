@@ -103,15 +103,18 @@ at::Tensor thin_grads_one_pass(const at::Tensor& g, const at::Tensor& b_in, cons
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_cuda(
     const at::Tensor& grad_y, const at::Tensor& x_lora, const at::Tensor& weight, const at::Tensor& lora_a,
-    const at::Tensor& lora_b, const at::Tensor& xa, double scale, bool shared_input) {
+    const at::Tensor& lora_b, const at::Tensor& xa, double scale, bool shared_input,
+    const std::optional<at::Tensor>& adapters) {
   return lora::linear_backward(&thin_grads_one_pass, grad_y, x_lora, weight, lora_a, lora_b, xa, scale,
-                               shared_input);
+                               shared_input, adapters);
 }
 
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_linear_group_backward_cuda(
     at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights, at::TensorList lora_a,
-    at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales, bool grad_input) {
-  return lora::group_backward(&thin_grads_one_pass, grad_ys, x, weights, lora_a, lora_b, xa, scales, grad_input);
+    at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales, bool grad_input,
+    const std::optional<at::Tensor>& adapters) {
+  return lora::group_backward(&thin_grads_one_pass, grad_ys, x, weights, lora_a, lora_b, xa, scales, grad_input,
+                              adapters);
 }
 
 // The gated MLP's one pass (lora_grads.cuh, LoraGatedGradsParams): d_gate, d_up and both members'

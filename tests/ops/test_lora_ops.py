@@ -51,6 +51,9 @@ def test_float32_adapters_under_a_bf16_base_keep_their_dtype():
     x, weight, bias, a, b = _inputs((5, 3), 32, 24, 8, seed=3)
     xb, wb = x.bfloat16().requires_grad_(), weight.bfloat16()
     a32, b32 = a.float().requires_grad_(), b.float().requires_grad_()
+    kept = _saved(lambda: lora_linear(xb, wb, None, a32, b32, 0.5))
+    copies = [t for t in kept if t.dim() == 1 and t.numel() == a.numel() + b.numel()]
+    assert len(copies) == 1 and copies[0].dtype == torch.bfloat16  # the forward's one copy, for the backward
     y = lora_linear(xb, wb, None, a32, b32, 0.5)
     assert y.dtype == torch.bfloat16
     ref_a, ref_b = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -62,6 +65,59 @@ def test_float32_adapters_under_a_bf16_base_keep_their_dtype():
     for got, ref in ((y.detach().double(), want.detach()), (a32.grad.double(), ref_a.grad),
                      (b32.grad.double(), ref_b.grad)):
         assert float((got - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_float32_adapters_are_cast_once_and_the_backward_reads_that_copy(group):
+    """Under a bf16 base the forward casts float32 adapters once, as one flat bf16 copy [A... | B...]
+    it returns and autograd keeps, and the backward's GEMMs read that copy instead of casting the
+    adapters again: the backward given the copy equals the backward that casts (bit for bit), and a
+    copy scaled by 2 moves d x and d B (so the copy is what it reads); bf16 adapters make no copy;
+    a copy of the wrong size is refused by name."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 16, generator=gen).bfloat16()
+    weights = [torch.randn(12, 16, generator=gen).bfloat16(), torch.randn(4, 16, generator=gen).bfloat16()]
+    lora_a = [torch.randn(4, 16, generator=gen), torch.randn(2, 16, generator=gen)]
+    lora_b = [torch.randn(12, 4, generator=gen), torch.randn(4, 2, generator=gen)]
+    if not group:
+        weights, lora_a, lora_b = weights[:1], lora_a[:1], lora_b[:1]
+    scales = [0.5, 2.0][:len(weights)]
+    if group:
+        ys, xa, adapters = torch.ops.hasten.lora_linear_group(x, weights, [], lora_a, lora_b, scales)
+        grads = [torch.randn(y.shape, generator=gen).bfloat16() for y in ys]
+        backward = lambda copy: torch.ops.hasten.lora_linear_group_backward(  # noqa: E731
+            grads, x, weights, lora_a, lora_b, xa, scales, True, copy)
+    else:
+        y, xa, adapters = torch.ops.hasten.lora_linear(x, None, weights[0], None, lora_a[0], lora_b[0], scales[0])
+        grad = torch.randn(y.shape, generator=gen).bfloat16()
+        backward = lambda copy: torch.ops.hasten.lora_linear_backward(  # noqa: E731
+            grad, x, weights[0], lora_a[0], lora_b[0], xa, scales[0], True, copy)
+    flat = torch.cat([t.reshape(-1) for t in (*lora_a, *lora_b)]).bfloat16()
+    assert adapters.dtype == torch.bfloat16 and torch.equal(adapters, flat)
+
+    def results(copy):
+        out = backward(copy)
+        grad_x, grad_a, grad_b = out[0], out[-2], out[-1]
+        grad_a = grad_a if isinstance(grad_a, list) else [grad_a]
+        grad_b = grad_b if isinstance(grad_b, list) else [grad_b]
+        assert all(g.dtype == torch.float32 for g in (*grad_a, *grad_b))
+        return [grad_x, *grad_a, *grad_b]
+
+    with_copy, casting = results(adapters), results(None)
+    assert all(torch.equal(a, b) for a, b in zip(with_copy, casting))
+    doubled = results(adapters * 2)
+    n = len(weights)
+    assert not torch.equal(doubled[0], with_copy[0])  # d x = g W + gb A reads A (and B) from the copy
+    # d A = gb^T x with gb = s g B reads B from the copy
+    assert all(not torch.equal(d, w) for d, w in zip(doubled[1:1 + n], with_copy[1:1 + n]))
+    with pytest.raises(RuntimeError, match="`adapters` must be the forward's flat copy"):
+        backward(adapters[1:])
+    lora_a16, lora_b16 = [a.bfloat16() for a in lora_a], [b.bfloat16() for b in lora_b]
+    if group:
+        none = torch.ops.hasten.lora_linear_group(x, weights, [], lora_a16, lora_b16, scales)[2]
+    else:
+        none = torch.ops.hasten.lora_linear(x, None, weights[0], None, lora_a16[0], lora_b16[0], scales[0])[2]
+    assert none.numel() == 0
 
 
 def _saved(fn):
@@ -141,8 +197,8 @@ def test_an_input_without_gradient_gets_no_input_gradient_computed(gated):
 
         class Record(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if "group_backward" in func.__name__:
-                    calls.append(args[-1] if isinstance(args[-1], bool) else True)
+                if "group_backward" in func.__name__:  # grad_input: the backward's one bool (default True)
+                    calls.append(next((a for a in args if isinstance(a, bool)), True))
                 return func(*args, **(kwargs or {}))
 
         if gated:

@@ -47,6 +47,7 @@ def _cases(requires_grad: bool):
         x = torch.randn(*shape, generator=g, dtype=dtype)
         return x.requires_grad_(requires_grad and grad)
 
+    bf16 = torch.bfloat16
     cu = torch.tensor([0, 1, 6, 11], dtype=torch.int32)  # a one-token sequence, two of 5
     q, k, v = t(11, 4, 8), t(11, 2, 8), t(11, 2, 8)
     out, lse = ops.varlen_attention(q.detach(), k.detach(), v.detach(), cu, 5, 0.3, True, 0, 0.0)
@@ -123,6 +124,20 @@ def _cases(requires_grad: bool):
         ("lora_linear_group_backward", ([t(5, 9, grad=False)], t(5, 7, grad=False), [t(9, 7, grad=False)],
                                         [t(3, 7, grad=False)], [t(9, 3, grad=False)], t(5, 3, grad=False), [1.5],
                                         False)),
+        # PEFT's default: float32 adapters under a bfloat16 base: the forward returns its one bfloat16
+        # copy of them ([A | B] flat), which the backward reads
+        ("lora_linear", (t(2, 3, 8, dtype=bf16), None, t(6, 8, dtype=bf16, grad=False), None, t(4, 8), t(6, 4), 0.5)),
+        ("lora_linear_group", (t(5, 8, dtype=bf16), [t(6, 8, dtype=bf16, grad=False), t(2, 8, dtype=bf16, grad=False)],
+                               [], [t(4, 8), t(2, 8)], [t(6, 4), t(2, 2)], [0.5, 2.0])),
+        ("lora_linear_backward", (t(2, 3, 6, dtype=bf16, grad=False), t(2, 3, 8, dtype=bf16, grad=False),
+                                  t(6, 8, dtype=bf16, grad=False), t(4, 8, grad=False), t(6, 4, grad=False),
+                                  t(2, 3, 4, dtype=bf16, grad=False), 0.5, True, t(56, dtype=bf16, grad=False))),
+        ("lora_linear_group_backward", ([t(5, 6, dtype=bf16, grad=False), t(5, 2, dtype=bf16, grad=False)],
+                                        t(5, 8, dtype=bf16, grad=False),
+                                        [t(6, 8, dtype=bf16, grad=False), t(2, 8, dtype=bf16, grad=False)],
+                                        [t(4, 8, grad=False), t(2, 8, grad=False)],
+                                        [t(6, 4, grad=False), t(2, 2, grad=False)], t(5, 6, dtype=bf16, grad=False),
+                                        [0.5, 2.0], True, t(76, dtype=bf16, grad=False))),
         # a gated MLP's [gate, up]: x (2, 3, 8), two frozen bases (6, 8), ranks 4 and 2; GeGLU with biases
         ("lora_gated_group", (t(2, 3, 8), [t(6, 8, grad=False), t(6, 8, grad=False)], [], [t(4, 8), t(2, 8)],
                               [t(6, 4), t(6, 2)], [0.5, 2.0], "silu")),
@@ -263,6 +278,10 @@ def _bad_inputs():
         ("lora_linear_group", (f(3, 8), [f(6, 8), f(2, 8)], [f(6)], [f(4, 8), f(2, 8)], [f(6, 4), f(2, 2)],
                                [1.0, 1.0])),
         ("lora_linear_group_backward", ([f(3, 6)], f(3, 8), [f(6, 8)], [f(4, 8)], [f(6, 4)], f(3, 5), [1.0])),
+        # `adapters` that are not the forward's flat copy: a wrong size, then a wrong dtype
+        ("lora_linear_backward", (f(3, 6), f(3, 8), f(6, 8), f(4, 8), f(6, 4), f(3, 4), 1.0, True, f(55))),
+        ("lora_linear_group_backward", ([f(3, 6)], f(3, 8), [f(6, 8)], [f(4, 8)], [f(6, 4)], f(3, 4), [1.0], True,
+                                        f(56, dtype=torch.float64))),
         ("lora_gated_group", (f(3, 8), [f(6, 8), f(5, 8)], [], [f(4, 8), f(2, 8)], [f(6, 4), f(5, 2)], [1.0, 1.0],
                               "silu")),  # gate and up of different sizes
         ("lora_gated_group", (f(3, 8), [f(6, 8), f(6, 8)], [], [f(4, 8), f(2, 8)], [f(6, 4), f(6, 2)], [1.0, 1.0],

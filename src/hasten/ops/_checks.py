@@ -390,6 +390,20 @@ def check_lora_linear_args(op: str, x, x_lora, weight, bias, lora_a, lora_b) -> 
         check_same_device(x, t, op, "x", "weight, lora_a or lora_b")
 
 
+def check_lora_adapters(op, adapters, lora_a, lora_b, dtype) -> None:
+    """`adapters` of a LoRA backward op: None or empty (the backward casts the adapters itself), or
+    the forward's flat copy of lora_a and lora_b in x's dtype (csrc/lora/lora_backward.h,
+    adapters_in, words the same error)."""
+    if adapters is None or adapters.numel() == 0:
+        return
+    total = sum(t.numel() for t in (*lora_a, *lora_b))
+    device = lora_a[0].device
+    check(adapters.dim() == 1 and adapters.numel() == total and adapters.dtype == dtype and adapters.device == device
+          and adapters.is_contiguous(), op,
+          lambda: f"`adapters` must be the forward's flat copy of lora_a and lora_b ({total} contiguous elements in "
+          f"x's dtype {dtype_name(dtype)} on {device}), got {shape(adapters.shape)} {dtype_name(adapters.dtype)}")
+
+
 def check_lora_linear_backward_args(grad_y, x_lora, weight, lora_a, lora_b, xa) -> None:
     op = "lora_linear_backward"
     check_lora_linear_args(op, x_lora, None, weight, None, lora_a, lora_b)

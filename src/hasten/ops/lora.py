@@ -3,8 +3,11 @@
 Shapes: x (..., in), weight (out, in) frozen, lora_a (r, in), lora_b (out, r), scale the LoRA
 scaling. y = x W^T (+ bias) + scale * (x_lora A^T) B^T, with x_lora = dropout(x) or x itself.
 What autograd keeps: x_lora (x itself without dropout, which the caller holds anyway: q, k and v
-of one layer keep one tensor between them), xa = x_lora A^T (..., r), and references to the
-weights. No gradient for the base weight or bias: the op refuses them requiring one.
+of one layer keep one tensor between them), xa = x_lora A^T (..., r), references to the weights,
+and for adapters in another dtype than x's (PEFT's float32 under a bf16 base) the forward's one
+flat copy of them in x's dtype, which the backward's GEMMs read instead of casting them again (the
+op's third output; empty when the adapters have x's dtype). No gradient for the base weight or
+bias: the op refuses them requiring one.
 
 `lora_linear_group`: projections that read the same x (q/k/v, gate/up) in one op: x is read once for
 all members' thin GEMM and for all d A, and d x is one tensor their base GEMMs accumulate onto.
@@ -24,39 +27,52 @@ from hasten.ops import _checks
 from hasten.ops._lib import call, call_in_backward, load, no_double_backward, register_autograd
 
 
+def _adapters_fake(x, lora_a, lora_b):
+    """The forward's flat copy of the adapters in x's dtype (csrc/lora/lora_backward.h,
+    cast_adapters): empty when every adapter has x's dtype already."""
+    tensors = [*lora_a, *lora_b]
+    if all(t.dtype == x.dtype for t in tensors):
+        return x.new_empty((0,))
+    return x.new_empty((sum(t.numel() for t in tensors),))
+
+
 def _lora_linear_fake(x, x_lora, weight, bias, lora_a, lora_b, scale):
     _checks.check_lora_linear_args("lora_linear", x, x_lora, weight, bias, lora_a, lora_b)
-    return x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((*x.shape[:-1], lora_a.shape[0]))
+    return (x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((*x.shape[:-1], lora_a.shape[0])),
+            _adapters_fake(x, [lora_a], [lora_b]))
 
 
-def _lora_linear_backward_fake(grad_y, x_lora, weight, lora_a, lora_b, xa, scale, shared_input):
+def _lora_linear_backward_fake(grad_y, x_lora, weight, lora_a, lora_b, xa, scale, shared_input, adapters=None):
     _checks.check_lora_linear_backward_args(grad_y, x_lora, weight, lora_a, lora_b, xa)
+    _checks.check_lora_adapters("lora_linear_backward", adapters, [lora_a], [lora_b], x_lora.dtype)
     grad_x_lora = x_lora.new_empty((0,)) if shared_input else x_lora.new_empty(x_lora.shape)
     return x_lora.new_empty(x_lora.shape), grad_x_lora, lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
 
 
 def _setup(ctx, inputs, output):
     x, x_lora, weight, bias, lora_a, lora_b, scale = inputs
-    _y, xa = output
-    ctx.mark_non_differentiable(xa)  # kept for the backward, not a result
+    _y, xa, adapters = output
+    ctx.mark_non_differentiable(xa, adapters)  # kept for the backward, not results
     if ctx.needs_input_grad[2] or (bias is not None and ctx.needs_input_grad[3]):
         raise NotImplementedError("hasten::lora_linear computes no gradient for the base weight or bias: it is for a "
                                   "frozen base layer (requires_grad=False)")
     ctx.shared_input, ctx.scale, ctx.x_shape = x_lora is None, scale, x.shape
     # d lora_a reads x_lora (x itself without dropout), d lora_b reads xa; d x reads the weights only
+    # (adapters: the forward's copy of lora_a and lora_b in x's dtype, which the backward's GEMMs read
+    # instead of casting them again; empty when they have x's dtype)
     ctx.save_for_backward((x if x_lora is None else x_lora) if ctx.needs_input_grad[4] else None, weight, lora_a,
-                          lora_b, xa if ctx.needs_input_grad[5] else None)
+                          lora_b, xa if ctx.needs_input_grad[5] else None, adapters)
 
 
-def _backward(ctx, grad_y, _grad_xa):
-    x_lora, weight, lora_a, lora_b, xa = ctx.saved_tensors
+def _backward(ctx, grad_y, _grad_xa, _grad_adapters):
+    x_lora, weight, lora_a, lora_b, xa, adapters = ctx.saved_tensors
     # what was not kept is not read for a gradient anyone asked for: zero-stride stand-ins, no memory
     if x_lora is None:
         x_lora = grad_y.new_zeros(()).expand(ctx.x_shape)
     if xa is None:
         xa = grad_y.new_zeros(()).expand((*ctx.x_shape[:-1], lora_a.shape[0]))
     grad_x, grad_x_lora, grad_a, grad_b = call_in_backward("lora_linear_backward", grad_y.contiguous(), x_lora, weight,
-                                                           lora_a, lora_b, xa, ctx.scale, ctx.shared_input)
+                                                           lora_a, lora_b, xa, ctx.scale, ctx.shared_input, adapters)
     need = ctx.needs_input_grad
     return (grad_x if need[0] else None, None if ctx.shared_input or not need[1] else grad_x_lora, None, None,
             grad_a if need[4] else None, grad_b if need[5] else None, None)
@@ -83,10 +99,12 @@ def _lora_linear_group_fake(x, weights, biases, lora_a, lora_b, scales):
     for i, (w, a, b) in enumerate(zip(weights, lora_a, lora_b)):
         _checks.check_lora_linear_args(op, x, None, w, biases[i] if biases else None, a, b)
     ranks = sum(a.shape[0] for a in lora_a)
-    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights], x.new_empty((*x.shape[:-1], ranks))
+    return ([x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights], x.new_empty((*x.shape[:-1], ranks)),
+            _adapters_fake(x, lora_a, lora_b))
 
 
-def _lora_linear_group_backward_fake(grad_ys, x, weights, lora_a, lora_b, xa, scales, grad_input=True):
+def _lora_linear_group_backward_fake(grad_ys, x, weights, lora_a, lora_b, xa, scales, grad_input=True,
+                                     adapters=None):
     op = "lora_linear_group_backward"
     _check_group(op, weights, [], lora_a, lora_b, scales)
     n, rows = len(weights), x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -98,14 +116,15 @@ def _lora_linear_group_backward_fake(grad_ys, x, weights, lora_a, lora_b, xa, sc
         _checks.check_lora_linear_args(op, x, None, w, None, a, b)
         _checks.check(g.shape[-1] == w.shape[0] and (g.numel() // w.shape[0] if w.shape[0] else 0) == rows, op,
                       lambda: f"`grad_ys[{i}]` {_checks.shape(g.shape)} must be (..., {w.shape[0]}) over x's rows")
+    _checks.check_lora_adapters(op, adapters, lora_a, lora_b, x.dtype)
     return (x.new_empty(x.shape if grad_input else (0,)), [a.new_empty(a.shape) for a in lora_a],
             [b.new_empty(b.shape) for b in lora_b])
 
 
 def _setup_group(ctx, inputs, output):
     x, weights, biases, lora_a, lora_b, scales = inputs
-    _ys, xa = output
-    ctx.mark_non_differentiable(xa)
+    _ys, xa, adapters = output
+    ctx.mark_non_differentiable(xa, adapters)
     if any(w.requires_grad for w in weights) or any(b.requires_grad for b in biases):
         raise NotImplementedError("hasten::lora_linear_group computes no gradient for the base weights or biases: it "
                                   "is for frozen base layers (requires_grad=False)")
@@ -115,12 +134,12 @@ def _setup_group(ctx, inputs, output):
     ctx.a_needs_grad = [a.requires_grad for a in lora_a]
     ctx.b_needs_grad = [b.requires_grad for b in lora_b]
     # d lora_a reads x, d lora_b reads xa; d x reads the weights only
-    ctx.save_for_backward(x if any(ctx.a_needs_grad) else None, xa if any(ctx.b_needs_grad) else None,
+    ctx.save_for_backward(x if any(ctx.a_needs_grad) else None, xa if any(ctx.b_needs_grad) else None, adapters,
                           *weights, *lora_a, *lora_b)
 
 
-def _backward_group(ctx, grad_ys, _grad_xa):
-    x, xa, *rest = ctx.saved_tensors
+def _backward_group(ctx, grad_ys, _grad_xa, _grad_adapters):
+    x, xa, adapters, *rest = ctx.saved_tensors
     n = ctx.n
     weights, lora_a, lora_b = rest[:n], rest[n:2 * n], rest[2 * n:]
     any_grad = next(g for g in grad_ys if g is not None)
@@ -132,7 +151,7 @@ def _backward_group(ctx, grad_ys, _grad_xa):
              for g, w in zip(grad_ys, weights)]
     # grad_input: the first layer's input under a frozen embedding needs no d x (its GEMMs skipped)
     grad_x, grad_a, grad_b = call_in_backward("lora_linear_group_backward", grads, x, list(weights), list(lora_a),
-                                              list(lora_b), xa, ctx.scales, ctx.x_needs_grad)
+                                              list(lora_b), xa, ctx.scales, ctx.x_needs_grad, adapters)
     # the inputs' structure: a list for each Tensor[] (the frozen weights and biases: Nones), one
     # entry for the float[] scales
     return (grad_x if ctx.x_needs_grad else None, [None] * n, [None] * ctx.biases,
@@ -157,7 +176,7 @@ def _check_gated_group(op, weights, biases, lora_a, lora_b, scales, activation) 
 
 def _lora_gated_group_fake(x, weights, biases, lora_a, lora_b, scales, activation):
     _check_gated_group("lora_gated_group", weights, biases, lora_a, lora_b, scales, activation)
-    (gate, up), xa = _lora_linear_group_fake(x, weights, biases, lora_a, lora_b, scales)
+    (gate, up), xa, _adapters = _lora_linear_group_fake(x, weights, biases, lora_a, lora_b, scales)
     return gate.new_empty(gate.shape), gate, up, xa
 
 
@@ -269,17 +288,17 @@ class _QuantizedLoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_lora, bias, lora_a, lora_b, scale, dequantize):
         weight = dequantize()  # (out, in) in x's dtype
-        y, xa = torch.ops.hasten.lora_linear(x, x_lora, weight, bias, lora_a, lora_b, scale)
+        y, xa, adapters = torch.ops.hasten.lora_linear(x, x_lora, weight, bias, lora_a, lora_b, scale)
         ctx.dequantize, ctx.scale, ctx.shared_input = dequantize, scale, x_lora is None
-        ctx.save_for_backward(x if x_lora is None else x_lora, lora_a, lora_b, xa)
+        ctx.save_for_backward(x if x_lora is None else x_lora, lora_a, lora_b, xa, adapters)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_lora, lora_a, lora_b, xa = ctx.saved_tensors
+        x_lora, lora_a, lora_b, xa, adapters = ctx.saved_tensors
         weight = ctx.dequantize()
         grad_x, grad_x_lora, grad_a, grad_b = torch.ops.hasten.lora_linear_backward(
-            grad_y.contiguous(), x_lora, weight, lora_a, lora_b, xa, ctx.scale, ctx.shared_input)
+            grad_y.contiguous(), x_lora, weight, lora_a, lora_b, xa, ctx.scale, ctx.shared_input, adapters)
         need = ctx.needs_input_grad
         return (grad_x if need[0] else None, None if ctx.shared_input or not need[1] else grad_x_lora, None,
                 grad_a if need[3] else None, grad_b if need[4] else None, None, None)
