@@ -124,7 +124,8 @@ TORCH_LIBRARY(hasten, m) {
   // scale_i (x A_i^T) B_i^T (..., out_i); xa = x
   // [A_0; A_1; ...]^T (..., sum r_i), one thin GEMM for the group, kept for the backward. The
   // backward takes every member's grad_y and returns d x (one tensor: the members' terms summed by
-  // accumulating GEMMs, no separate adds), d lora_a_i and d lora_b_i in the adapters' dtypes.
+  // accumulating GEMMs, no separate adds), d lora_a (every member's stacked, (sum r_i, in): one
+  // GEMM's output, not copied apart; the caller splits it) and d lora_b_i in the adapters' dtypes.
   // grad_input false: x needs no gradient (the first layer's input under a frozen embedding), d x
   // is returned empty and its GEMMs are not run. adapters: as lora_linear's, flat
   // [A_0 | A_1 | ... | B_0 | B_1 | ...].
@@ -132,7 +133,7 @@ TORCH_LIBRARY(hasten, m) {
         "float[] scales) -> (Tensor[] ys, Tensor xa, Tensor adapters)");
   m.def("lora_linear_group_backward(Tensor[] grad_ys, Tensor x, Tensor[] weights, Tensor[] lora_a, "
         "Tensor[] lora_b, Tensor xa, float[] scales, bool grad_input=True, Tensor? adapters=None) -> "
-        "(Tensor grad_x, Tensor[] grad_a, Tensor[] grad_b)");
+        "(Tensor grad_x, Tensor grad_a, Tensor[] grad_b)");
   // A gated MLP's gate and up as one such group with the activation after it: act = f(gate) * up
   // (..., out) with f silu ("silu", SwiGLU) or tanh GELU ("gelu_tanh", GeGLU), weights = [gate, up]
   // of one output size. gate, up (..., out) and xa (..., r_0 + r_1) are returned for the backward.
@@ -141,7 +142,7 @@ TORCH_LIBRARY(hasten, m) {
         "float[] scales, str activation) -> (Tensor act, Tensor gate, Tensor up, Tensor xa)");
   m.def("lora_gated_group_backward(Tensor grad_act, Tensor gate, Tensor up, Tensor x, Tensor[] weights, "
         "Tensor[] lora_a, Tensor[] lora_b, Tensor xa, float[] scales, str activation, bool grad_input=True) -> "
-        "(Tensor grad_x, Tensor[] grad_a, Tensor[] grad_b)");
+        "(Tensor grad_x, Tensor grad_a, Tensor[] grad_b)");
 
   // LM head + cross-entropy in chunks of tokens (csrc/loss/linear_cross_entropy_composite.cpp):
   // hidden (T, H), weight (V, H), bias (V,)?, targets (T,) int64 (already shifted),

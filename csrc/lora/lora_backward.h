@@ -162,23 +162,20 @@ inline void check_group(const char* op, at::TensorList weights, at::TensorList l
 // dtype, gb = [s_0 g_0 B_0 | s_1 g_1 B_1 | ...] (T, R), grad_b the d B_i. d A for all members from one
 // read of x, and d x as the LoRA paths' GEMM that every base GEMM accumulates onto (grad_input
 // false: an empty d x, none of those GEMMs run). a_all: the A's stacked (R, in) in x's dtype.
-inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> group_backward_after_thin(
+// d A comes back stacked (R, in), as its one GEMM writes it: the caller's split into the members'
+// (r_i, in) rows is views, not a copy per member (5 launches a decoder layer of W4).
+inline std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> group_backward_after_thin(
     const std::vector<at::Tensor>& gs, const at::Tensor& gb, std::vector<at::Tensor> grad_b, const at::Tensor& x,
-    at::TensorList weights, at::TensorList lora_a, const at::Tensor& a_all, const std::vector<int64_t>& offsets,
-    bool grad_input) {
+    at::TensorList weights, at::TensorList lora_a, const at::Tensor& a_all, bool grad_input) {
   const size_t n = weights.size();
-  const auto grad_a_all = mm_as(gb.t(), rows(x), lora_a[0].scalar_type());  // (R, in): x read once
-  std::vector<at::Tensor> grad_a;
-  for (size_t i = 0; i < n; ++i) {
-    grad_a.push_back(grad_a_all.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).clone());
-  }
+  const auto grad_a = mm_as(gb.t(), rows(x), lora_a[0].scalar_type());  // (R, in): x read once
   if (!grad_input) return {at::empty({0}, x.options()), grad_a, std::move(grad_b)};
   auto grad_x = at::mm(gb, a_all);  // (T, in): the LoRA paths, then each base GEMM onto it
   for (size_t i = 0; i < n; ++i) grad_x.addmm_(gs[i], weights[i]);
   return {grad_x.view(x.sizes()), grad_a, std::move(grad_b)};
 }
 
-inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> group_backward(
+inline std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> group_backward(
     ThinGrads thin_grads, at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights,
     at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales,
     bool grad_input, const std::optional<at::Tensor>& adapters) {
@@ -208,7 +205,7 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
     grad_b.push_back(thin_grads(gs[i], in.b[i], xa2.narrow(1, offsets[i], rank), scales[i],
                                 lora_b[i].scalar_type(), gb_i));
   }
-  return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, in.a_all, offsets, grad_input);
+  return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, in.a_all, grad_input);
 }
 
 // --- a gated MLP over a gate/up group: act = f(gate) * up (hasten::lora_gated_group) ----------------
@@ -261,7 +258,7 @@ using GatedGrads = bool (*)(const at::Tensor& grad_act, const at::Tensor& gate, 
 // d act -> (d x, d lora_a, d lora_b) of act = f(gate) * up over the gate/up group: through the
 // device's one pass where it takes the inputs (`gated_grads`, may be null), else the activation's
 // backward op and then the group's backward.
-inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> gated_group_backward(
+inline std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> gated_group_backward(
     GatedGrads gated_grads, ThinGrads thin_grads, const at::Tensor& grad_act, const at::Tensor& gate,
     const at::Tensor& up, const at::Tensor& x, at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b,
     const at::Tensor& xa, at::ArrayRef<double> scales, c10::string_view activation, bool grad_input) {
@@ -284,8 +281,7 @@ inline std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> 
     const auto in = adapters_in(op, std::nullopt, lora_a, lora_b, x.scalar_type());
     if (gated_grads(grad_act, gate, up, activation, rows(xa), in.b, scales, lora_b[0].scalar_type(), gs, gb,
                     grad_b)) {
-      return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, in.a_all, offsets,
-                                       grad_input);
+      return group_backward_after_thin(gs, gb, std::move(grad_b), x, weights, lora_a, in.a_all, grad_input);
     }
   }
   const auto [grad_gate, grad_up] = activation_backward.call(grad_act, gate, up);

@@ -129,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward(
                                shared_input, adapters);
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_linear_group_backward(
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_linear_group_backward(
     at::TensorList grad_ys, const at::Tensor& x, at::TensorList weights, at::TensorList lora_a,
     at::TensorList lora_b, const at::Tensor& xa, at::ArrayRef<double> scales, bool grad_input,
     const std::optional<at::Tensor>& adapters) {
@@ -155,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_gated_group(
   return {act, ys[0], ys[1], xa};
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> lora_gated_group_backward(
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_gated_group_backward(
     const at::Tensor& grad_act, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& x,
     at::TensorList weights, at::TensorList lora_a, at::TensorList lora_b, const at::Tensor& xa,
     at::ArrayRef<double> scales, c10::string_view activation, bool grad_input) {

@@ -98,7 +98,7 @@ def test_float32_adapters_are_cast_once_and_the_backward_reads_that_copy(group):
     def results(copy):
         out = backward(copy)
         grad_x, grad_a, grad_b = out[0], out[-2], out[-1]
-        grad_a = grad_a if isinstance(grad_a, list) else [grad_a]
+        grad_a = list(grad_a.split([a.shape[0] for a in lora_a]))  # the group's comes stacked (R, in)
         grad_b = grad_b if isinstance(grad_b, list) else [grad_b]
         assert all(g.dtype == torch.float32 for g in (*grad_a, *grad_b))
         return [grad_x, *grad_a, *grad_b]
@@ -286,3 +286,34 @@ def test_gated_group_keeps_what_the_two_ops_kept_and_refuses_what_is_not_a_gate_
         lora_gated_group(x, [weight, weight], [], [a, a2], [b, b2], [1.0, 1.0], "gelu")
     with pytest.raises(NotImplementedError, match="frozen base layers"):
         lora_gated_group(x, [weight.clone().requires_grad_(), weight], [], [a, a2], [b, b2], [1.0, 1.0], "silu")
+
+
+def test_group_d_lora_a_as_views_of_one_tensor_accumulates_and_steps_per_member():
+    """The group's backward returns every member's d lora_a stacked (one GEMM's output) and autograd
+    gets views of it: a second backward accumulates into each member's .grad alone, an optimizer
+    step moves each member by its own gradient, and zeroing one member's grad leaves the others."""
+    from hasten.ops.lora import lora_linear_group
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(8, 12, generator=gen, dtype=torch.float64) for _ in range(3)]
+    lora_a = [torch.randn(r, 12, generator=gen, dtype=torch.float64).requires_grad_() for r in (2, 3, 2)]
+    lora_b = [torch.randn(8, r, generator=gen, dtype=torch.float64).requires_grad_() for r in (2, 3, 2)]
+    scales = [0.5, 1.0, 2.0]
+
+    def loss():
+        ys = lora_linear_group(x, weights, [], lora_a, lora_b, scales)
+        return sum((y * (i + 1)).square().sum() for i, y in enumerate(ys))
+
+    loss().backward()
+    once = [a.grad.clone() for a in lora_a]
+    loss().backward()
+    for a, g in zip(lora_a, once):
+        torch.testing.assert_close(a.grad, 2 * g, rtol=0, atol=0)
+    lora_a[1].grad.zero_()
+    torch.testing.assert_close(lora_a[0].grad, 2 * once[0], rtol=0, atol=0)
+    torch.testing.assert_close(lora_a[2].grad, 2 * once[2], rtol=0, atol=0)
+    before = [a.detach().clone() for a in lora_a]
+    torch.optim.SGD(lora_a, lr=0.1).step()
+    for a, old, g in zip(lora_a, before, (2 * once[0], torch.zeros_like(once[1]), 2 * once[2])):
+        torch.testing.assert_close(a.detach(), old - 0.1 * g)

@@ -117,7 +117,8 @@ def _lora_linear_group_backward_fake(grad_ys, x, weights, lora_a, lora_b, xa, sc
         _checks.check(g.shape[-1] == w.shape[0] and (g.numel() // w.shape[0] if w.shape[0] else 0) == rows, op,
                       lambda: f"`grad_ys[{i}]` {_checks.shape(g.shape)} must be (..., {w.shape[0]}) over x's rows")
     _checks.check_lora_adapters(op, adapters, lora_a, lora_b, x.dtype)
-    return (x.new_empty(x.shape if grad_input else (0,)), [a.new_empty(a.shape) for a in lora_a],
+    # d lora_a stacked (sum r_i, in), as its one GEMM writes it (the caller splits it: views)
+    return (x.new_empty(x.shape if grad_input else (0,)), lora_a[0].new_empty((ranks, x.shape[-1])),
             [b.new_empty(b.shape) for b in lora_b])
 
 
@@ -153,9 +154,9 @@ def _backward_group(ctx, grad_ys, _grad_xa, _grad_adapters):
     grad_x, grad_a, grad_b = call_in_backward("lora_linear_group_backward", grads, x, list(weights), list(lora_a),
                                               list(lora_b), xa, ctx.scales, ctx.x_needs_grad, adapters)
     # the inputs' structure: a list for each Tensor[] (the frozen weights and biases: Nones), one
-    # entry for the float[] scales
+    # entry for the float[] scales; d lora_a comes stacked, each member's rows a view of it
     return (grad_x if ctx.x_needs_grad else None, [None] * n, [None] * ctx.biases,
-            [g if need else None for g, need in zip(grad_a, ctx.a_needs_grad)],
+            [g if need else None for g, need in zip(grad_a.split(ctx.ranks), ctx.a_needs_grad)],
             [g if need else None for g, need in zip(grad_b, ctx.b_needs_grad)], None)
 
 
@@ -223,7 +224,7 @@ def _backward_gated(ctx, grad_act, _grad_gate, _grad_up, _grad_xa):
                                               list(weights), list(lora_a), list(lora_b), xa, ctx.scales,
                                               ctx.activation, ctx.x_needs_grad)
     return (grad_x if ctx.x_needs_grad else None, [None, None], [None] * ctx.biases,
-            [g if need else None for g, need in zip(grad_a, ctx.a_needs_grad)],
+            [g if need else None for g, need in zip(grad_a.split(ctx.ranks), ctx.a_needs_grad)],
             [g if need else None for g, need in zip(grad_b, ctx.b_needs_grad)], None, None)
 
 
