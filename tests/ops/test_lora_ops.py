@@ -317,3 +317,35 @@ def test_group_d_lora_a_as_views_of_one_tensor_accumulates_and_steps_per_member(
     torch.optim.SGD(lora_a, lr=0.1).step()
     for a, old, g in zip(lora_a, before, (2 * once[0], torch.zeros_like(once[1]), 2 * once[2])):
         torch.testing.assert_close(a.detach(), old - 0.1 * g)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_group_eager_function_and_registered_formula_agree(with_bias):
+    """Eager calls of lora_linear_group take an autograd.Function over the flattened lists
+    (_EagerLoraGroup); the op called directly takes its registered formula: the same outputs and
+    gradients bit for bit, an unused member included; list lengths refused in the kernel's words."""
+    from hasten.ops.lora import lora_linear_group
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 3, 10, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(o, 10, generator=gen, dtype=torch.float64) for o in (6, 4, 4)]
+    biases = [torch.randn(o, generator=gen, dtype=torch.float64) for o in (6, 4, 4)] if with_bias else []
+    lora_a = [torch.randn(r, 10, generator=gen, dtype=torch.float64) for r in (2, 3, 2)]
+    lora_b = [torch.randn(o, r, generator=gen, dtype=torch.float64) for o, r in ((6, 2), (4, 3), (4, 2))]
+    scales = [0.5, 1.0, 2.0]
+
+    def run(entry):
+        leaves = [t.clone().requires_grad_() for t in (x, *lora_a, *lora_b)]
+        ys = entry(leaves[0], weights, biases, leaves[1:4], leaves[4:], scales)
+        (ys[0].square().sum() + (ys[2] * 3).sum()).backward()  # ys[1] unused
+        return [y.detach() for y in ys], [t.grad for t in leaves]
+
+    eager = run(lora_linear_group)
+    direct = run(lambda *args: torch.ops.hasten.lora_linear_group(*args)[0])
+    for got, want in zip(eager[0] + eager[1], direct[0] + direct[1]):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError) as kernel:
+        torch.ops.hasten.lora_linear_group(x, weights, biases[:1] or weights[:1], lora_a, lora_b, scales)
+    with pytest.raises(RuntimeError) as wrapper:
+        lora_linear_group(x, weights, biases[:1] or weights[:1], lora_a, lora_b, scales)
+    assert str(wrapper.value).splitlines()[0] == str(kernel.value).splitlines()[0]

@@ -160,6 +160,33 @@ def _backward_group(ctx, grad_ys, _grad_xa, _grad_adapters):
             [g if need else None for g, need in zip(grad_b, ctx.b_needs_grad)], None)
 
 
+class _EagerLoraGroup(torch.autograd.Function):
+    """Eager calls of hasten::lora_linear_group: the registered formula (_setup_group,
+    _backward_group) in an autograd.Function over the op's tensors passed one by one (a Function
+    tracks only tensors it is given directly, not lists). The op's own Python autograd kernel
+    flattens and rebuilds its list arguments on every call: on the CPU a q/k/v group's forward and
+    backward took about twice the host time of three single lora_linear calls that way, the kind of
+    time small, host-bound LoRA models wait for. torch.compile traces the op (lora_linear_group)."""
+
+    @staticmethod
+    def forward(ctx, n: int, with_bias: bool, scales: list[float], x, *tensors):
+        weights, rest = tensors[:n], tensors[n:]
+        biases, rest = (rest[:n], rest[n:]) if with_bias else ((), rest)
+        inputs = (x, list(weights), list(biases), list(rest[:n]), list(rest[n:]), scales)
+        with torch._C._AutoDispatchBelowAutograd():  # straight to the CPU/CUDA kernel
+            output = torch.ops.hasten.lora_linear_group.default(*inputs)
+        _setup_group(ctx, inputs, output)
+        ctx.set_materialize_grads(False)  # an unused member's gradient stays None (the formula fills it)
+        ys, xa, adapters = output
+        return (*ys, xa, adapters)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.n
+        grad_x, _weights, _biases, grad_a, grad_b, _scales = _backward_group(ctx, grads[:n], grads[n], grads[n + 1])
+        return (None, None, None, grad_x, *([None] * n), *([None] * ctx.biases), *grad_a, *grad_b)
+
+
 # --- a gated MLP over a gate/up group: hasten::lora_gated_group ------------------------------------
 
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU's and GeGLU's gate, as the op's `activation` names them
@@ -236,9 +263,7 @@ def _register() -> None:
     no_double_backward("lora_linear_backward")
     torch.library.register_fake("hasten::lora_linear_group", _lora_linear_group_fake)
     torch.library.register_fake("hasten::lora_linear_group_backward", _lora_linear_group_backward_fake)
-    # the op's own autograd kernel, not an eager autograd.Function: a Function tracks only tensors
-    # passed to it directly, and this op takes its weights and adapters as lists (two calls per
-    # layer, against seven lora_linear calls, so the kernel's extra host time is small)
+    # the formula for torch.compile; eager calls take _EagerLoraGroup (the same two functions)
     torch.library.register_autograd("hasten::lora_linear_group", _backward_group, setup_context=_setup_group)
     no_double_backward("lora_linear_group_backward")
     torch.library.register_fake("hasten::lora_gated_group", _lora_gated_group_fake)
@@ -263,8 +288,15 @@ def lora_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list
     member. One thin GEMM for all members' A, one read of x for all d A, and one d x the members'
     base GEMMs accumulate onto."""
     load()
-    return torch.ops.hasten.lora_linear_group(x, list(weights), list(biases), list(lora_a), list(lora_b),
-                                              [float(s) for s in scales])[0]
+    scales = [float(s) for s in scales]
+    if torch.compiler.is_compiling():
+        return torch.ops.hasten.lora_linear_group(x, list(weights), list(biases), list(lora_a), list(lora_b),
+                                                  scales)[0]
+    # the list lengths before they are flattened into one argument list (the kernel's own words)
+    _check_group("lora_linear_group", weights, biases, lora_a, lora_b, scales)
+    n = len(weights)
+    outputs = _EagerLoraGroup.apply(n, len(biases) > 0, scales, x, *weights, *biases, *lora_a, *lora_b)
+    return list(outputs[:n])
 
 
 def lora_gated_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
