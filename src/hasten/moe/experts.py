@@ -344,9 +344,11 @@ def _projection(experts: torch.nn.Module, name: str, x: torch.Tensor, g: moe_ops
         else:  # (E, out, in): y = x (lhs rhs)^T = (x rhs^T) lhs^T
             first, second = rhs, lhs
         # PEFT's factors are permuted views of its adapters; grouped GEMM needs one of the last two
-        # dimensions dense, and the copies are small (E x out x r)
-        low = grouped_linear(x, first.contiguous(), g)  # (S, r)
-        y = grouped_linear(x, base, g) + grouped_linear(low, second.contiguous(), g) * scaling
+        # dimensions dense, and the copies are small (E x out x r). The scaling goes on the (S, r)
+        # product, not the (S, out) one: a pass over S x r values each way instead of S x out
+        # (W5's gate_up: 131,072 x 1,536 per layer, forward and backward)
+        low = grouped_linear(x, first.contiguous(), g) * scaling  # (S, r)
+        y = grouped_linear(x, base, g) + grouped_linear(low, second.contiguous(), g)
     if row_one_hot is not None:
         y = _add_expert_bias(y, getattr(experts, f"{name}_bias"), row_one_hot)
     return y
