@@ -1,8 +1,11 @@
 """Counts the ATen operators one LoRA training step runs per decoder layer, on the CPU: a small
 Llama (bf16 base, PEFT LoRA r=16 on q, k, v, o, gate, up, down with PEFT's default float32
-adapters, as W4) under hasten.accelerate, one packed batch, forward and backward. Each counted
-operator is a kernel launch on the GPU (views, reshapes and empties excluded), so the count shows
-what a change to the LoRA path removes without a GPU.
+adapters, as W4) under hasten.accelerate, one packed batch, forward and backward. Views,
+reshapes and empties are not counted. Most counted operators are a kernel launch on the GPU too,
+but not all (on the CPU the backward casts the float32 gradients and scales gb and d B as
+operators of their own, which CUDA's GEMMs and one-pass kernel do inside), so compare the counts
+of two commits here, not with a GPU profile: the difference is what a change to the LoRA path
+removes, without a GPU.
 
     python scripts/lora_launch_count.py [--layers 2]
 """
