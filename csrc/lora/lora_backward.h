@@ -3,8 +3,9 @@
 //   gb = s g B (T, r)   and   d B = s g^T xa (out, r),
 // come from the device's ThinGrads: ATen's two GEMMs (CPU, and CUDA where its kernel does not take
 // the shapes) or the CUDA kernel that reads g once for both (csrc/kernels/lora_grads.cuh). Also
-// here: what the forward ops share with their backward (rows, mm_as, the group's rank offsets and
-// checks), and the backward of a gated MLP over a gate/up group (lora_gated_group).
+// here: what the forward ops share with their backward (rows, mm_as, the adapters' one copy in x's
+// dtype and its views, the group's rank offsets and checks), and the backward of a gated MLP over a
+// gate/up group (lora_gated_group).
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -149,8 +149,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_gated_group(
   const char* op = "lora_gated_group";
   lora::check_gated_group(op, weights, lora_a, lora_b, scales, biases.size());
   const lora::GatedForward& forward = lora::gated_forward_op(op, activation);
-  // (the gated backward casts the adapters itself: its op keeps no copy of them)
-  auto [ys, xa, adapters] = lora_linear_group(x, weights, biases, lora_a, lora_b, scales);
+  // the group's copy of the adapters is dropped: this op's backward casts them itself
+  std::vector<at::Tensor> ys;
+  at::Tensor xa;
+  std::tie(ys, xa, std::ignore) = lora_linear_group(x, weights, biases, lora_a, lora_b, scales);
   auto act = forward.call(ys[0], ys[1]);
   return {act, ys[0], ys[1], xa};
 }
