@@ -78,33 +78,45 @@ class _HiddenOnly(torch.nn.Module):
         return self.block(x)[0].view(x.shape)
 
 
+def block_config(name: str):
+    """The published shape of a --block name as transformers' config (the one place the four blocks'
+    sizes are written; benchmarks/workload_floor.py counts their FLOPs from it)."""
+    if name == "gpt_oss_20b":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)
+    if name == "llama4_scout":
+        from transformers import Llama4TextConfig
+
+        return Llama4TextConfig(hidden_size=5120, intermediate_size=8192, num_local_experts=16, num_experts_per_tok=1)
+    if name == "deepseek_v2_lite":
+        from transformers import DeepseekV2Config
+
+        return DeepseekV2Config(hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64,
+                                num_experts_per_tok=6, n_shared_experts=2, n_group=1, topk_group=1)
+    if name == "qwen3_30b_a3b":
+        return Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                              norm_topk_prob=True)
+    raise ValueError(f"unknown block '{name}'")
+
+
 def build_block():
     torch.manual_seed(0)
+    config = block_config(BLOCK)
     with torch.device(DEVICE):
         if BLOCK == "gpt_oss_20b":
-            from transformers import GptOssConfig
             from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-            config = GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
-                                  num_experts_per_tok=4)
             block = _HiddenOnly(GptOssMLP(config))
         elif BLOCK == "llama4_scout":
-            from transformers import Llama4TextConfig
             from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
-            config = Llama4TextConfig(hidden_size=5120, intermediate_size=8192, num_local_experts=16,
-                                      num_experts_per_tok=1)
             block = _HiddenOnly(Llama4TextMoe(config))
         elif BLOCK == "deepseek_v2_lite":
-            from transformers import DeepseekV2Config
             from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 
-            config = DeepseekV2Config(hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64,
-                                      num_experts_per_tok=6, n_shared_experts=2, n_group=1, topk_group=1)
             block = DeepseekV2Moe(config)
         else:
-            config = Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8,
-                                    moe_intermediate_size=768, norm_topk_prob=True)
             block = Qwen3MoeSparseMoeBlock(config)
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
