@@ -12,6 +12,13 @@ to each tensor's largest magnitude. hasten_cudnn_softcap: the same with Gemma 2'
 of 50 (cuDNN's score modifier, which builds the causal band inside it), against the per-sequence
 path with that softcap; it measures what the cap costs beside hasten_cudnn.
 
+hasten_cudnn_classes<k>: the same op over the same samples split into k length classes, one call
+per class (k = 2, 3, 4), each class's samples packed contiguously (outside the timed region):
+cuDNN's ragged kernels launch over batch x max_seqlen rows, 61 x 2,048 = 7.6x W1's 16,384 tokens
+in one call, so the question is what the empty tiles cost (the D = rowsum(dO * O) kernel ran at
+about a fifth of the bandwidth in W1's profile). Each class's calls are timed back to back; the
+row prints the rows launched over for each k.
+
 --long L (W2_attention): instead, ONE causal sequence of L tokens on W2_long's Llama-8B heads (32
 query, 8 K/V, head_dim 128), FlashAttention-2 (torch varlen) against hasten's cuDNN op: forward and
 backward timed apart, with TFLOP/s (causal: forward 2 * L^2 * heads * head_dim, backward 2.5x
@@ -57,6 +64,43 @@ def hasten_cudnn_softcap(q, k, v, cu, max_len):
 
 def per_sequence_softcap(q, k, v, cu, max_len):
     return varlen_attention(q, k, v, cu, max_len, backend="per_sequence", softcap=SOFTCAP)
+
+
+def length_classes(lengths: list[int], classes: int) -> list[list[int]]:
+    """Sample indices in `classes` groups of consecutive lengths (sorted), the boundaries chosen to
+    minimise sum(count x longest): the rows cuDNN's ragged kernels launch over, batch x max_seqlen,
+    summed over the calls."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    n, classes = len(order), max(1, min(classes, len(order)))
+    # cost[j][c]: the least rows for the first j samples (sorted) in c groups; cut[j][c] its last cut
+    inf = float("inf")
+    cost = [[inf] * (classes + 1) for _ in range(n + 1)]
+    cut = [[0] * (classes + 1) for _ in range(n + 1)]
+    cost[0][0] = 0
+    for j in range(1, n + 1):
+        for c in range(1, classes + 1):
+            for i in range(c - 1, j):  # the last group: sorted samples i .. j-1, its longest lengths[order[j-1]]
+                rows = cost[i][c - 1] + (j - i) * lengths[order[j - 1]]
+                if rows < cost[j][c]:
+                    cost[j][c], cut[j][c] = rows, i
+    groups, j = [], n
+    for c in range(classes, 0, -1):
+        i = cut[j][c]
+        groups.append(order[i:j])
+        j = i
+    return [g for g in reversed(groups) if g]
+
+
+def class_batches(groups: list[list[int]], cu: torch.Tensor, tensors: list[torch.Tensor]):
+    """Per group: its samples' rows of each tensor packed contiguously, its cu_seqlens and longest."""
+    starts = cu.tolist()
+    out = []
+    for group in groups:
+        rows = torch.cat([torch.arange(starts[s], starts[s + 1], device=cu.device) for s in group])
+        lengths = [starts[s + 1] - starts[s] for s in group]
+        cu_group = torch.tensor([0] + lengths, device=cu.device).cumsum(0).to(torch.int32)
+        out.append(([t.index_select(0, rows) for t in tensors], cu_group, max(lengths)))
+    return out
 
 
 def run(fn, q, k, v, cu, max_len, grad):
@@ -141,6 +185,34 @@ def main() -> int:
                 print(f"{name:14s} fell back: {fallback_reasons()}")
             rows.append(base | {"fwd_bwd_ms": ms, "rel_diff": diffs, "correct": max(diffs.values()) < 2e-2,
                                 "fallbacks": fallback_counts()})
+        except (RuntimeError, ValueError) as exc:
+            print(f"{name:14s} failed: {type(exc).__name__}: {str(exc)[:300]}")
+            rows.append(base | {"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+    for classes in (2, 3, 4):
+        name = f"hasten_cudnn_classes{classes}"
+        reset_fallbacks()
+        base = {"workload": "W1_attention", "variant": name, **common.environment(), "run_id": run_id}
+        try:
+            groups = length_classes(lengths, classes)
+            batches = class_batches(groups, cu, [q, k, v, grad] + reference)
+            launched = sum(len(g) * m for g, (_, _, m) in zip(groups, batches))
+            diffs = {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+            for (q_c, k_c, v_c, grad_c, *want), cu_c, max_c in batches:
+                got = run(hasten_cudnn, q_c, k_c, v_c, cu_c, max_c, grad_c)
+                for label, g, r in zip(diffs, got, want):  # relative to the whole reference tensor's largest
+                    scale = dict(zip(diffs, reference))[label].float().abs().max()
+                    diffs[label] = max(diffs[label], float((g.float() - r.float()).abs().max() / scale))
+
+            def every_class():
+                for (q_c, k_c, v_c, grad_c, *_), cu_c, max_c in batches:
+                    run(hasten_cudnn, q_c, k_c, v_c, cu_c, max_c, grad_c)
+            ms = common.median(common.time_steps(every_class, warmup=3, iters=20)) * 1e3
+            sizes = ", ".join(f"{len(g)} x {m}" for g, (_, _, m) in zip(groups, batches))
+            print(f"{name:16s} {ms:7.3f} ms fwd+bwd   rows launched over {launched} ({launched / TOKENS:.2f}x the "
+                  f"tokens; one call: {len(lengths) * max_len}), classes {sizes}; rel diff: "
+                  + ", ".join(f"{key} {val:.2e}" for key, val in diffs.items()))
+            rows.append(base | {"fwd_bwd_ms": ms, "rel_diff": diffs, "correct": max(diffs.values()) < 2e-2,
+                                "fallbacks": fallback_counts(), "notes": f"classes {sizes}; rows {launched}"})
         except (RuntimeError, ValueError) as exc:
             print(f"{name:14s} failed: {type(exc).__name__}: {str(exc)[:300]}")
             rows.append(base | {"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
