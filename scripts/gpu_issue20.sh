@@ -24,6 +24,8 @@
 #           experts): hasten's split expert LoRA against transformers' grouped_mm + PEFT        cap 300 s
 #   w5_unsloth  the same benchmark's unsloth variant, alone in its process      cap $W5_UNSLOTH_CAP (400)
 #   w1      benchmarks/packed_sft.py --variants $W1_VARIANTS (W1, the dense kernels' other user) cap 300 s
+#   attn    benchmarks/attention_backends.py: W1's packed attention, FlashAttention-2 and cuDNN, and
+#           cuDNN over 2-4 length classes (what ragged kernels' empty tiles cost)               cap 90 s
 # bitsandbytes comes from the Unsloth bundle (its CUDA 13 library only); the device image has none.
 # Logs, rows and summary.txt go to $OUT/logs, packed into ONE file $OUT/issue20.tgz at the end.
 #   OUT=/tmp/out HASTEN_COMMIT=<commit> PARTS="build gpu w4" bash scripts/gpu_issue20.sh
@@ -109,6 +111,10 @@ if (( built )); then
   if [[ $PARTS == *" w1 "* ]]; then
     part w1 300 python3 benchmarks/packed_sft.py --steps 10 --out "$LOGS" --variants "${W1_VARIANTS:-hasten,liger}"
     grep -E "tok/s|FAILED|vs |Error" "$LOGS/w1.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" attn "* ]]; then
+    part attn 90 python3 benchmarks/attention_backends.py --out "$LOGS"
+    grep -E "ms fwd|failed|Error" "$LOGS/attn.log" 2>/dev/null | tail -10 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" lora_probe "* ]]; then  # the LoRA backward's one-pass kernel, tile shapes at W4's shapes
     part lora_probe 150 python3 scripts/lora_grads_probe.py --configs "${LORA_CONFIGS:-0,4}"
