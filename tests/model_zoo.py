@@ -195,6 +195,12 @@ def _zero_biases(model: torch.nn.Module) -> None:
             module.bias.data.zero_()  # the biases' values gone, their parameters (and gradients) kept
 
 
+# DeepSeek-V3.2's shape of MLA, its MoE and its indexer (index_topk: the longest of LENGTHS)
+_DSA_SHAPE = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, head_dim=8,
+                  n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+                  routed_scaling_factor=2.5, num_key_value_heads=4, index_topk=max(LENGTHS), index_head_dim=16,
+                  index_n_heads=2)
+
 ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
     Entry("llama", dict(attention_bias=True), "hasten"),
     Entry("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), "hasten",
@@ -826,6 +832,16 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
                               moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
                               topk_method="group_limited_greedy", routed_scaling_factor=2.5, num_key_value_heads=4,
                               head_dim=8), "hasten", feature_off=dict(routed_scaling_factor=1.0)),
+    # DeepSeek sparse attention (DSA): an indexer keeps each query's index_topk keys. hasten merges the
+    # selection into its packed mask as the model does under eager/sdpa, and packs rows only while no
+    # sample is longer than index_topk (33 here, the longest sample: every key kept, in the row and
+    # alone); tests/integrations/test_contract.py holds the merge itself at index_topk 4 on padded batches
+    Entry("deepseek_v32", dict(_DSA_SHAPE, first_k_dense_replace=1, n_group=2, topk_group=1), "transformers",
+          feature_off=dict(routed_scaling_factor=1.0)),
+    Entry("glm_moe_dsa", dict(_DSA_SHAPE, first_k_dense_replace=1, n_group=2, topk_group=1), "transformers",
+          feature_off=dict(routed_scaling_factor=1.0)),
+    Entry("axk2", dict(_DSA_SHAPE, mlp_layer_types=["dense", "sparse", "sparse"], gated_norm_rank=4), "transformers"),
+    Entry("hy_v4", dict(_DSA_SHAPE), "transformers"),
     # MiniCPM3: MLA as deepseek_v2's case (q/k heads of 16 + 8, value heads of 8) with a low-rank query
     # and projection biases, scale_emb 3, residual branches scaled by 1.4 / sqrt(3), the final hidden
     # states divided by logits_scaling = 64 / 16 = 4

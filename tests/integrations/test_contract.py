@@ -8,6 +8,7 @@ from transformers import masking_utils
 import hasten
 
 from hasten.dense.patch import rms_norm_mismatch, rope_mismatch, gated_mlp_mismatch
+from hasten.integrations import contract
 from hasten.integrations.contract import check_attention_kwargs, stateful_layers
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 
@@ -640,32 +641,74 @@ def _assert_padded_batch_exact(model, batch_samples, want_loss, want):
     assert max(zoo.relative_errors(zoo.gradients(model), want).values()) < 1e-4
 
 
-@pytest.mark.parametrize("model_type,extra", [("deepseek_v32", dict(first_k_dense_replace=1, n_group=2, topk_group=1)),
-                                              ("axk2", dict(mlp_layer_types=["dense", "sparse", "sparse"],
-                                                            gated_norm_rank=4))])
-def test_a_sparse_attention_selection_the_packed_mask_path_would_drop_is_refused(model_type, extra):
+_DSA_TYPES = [("deepseek_v32", dict(first_k_dense_replace=1, n_group=2, topk_group=1)),
+              ("axk2", dict(mlp_layer_types=["dense", "sparse", "sparse"], gated_norm_rank=4)),
+              ("glm_moe_dsa", {}),  # GLM-5: its later layers reuse an earlier layer's selection
+              ("hy_v4", {})]
+
+
+@pytest.mark.parametrize("model_type,extra", _DSA_TYPES)
+def test_a_sparse_attention_selection_is_merged_as_the_model_merges_it_and_packed_samples_train_as_alone(model_type,
+                                                                                                      extra):
     """These models merge their indexer's top-k into the mask only when their attention
     implementation is named 'eager' or 'sdpa', and otherwise pass it to the attention function as
-    `indices`; the model's own attention under hasten's packed mask (another name) would drop it and
-    train as if the attention were dense. Refused; with training.packed_sequence false the
-    attention stays transformers' and a padded batch computes what the unpatched model does."""
+    `indices`. hasten's packed-mask attention merges it the same way; while no sample is longer than
+    index_topk the selection keeps every key each query sees alone, so a packed row computes what
+    each sample alone computes (the model's own eager attention, one sample at a time)."""
+    from tests import model_zoo as zoo
+
+    entry = zoo.Entry(model_type, dict(_DSA, **extra, index_topk=max(zoo.LENGTHS)), "transformers")
+    model = zoo.build(entry)
+    assert any(contract.merges_topk_selection(m) for m in model.modules())
+    want_loss, want = zoo.per_sample_reference(zoo.clone(model), zoo.samples())
+    handle, loss, got = zoo.packed_run(model, zoo.samples())
+    assert "sparse attention keeps each query's" not in (handle.packing_refusal or "")
+    handle.undo()
+    assert abs(float(loss) - float(want_loss)) < 1e-5
+    assert max(zoo.relative_errors(got, want).values()) < 1e-4
+
+
+@pytest.mark.parametrize("model_type,extra", _DSA_TYPES)
+def test_a_packed_sample_longer_than_the_sparse_selection_is_refused_and_padded_batches_train_exactly(model_type,
+                                                                                                    extra):
+    """Past index_topk the indexer chooses among a query's own keys in the packed row as alone, but
+    the choice among equal scores could fall otherwise along the row: such a packed row is refused
+    when it arrives (packed_row_limits), naming the limit. A padded batch computes what the unpatched
+    model does, through hasten's packed-mask attention (the selection merged there) and with
+    training.packed_sequence false (the attention transformers')."""
     from tests import model_zoo as zoo
 
     from hasten.config import Config
     from hasten.integrations.transformers import PackedBatchRefused
 
-    entry = zoo.Entry(model_type, dict(_DSA, **extra), "transformers")
+    entry = zoo.Entry(model_type, dict(_DSA, **extra), "transformers")  # index_topk 4, samples up to 33 tokens
     batch_samples = zoo.samples()
     model, want_loss, want = _padded_reference(entry, batch_samples)
+    assert (4, "sample") in [(limit, bounds) for limit, bounds, _ in contract.packed_row_limits(model)]
     handle = hasten.accelerate(model)
-    with pytest.raises(PackedBatchRefused, match="sparse attention selection.*indices.*packed_sequence: false"):
+    with pytest.raises(PackedBatchRefused, match="longest sample has 33 tokens.*4 highest-scoring keys"):
         model(**zoo.packed_batch(batch_samples))
+    # a padded batch through hasten's packed-mask attention: the selection merged there as the model
+    # merges it (4 of up to 33 keys kept: a dropped or wrong merge shows)
+    _assert_padded_batch_exact(model, batch_samples, want_loss, want)
     handle.undo()
     config = Config()
     config.training.packed_sequence = False
     handle = hasten.accelerate(model, config)
     _assert_padded_batch_exact(model, batch_samples, want_loss, want)
     handle.undo()
+
+
+def test_only_the_top_k_merge_deepseek_v32_writes_is_recognised():
+    """A class whose forward does not write DeepSeek-V3.2's merge statements (any other selection,
+    or none) is not merged: hasten's attention refuses its `indices` as before."""
+
+    class Other(nn.Module):
+        def forward(self, x):
+            return x
+
+    assert not contract.merges_topk_selection(Other())
+    assert not contract.merges_topk_selection(nn.Linear(2, 2))
 
 
 def _distinct_hash_experts(model: nn.Module) -> None:

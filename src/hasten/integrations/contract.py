@@ -14,6 +14,8 @@ into the next; such models get a clear error when a packed batch reaches them.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 
 import torch
@@ -116,6 +118,33 @@ def attention_chunk_size(model: nn.Module) -> int | None:
     return int(size) if _nonzero(size) else None
 
 
+# DeepSeek-V3.2's sparse attention (DSA), as its forward merges the selection under transformers'
+# "eager" and "sdpa": the indexer's top-k keys of each query (B, S, topk) scattered into a mask of
+# the keys NOT chosen, which the attention mask then hides. A.X-K2, GLM-MoE-DSA, Hunyuan-v4,
+# dots3 and Mistral-Large-4 write the same statements (transformers 5.25); under any other
+# implementation name they pass the selection as `indices` instead.
+_TOPK_SELECTION_MERGE = (".scatter(-1, topk_indices.long(), False)", "attention_mask & ~index_mask",
+                         "attention_mask.masked_fill(index_mask, torch.finfo(hidden_states.dtype).min)",
+                         "indices=sparse_indices")
+
+
+def merges_topk_selection(module: nn.Module) -> bool:
+    """Whether an attention module's own forward merges its indexer's top-k selection into the mask
+    as DeepSeek-V3.2's does (_TOPK_SELECTION_MERGE, read from the class's source), so that the
+    `indices` it passes to another attention function may be merged the same way there. Any other
+    selection (Minimax-M3's key blocks, a mask built from the selection) is not this."""
+    return _class_merges_topk_selection(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_merges_topk_selection(cls: type) -> bool:  # read once per class: attention calls ask every layer
+    try:
+        source = inspect.getsource(cls.forward)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return all(statement in source for statement in _TOPK_SELECTION_MERGE)
+
+
 def packed_row_limits(model: nn.Module) -> list[tuple[int, str, str]]:
     """(limit, what it bounds: "row" or "sample", why) for each part of a model's own code that
     would make the samples of a packed row compute otherwise than each alone past a length: the
@@ -129,9 +158,18 @@ def packed_row_limits(model: nn.Module) -> list[tuple[int, str, str]]:
       position passes the original context: in a packed row, one long sample would change the
       frequencies of the others. Rows no longer than that context never rescale. A "longrope"
       rotary (Phi-3's 128k checkpoints, MiniCPM3) picks its long or short factors the same way,
-      from the batch's largest position."""
+      from the batch's largest position.
+    - DeepSeek-V3.2's sparse attention keeps each query's index_topk highest-scoring keys. In a
+      packed row the indexer sees the packed mask, so a query's candidates are its own sample's
+      keys, as alone; while no sample is longer than index_topk every candidate is kept, in the
+      row and alone. Past it the choice among equal scores (its ReLU makes zeros common) could
+      fall otherwise along a row than along the sample alone."""
     config = text_config(model)
     limits = []
+    topk = getattr(config, "index_topk", None)
+    if _nonzero(topk) and any(merges_topk_selection(m) for m in model.modules() if hasattr(m, "indexer")):
+        limits.append((int(topk), "sample", f"its sparse attention keeps each query's {topk} highest-scoring keys "
+                                            f"(index_topk), every key only while a sample has at most {topk} tokens"))
     no_rope = [layer for layer, uses_rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not uses_rope]
     floor_scale = getattr(config, "floor_scale", None)
     if getattr(config, "attn_temperature_tuning", False) and no_rope and floor_scale:

@@ -35,7 +35,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
 from hasten.integrations.contract import (attention_chunk_size, check_attention_kwargs, logit_transforms,
-                                         packed_row_limits, stateful_layers, text_config, uses_attention_interface)
+                                         merges_topk_selection, packed_row_limits, stateful_layers, text_config,
+                                         uses_attention_interface)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.integrations.support import attention_features_missing, stateful_refusal
 from hasten.config import Config
@@ -333,8 +334,12 @@ def hasten_dense_attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                       "attn_implementation='eager' (or upgrade transformers)")
     # DeepSeek-V3.2's sparse attention (and A.X-K2, GLM-MoE-DSA, MiniMax-M3...) merges its indexer's
     # top-k into the mask only under the implementation names "eager" and "sdpa"; under any other
-    # name (this path's) it hands the selection to the attention function, which eager and sdpa ignore
-    sparse = [name for name in ("indices", "block_indices") if kwargs.get(name) is not None]
+    # name (this path's) it hands the selection to the attention function, which eager and sdpa
+    # ignore. A top-k key selection whose merge the class writes as DeepSeek-V3.2 does is merged
+    # here the same way (packed rows: no sample past index_topk, packed_row_limits); any other is refused.
+    merge = kwargs.get("indices") is not None and attention_mask is not None and merges_topk_selection(module)
+    sparse = [name for name in ("indices", "block_indices") if kwargs.get(name) is not None and
+              not (merge and name == "indices")]
     if sparse:
         raise PackedBatchRefused(f"hasten: {type(module).__name__} passes a sparse attention selection "
                                  f"({', '.join(sparse)}) to its attention function, which its model merges into the "
@@ -360,7 +365,23 @@ def hasten_dense_attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                  "hasten cannot tell which a packed batch must reproduce. Train this model with "
                                  "padded batches (training.packed_sequence: false) and please report the model "
                                  "type.")
+    if merge:  # after the check above, which knows the mask hasten built by its identity
+        attention_mask = merge_topk_selection(attention_mask, kwargs["indices"], key.shape[-2], query.dtype)
+        kwargs["indices"] = None
     return original(module, query, key, value, attention_mask, **kwargs)
+
+
+def merge_topk_selection(attention_mask: torch.Tensor, indices: torch.Tensor, keys: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The mask DeepSeek-V3.2's attention gives transformers' eager and sdpa functions, statement for
+    statement: indices (B, S, topk) are each query's chosen keys; the keys not chosen, (B, 1, S,
+    keys), are hidden (a boolean mask) or set to dtype's lowest (an additive one, dtype the hidden
+    states')."""
+    not_chosen = indices.new_ones((indices.shape[0], indices.shape[1], keys), dtype=torch.bool)
+    not_chosen = not_chosen.scatter(-1, indices.long(), False).unsqueeze(1)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~not_chosen
+    return attention_mask.masked_fill(not_chosen, torch.finfo(dtype).min)
 
 
 def _hides_later_keys(mask_function) -> bool:
