@@ -842,6 +842,9 @@ ENTRIES: dict[str, Entry] = {e.model_type: e for e in [
           feature_off=dict(routed_scaling_factor=1.0)),
     Entry("axk2", dict(_DSA_SHAPE, mlp_layer_types=["dense", "sparse", "sparse"], gated_norm_rank=4), "transformers"),
     Entry("hy_v4", dict(_DSA_SHAPE), "transformers"),
+    # dots3's text model: a heterogeneous config (transformers 5.24+: head sizes per layer, the global
+    # read raises), DSA on its 'indexed_attention' layers, a window on the last
+    Entry("dots3_note_text", dict(_DSA_SHAPE, first_k_dense_replace=1, sliding_window=WINDOW), "transformers"),
     # MiniCPM3: MLA as deepseek_v2's case (q/k heads of 16 + 8, value heads of 8) with a low-rank query
     # and projection biases, scale_emb 3, residual branches scaled by 1.4 / sqrt(3), the final hidden
     # states divided by logits_scaling = 64 / 16 = 4

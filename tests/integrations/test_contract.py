@@ -699,6 +699,22 @@ def test_a_packed_sample_longer_than_the_sparse_selection_is_refused_and_padded_
     handle.undo()
 
 
+def test_config_values_reads_each_layer_where_a_heterogeneous_config_varies_an_attribute():
+    """transformers 5.24+ raises on the global read of an attribute a heterogeneous config varies per
+    layer (dots3's qk_nope_head_dim: 128, 128, 192 by default); hasten's checks read every layer's."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "dots3_note_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no dots3_note_text")
+    config = AutoConfig.for_model("dots3_note_text", num_hidden_layers=3)
+    with pytest.raises(RuntimeError):
+        getattr(config, "qk_nope_head_dim", None)
+    assert contract.config_values(config, "qk_nope_head_dim") == [128, 128, 192]
+    assert contract.config_values(config, "hidden_size") == [config.hidden_size]
+    assert contract.config_values(config, "no_such_attribute") == [None]
+
+
 def test_only_the_top_k_merge_deepseek_v32_writes_is_recognised():
     """A class whose forward does not write DeepSeek-V3.2's merge statements (any other selection,
     or none) is not merged: hasten's attention refuses its `indices` as before."""

@@ -38,6 +38,20 @@ def text_config(model: nn.Module):
     return getter() if callable(getter) else config
 
 
+def config_values(config, key: str) -> list:
+    """Every value `key` takes across the model's layers: [config.key] (None where absent) for an
+    ordinary config. A heterogeneous config (transformers >= 5.24: `per_layer_config`, e.g. dots3's
+    head sizes, Gemma 4's head_dim) raises on the global read of an attribute that varies per layer;
+    then each layer's own value, in layer order."""
+    try:
+        return [getattr(config, key, None)]
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError (a RuntimeError; its module moves)
+        layers = getattr(config, "per_layer_config", None)
+        if layers is None:
+            raise
+        return [getattr(layers[i], key, None) for i in range(len(layers))]
+
+
 def stateful_layers(model: nn.Module) -> list[str]:
     """Descriptions of the layers that carry state along the sequence (empty: none)."""
     config = text_config(model)
@@ -86,12 +100,14 @@ def attention_features_not_implemented(model: nn.Module) -> dict[str, str]:
     the call.)"""
     config = text_config(model)
     missing: dict[str, str] = {}
-    qk_dim, v_dim = getattr(config, "qk_head_dim", None), getattr(config, "v_head_dim", None)
-    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
-    if nope is not None and rope is not None:  # what MLA modules compute with (a config's qk_head_dim
-        qk_dim = nope + rope                    # can be stale: GLM-4.7-Flash's after a head_dim override)
-    if qk_dim is not None and v_dim is not None and v_dim > qk_dim:
-        missing["mla"] = f"value heads ({v_dim}) wider than the query/key heads ({qk_dim})"
+    sizes = [config_values(config, key) for key in ("qk_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")]
+    layers = max(map(len, sizes))  # one value each, or each layer's where a heterogeneous config varies them
+    for qk_dim, v_dim, nope, rope in zip(*(values * layers if len(values) == 1 else values for values in sizes)):
+        if nope is not None and rope is not None:  # what MLA modules compute with (a config's qk_head_dim
+            qk_dim = nope + rope                    # can be stale: GLM-4.7-Flash's after a head_dim override)
+        if qk_dim is not None and v_dim is not None and v_dim > qk_dim:
+            missing["mla"] = f"value heads ({v_dim}) wider than the query/key heads ({qk_dim})"
+            break
     bidirectional = getattr(config, "use_bidirectional_attention", False)
     # Gemma 4's "vision": image and video tokens attend to each other both ways, text causally
     # (its attention modules are causal unless "all"); media make the model multimodal below, or
