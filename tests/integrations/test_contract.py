@@ -715,6 +715,31 @@ def test_config_values_reads_each_layer_where_a_heterogeneous_config_varies_an_a
     assert contract.config_values(config, "no_such_attribute") == [None]
 
 
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta"])
+def test_positions_derived_from_the_tokens_refuse_packed_rows_and_padded_batches_train_exactly(model_type):
+    """RoBERTa's family derives its positions from the tokens when no position_ids are given
+    (padding_idx + 1 + the count of non-padding tokens before): alone, a sample starts at
+    padding_idx + 1; a packed row's position_ids start every sample at 0. Before 2026-12-05 hasten
+    trained such a packed row with those positions, silently (a sweep of transformers 5.25's causal
+    LM types against each sample alone found it: loss off by 5e-3 to 1e-1). Refused now, naming the
+    embeddings; a padded batch computes what the unpatched model does. Dropout off: these configs
+    name theirs hidden_dropout_prob / attention_probs_dropout_prob."""
+    from tests import model_zoo as zoo
+
+    from hasten.integrations.transformers import PackedBatchRefused
+
+    entry = zoo.Entry(model_type, dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "refused")
+    batch_samples = zoo.samples()
+    model, want_loss, want = _padded_reference(entry, batch_samples)
+    assert "derives positions from the tokens" in (contract.positions_from_tokens(model) or "")
+    handle = hasten.accelerate(model)
+    assert "derives positions from the tokens" in (handle.packing_refusal or ""), handle.report()
+    with pytest.raises(PackedBatchRefused, match="Embeddings derives positions from the tokens"):
+        model(**zoo.packed_batch(batch_samples))
+    _assert_padded_batch_exact(model, batch_samples, want_loss, want)
+    handle.undo()
+
+
 def test_only_the_top_k_merge_deepseek_v32_writes_is_recognised():
     """A class whose forward does not write DeepSeek-V3.2's merge statements (any other selection,
     or none) is not merged: hasten's attention refuses its `indices` as before."""

@@ -52,6 +52,19 @@ def config_values(config, key: str) -> list:
         return [getattr(layers[i], key, None) for i in range(len(layers))]
 
 
+def positions_from_tokens(model: nn.Module) -> str | None:
+    """Why the model's positions cannot come from a packed row's position_ids, or None. RoBERTa's
+    embeddings (and CamemBERT's, XLM-R's, Data2Vec-Text's, X-MOD's...) derive positions from the
+    tokens when no position_ids are given, fairseq's way: padding_idx + 1 + the count of non-padding
+    tokens before, so a sample alone starts at padding_idx + 1, not at the 0 a packed row's
+    position_ids give every sample (and a padding token inside a sample takes padding_idx)."""
+    for module in model.modules():
+        if callable(getattr(type(module), "create_position_ids_from_input_ids", None)):
+            return (f"its {type(module).__name__} derives positions from the tokens (padding_idx + 1 + the count of "
+                    "non-padding tokens before), which a packed row's position_ids would replace")
+    return None
+
+
 def stateful_layers(model: nn.Module) -> list[str]:
     """Descriptions of the layers that carry state along the sequence (empty: none)."""
     config = text_config(model)

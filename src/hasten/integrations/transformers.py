@@ -35,8 +35,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from hasten.attention.varlen import BackendFacts, backend_facts, prepare_device, varlen_attention
 from hasten.integrations.architectures import ARCHITECTURES, model_type_of, spec_for
 from hasten.integrations.contract import (attention_chunk_size, check_attention_kwargs, logit_transforms,
-                                         merges_topk_selection, packed_row_limits, stateful_layers, text_config,
-                                         uses_attention_interface)
+                                         merges_topk_selection, packed_row_limits, positions_from_tokens,
+                                         stateful_layers, text_config, uses_attention_interface)
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.integrations.support import attention_features_missing, stateful_refusal
 from hasten.config import Config
@@ -847,6 +847,10 @@ def _patch_attention(model: PreTrainedModel, config: Config, handle: Acceleratio
             return
     if not training.packed_sequence:
         handle.inactive.append("training.packed_sequence is false: attention left as transformers configured it")
+        return
+    positions = positions_from_tokens(model)
+    if positions is not None:
+        _refuse_packing(model, handle, positions, "packing_refused_token_positions")
         return
     if not uses_attention_interface(model, spec_for(model.config)):
         _refuse_packing(model, handle, f"model type '{model_type}' does not use transformers' attention interface, "
