@@ -5,7 +5,8 @@ sample alone (CPU, float32): what hasten does with a type nobody wrote a test fo
 Each type gets one line (and one JSON row in --out): `build` (the shared shape is not enough for
 its config; nothing learned), `reference` (the model alone fails), `refused` (hasten refuses
 packed batches: fine, if the reason is right), `equal`, `MISMATCH` (hasten computes something
-else, silently: the worst defect), `crash` (hasten raised something else), `timeout`. Dropout is
+else, silently: the worst defect), `crash` (hasten raised something else), `killed` (the process
+died, as the OOM killer leaves it: a multimodal default that builds big), `timeout`. Dropout is
 switched off under every name a model gives it (BERT's *_prob, CTRL's *_pdrop), and a gradient is
 compared relative to its norm floored at 1e-4 of the largest: a key bias's gradient is zero in exact
 arithmetic (softmax ignores a constant per query), so its float32 noise has no relative error
@@ -99,7 +100,12 @@ def main() -> int:
             done = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
                                   timeout=args.timeout, cwd=ROOT)
             last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-            outcome, detail = json.loads(last) if last.startswith("[") else ("crash", done.stderr.strip()[-300:])
+            if last.startswith("["):
+                outcome, detail = json.loads(last)
+            elif done.returncode < 0 or done.returncode == 137:  # the kernel's OOM killer: the build, not hasten
+                outcome, detail = "killed", f"exit {done.returncode} (out of memory building the tiny model?)"
+            else:
+                outcome, detail = "crash", done.stderr.strip()[-300:]
         except subprocess.TimeoutExpired:
             outcome, detail = "timeout", f"over {args.timeout:.0f} s"
         counts[outcome] = counts.get(outcome, 0) + 1
