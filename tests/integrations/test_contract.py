@@ -647,9 +647,17 @@ _DSA_TYPES = [("deepseek_v32", dict(first_k_dense_replace=1, n_group=2, topk_gro
               ("hy_v4", {})]
 
 
+def _counting(forward, calls: list):
+    def counted(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return forward(self, *args, **kwargs)
+    return counted
+
+
 @pytest.mark.parametrize("model_type,extra", _DSA_TYPES)
 def test_a_sparse_attention_selection_is_merged_as_the_model_merges_it_and_packed_samples_train_as_alone(model_type,
-                                                                                                      extra):
+                                                                                                      extra,
+                                                                                                      monkeypatch):
     """These models merge their indexer's top-k into the mask only when their attention
     implementation is named 'eager' or 'sdpa', and otherwise pass it to the attention function as
     `indices`. hasten's packed-mask attention merges it the same way; while no sample is longer than
@@ -661,9 +669,16 @@ def test_a_sparse_attention_selection_is_merged_as_the_model_merges_it_and_packe
     model = zoo.build(entry)
     assert any(contract.merges_topk_selection(m) for m in model.modules())
     want_loss, want = zoo.per_sample_reference(zoo.clone(model), zoo.samples())
+    indexers = {type(m) for m in model.modules() if type(m).__name__.endswith("Indexer")}
+    calls = []
+    for cls in indexers:  # the class's forward: what runs when hasten's skip does not
+        monkeypatch.setattr(cls, "forward", _counting(cls.forward, calls))
     handle, loss, got = zoo.packed_run(model, zoo.samples())
     assert "sparse attention keeps each query's" not in (handle.packing_refusal or "")
+    # no sample past index_topk: the indexer's top-k is every key, so hasten skips computing it
+    assert indexers and calls == [], (indexers, len(calls))
     handle.undo()
+    assert all("forward" not in m.__dict__ for m in model.modules() if type(m) in indexers)
     assert abs(float(loss) - float(want_loss)) < 1e-5
     assert max(zoo.relative_errors(got, want).values()) < 1e-4
 

@@ -40,7 +40,7 @@ from hasten.integrations.contract import (attention_chunk_size, check_attention_
 from hasten.integrations.masks import BandMask, MaskNotSupported, read_band
 from hasten.integrations.support import attention_features_missing, stateful_refusal
 from hasten.config import Config
-from hasten.instance_forward import keep_over_kernelize
+from hasten.instance_forward import keep_over_kernelize, replace_forward, restore_forward
 from hasten.observability import record_fallback
 from hasten.packing.collator import PackingError
 from hasten.packing.meta import CHUNK_CU, CHUNK_MAX, CU_K, CU_Q, LINEAR_META, MAX_K, MAX_Q, PackedMeta, chunk_boundaries, verify_against_position_ids, verify_enabled
@@ -297,6 +297,8 @@ class _ForwardState:
     mask_functions: list = field(default_factory=list)  # dense mode: the model's mask function of each mask
     # a hybrid model's packed batch: its LinearMeta and how many stateful calls the forward must make
     linear: tuple[LinearMeta, int] | None = None
+    # dense mode, packed batch: its longest sample where the batch says (the collator's max_length_q)
+    longest: int | None = None
 
 
 _forwards = threading.local()
@@ -366,9 +368,47 @@ def hasten_dense_attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                  "padded batches (training.packed_sequence: false) and please report the model "
                                  "type.")
     if merge:  # after the check above, which knows the mask hasten built by its identity
-        attention_mask = merge_topk_selection(attention_mask, kwargs["indices"], key.shape[-2], query.dtype)
+        if not getattr(kwargs["indices"], EVERY_KEY, False):  # (see _every_key_indexer: nothing to hide)
+            attention_mask = merge_topk_selection(attention_mask, kwargs["indices"], key.shape[-2], query.dtype)
         kwargs["indices"] = None
     return original(module, query, key, value, attention_mask, **kwargs)
+
+
+# Set on the selection _every_key_indexer returns in place of the indexer's: every key is kept.
+EVERY_KEY = "_hasten_every_key"
+# Set by _dense_mask on each mask it builds for a packed batch: the batch's longest sample (or None).
+_LONGEST = "_hasten_longest_sample"
+
+
+def _storage_root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a view was taken of (every view's `_base` is the root), or t itself."""
+    return t if t._base is None else t._base
+
+
+def _every_key_indexer(indexer: torch.nn.Module, topk: int):
+    """A forward for a sparse-attention indexer (DeepSeek-V3.2's and kin) that skips it on a packed
+    batch whose longest sample has at most `topk` tokens: there its top-k keeps every key a query
+    sees (packed_row_limits), so the merge would hide nothing, and the indexer's own scores, float32
+    (rows, L, index heads, L), 64 GiB a layer at 16,384 tokens on DeepSeek-V3.2, are not computed.
+    Its parameters get no gradient either way (top-k indices carry none). It returns an empty
+    selection marked EVERY_KEY, which hasten's packed-mask attention reads as "merge nothing";
+    elsewhere (padded batches, a longer sample alone in its row) the indexer runs."""
+    original = indexer.forward
+
+    def forward(*args, **kwargs):
+        # the packed mask the indexer is handed (a slice of it), marked by _dense_mask with the batch's
+        # longest sample: an argument, so a checkpointed layer's recompute decides as its forward did
+        mask = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+                     and _LONGEST in _storage_root(t).__dict__), None)
+        longest = None if mask is None else _storage_root(mask).__dict__[_LONGEST]
+        if longest is None or longest > topk:
+            return original(*args, **kwargs)
+        rows, length = mask.shape[0], mask.shape[-2]
+        selection = torch.empty((rows, length, 0), dtype=torch.int32, device=mask.device)
+        setattr(selection, EVERY_KEY, True)
+        return selection
+
+    return forward
 
 
 def merge_topk_selection(attention_mask: torch.Tensor, indices: torch.Tensor, keys: int,
@@ -417,6 +457,8 @@ def _dense_mask(base):
 
         kwargs["allow_is_causal_skip"] = False  # sdpa would otherwise return None for "plain causal"
         mask = base(*args, mask_function=masking_utils.and_masks(mask_function, same_sample), **kwargs)
+        if isinstance(mask, torch.Tensor):  # read by _every_key_indexer, on the mask's root (its slices reach it)
+            setattr(_storage_root(mask), _LONGEST, state.longest)
         state.masks.append(mask)
         state.mask_functions.append(mask_function)
         return mask
@@ -680,6 +722,8 @@ class _PackingPreHook:
                 state.linear = (kwargs[LINEAR_META], self.stateful_calls)
         else:  # dense: every token's sample, row by row (a sample never spans rows)
             state.sample_ids = _sample_ids(bound.get("seq_idx"), position_ids)
+            longest = kwargs.get(MAX_Q, bound.get(MAX_Q))
+            state.longest = longest if isinstance(longest, int) else None
         for limit, bounds, why in self.row_limits:
             self._refuse_past(limit, bounds, why, kwargs, cu_seqlens, position_ids)
         if bound.get("use_cache") is not False:
@@ -918,12 +962,19 @@ def _patch_dense_packing(model: PreTrainedModel, handle: AccelerationHandle, mis
         return
     for module, original in originals.items():
         setattr(module, _DENSE_TAG, original)
+    topk = getattr(text_config(model), "index_topk", None)
+    indexers = [module.indexer for module in originals if isinstance(getattr(module, "indexer", None), torch.nn.Module)
+                and merges_topk_selection(module)] if isinstance(topk, int) and topk > 0 else []
+    for indexer in indexers:
+        replace_forward(indexer, _every_key_indexer(indexer, topk))
     model.set_attn_implementation(DENSE_NAMES[implementation])
     _install_packing_hook(model, handle, _PackingPreHook(model, None, "dense"))
 
     def undo() -> None:
         for module in originals:
             module.__dict__.pop(_DENSE_TAG, None)
+        for indexer in indexers:
+            restore_forward(indexer)
         model.set_attn_implementation(implementation)
 
     handle._undo_steps.append(undo)
