@@ -398,9 +398,9 @@ def _every_key_indexer(indexer: torch.nn.Module, topk: int):
     def forward(*args, **kwargs):
         # the packed mask the indexer is handed (a slice of it), marked by _dense_mask with the batch's
         # longest sample: an argument, so a checkpointed layer's recompute decides as its forward did
-        mask = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
-                     and _LONGEST in _storage_root(t).__dict__), None)
-        longest = None if mask is None else _storage_root(mask).__dict__[_LONGEST]
+        marked = next(((t, _storage_root(t).__dict__[_LONGEST]) for t in (*args, *kwargs.values())
+                       if isinstance(t, torch.Tensor) and _LONGEST in _storage_root(t).__dict__), None)
+        mask, longest = marked if marked is not None else (None, None)
         if longest is None or longest > topk:
             return original(*args, **kwargs)
         rows, length = mask.shape[0], mask.shape[-2]
