@@ -8,6 +8,9 @@
 #           llama4_scout qwen3_30b_a3b): hasten_fused against transformers' grouped_mm (Llama 4:
 #           against its block's own forward), 16,384 tokens                                  cap 120 s each
 #           (W3_ARGS: more options, e.g. --profile hasten_fused)
+#   ggprobe scripts/grouped_gemm_probe.py: the experts' six grouped GEMMs of W3's blocks per CUTLASS
+#           sm90 configuration against torch._grouped_mm (CUTLASS's headers from
+#           .whl/cutlass-include.txz, unpacked to /tmp/cutlass; the TUs built in parallel) cap 400 s
 #   gptoss  benchmarks/packed_sft.py --model gpt_oss_20b (4 of 24 layers, full fine-tuning):
 #           hasten packed against transformers' padded micro-batches (eager attention with the
 #           sinks, grouped_mm experts); rows W1-gpt_oss_20b.jsonl                  cap $GPTOSS_CAP (300)
@@ -24,6 +27,12 @@ if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
     part gpu "${GPU_CAP:-200}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_attention_cuda.py tests/gpu/test_moe_cuda.py} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" ggprobe "* ]]; then
+    mkdir -p /tmp/cutlass && tar xJf .whl/cutlass-include.txz -C /tmp/cutlass
+    export HASTEN_CUTLASS=/tmp/cutlass MAX_JOBS=16
+    part ggprobe "${GGPROBE_CAP:-400}" python3 scripts/grouped_gemm_probe.py --out "$LOGS"
+    grep -E "built|torch|GEMMs|Error|error" "$LOGS/ggprobe.log" 2>/dev/null | tail -30 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w3 "* ]]; then
     for block in ${W3_BLOCKS:-gpt_oss_20b deepseek_v2_lite llama4_scout qwen3_30b_a3b}; do
