@@ -7,6 +7,8 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 # header-only C++ API of cuDNN for hasten's attention op (tested: 1.32.0 with cuDNN 9.19, H200)
 CUDNN_FRONTEND_SPEC ?= nvidia-cudnn-frontend==1.32.0
+# CUTLASS's headers for the MoE experts' grouped GEMM kernels (the package's Python side is not used)
+CUTLASS_SPEC ?= nvidia-cutlass==4.2.0.0
 TRAIN_ARGS ?=
 STAMP := build/.installed
 
@@ -14,12 +16,13 @@ STAMP := build/.installed
 
 install: $(STAMP)
 
-$(STAMP): setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/include/hasten/*.h)
+$(STAMP): setup.py pyproject.toml requirements.txt $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h csrc/kernels/*/*.cu csrc/kernels/*/*.h csrc/include/hasten/*.h)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -r requirements.txt
-	@# a CUDA torch: the cudnn-frontend headers, so the cuDNN attention op is built (setup.py)
+	@# a CUDA torch: the cudnn-frontend and CUTLASS headers, so the cuDNN attention op and the
+	@# grouped GEMM kernels are built (setup.py)
 	@if $(PYTHON) -c "import sys, torch; sys.exit(torch.version.cuda is None)" 2>/dev/null; then \
-		$(PYTHON) -m pip install --no-deps "$(CUDNN_FRONTEND_SPEC)"; fi
+		$(PYTHON) -m pip install --no-deps "$(CUDNN_FRONTEND_SPEC)" "$(CUTLASS_SPEC)"; fi
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -e .
 	@mkdir -p build && touch $(STAMP)
 

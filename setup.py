@@ -3,7 +3,9 @@
 CUDA kernels are compiled when torch is a CUDA build and nvcc is found (default
 architectures 8.0 and 9.0; set TORCH_CUDA_ARCH_LIST to change them); otherwise the
 CPU implementations alone are built and this script says so. HASTEN_CPU_ONLY=1
-forces the CPU-only build.
+forces the CPU-only build. With CUTLASS's headers (HASTEN_CUTLASS_DIR, or the nvidia-cutlass
+pip package) and 9.0 among the architectures, the MoE experts' grouped GEMM kernels are built
+too, for 9.0a (the arch-specific Hopper target their WGMMA/TMA code needs).
 """
 
 import glob
@@ -113,6 +115,31 @@ def _cudnn_attention() -> tuple[dict, str]:
     return {"include_dirs": include_dirs, "extra_link_args": link}, ""
 
 
+def _cutlass_include() -> tuple[str | None, str]:
+    """CUTLASS's include folder (holding cutlass/ and cute/), or why it is not there.
+
+    HASTEN_CUTLASS_DIR names a CUTLASS checkout (its include/) or an include folder itself;
+    otherwise the nvidia-cutlass pip package's copy (cutlass_library/source/include) is used.
+    HASTEN_CUTLASS=0 skips the grouped GEMM kernels (torch's own grouped GEMM then runs them all).
+    """
+    if os.environ.get("HASTEN_CUTLASS") == "0":
+        return None, "HASTEN_CUTLASS=0 is set"
+    candidates = []
+    if os.environ.get("HASTEN_CUTLASS_DIR"):
+        root = os.environ["HASTEN_CUTLASS_DIR"]
+        candidates = [os.path.join(root, "include"), root]
+    else:
+        library = _package_dir("cutlass_library")
+        if library is not None:
+            candidates = [os.path.join(library, "source", "include")]
+    for include in candidates:
+        if os.path.exists(os.path.join(include, "cutlass", "cutlass.h")) and os.path.isdir(os.path.join(include, "cute")):
+            return include, ""
+    if os.environ.get("HASTEN_CUTLASS_DIR"):
+        return None, f"HASTEN_CUTLASS_DIR={os.environ['HASTEN_CUTLASS_DIR']} holds no cutlass/cutlass.h and cute/"
+    return None, "CUTLASS's headers were not found (pip install nvidia-cutlass, or set HASTEN_CUTLASS_DIR)"
+
+
 def _extensions() -> list:
     # every build: schemas, CPU ops, and the host-side offload code (pinned memory on CUDA builds)
     cpu_sources = (["csrc/registration.cpp"] + _sources("csrc/*/*_cpu.cpp") + _sources("csrc/*/*_composite.cpp")
@@ -126,11 +153,29 @@ def _extensions() -> list:
         return [CppExtension("hasten._C", cpu_sources, include_dirs=include_dirs,
                              extra_compile_args={"cxx": cxx_flags}, extra_link_args=libstdcxx)]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # the experts' grouped GEMMs on CUTLASS: sm90a code, so 9.0 becomes 9.0a (the other kernels
+    # lose nothing: 9.0a runs wherever 9.0 SASS does, on Hopper)
+    cutlass, why_no_cutlass = _cutlass_include()
+    archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
+    if cutlass is not None and not any(a.split("+")[0] in ("9.0", "9.0a") for a in archs):
+        cutlass, why_no_cutlass = None, "9.0 is not in TORCH_CUDA_ARCH_LIST"
+    if cutlass is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join("9.0a" + a[3:] if a.startswith("9.0") and not a.startswith("9.0a")
+                                                      else a for a in archs if a)
     print(f"hasten: building CPU and CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     # Torch-facing glue (*_cuda.cpp) is host C++ for the host compiler; nvcc compiles only the
     # torch-free kernels. Host code that nvcc compiled emitted its own copies of libstdc++
     # templates (ostream << long) that crashed every error message with a number in it.
     cuda_sources = _sources("csrc/*/*_cuda.cpp") + _sources("csrc/kernels/*.cu")
+    defines = ["-DHASTEN_WITH_CUDA"]
+    if cutlass is not None:
+        cuda_sources += _sources("csrc/kernels/grouped_gemm_sm90/*.cu")
+        include_dirs = include_dirs + [cutlass]
+        defines.append("-DHASTEN_WITH_CUTLASS")
+        print(f"hasten: building the CUTLASS grouped GEMM kernels ({cutlass})")
+    else:
+        print(f"hasten: NOT building the CUTLASS grouped GEMM kernels: {why_no_cutlass}. MoE experts use "
+              "torch's grouped GEMM.")
     # attention on CUDA is cuDNN's fused SDPA: built only with the cudnn-frontend headers
     cudnn, why_no_cudnn = _cudnn_attention()
     extensions = []
@@ -149,8 +194,7 @@ def _extensions() -> list:
         "hasten._C",
         cpu_sources + cuda_sources,
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx_flags + ["-DHASTEN_WITH_CUDA"],
-                            "nvcc": ["-O3", "-std=c++17", "-lineinfo", "-DHASTEN_WITH_CUDA"]},
+        extra_compile_args={"cxx": cxx_flags + defines, "nvcc": ["-O3", "-std=c++17", "-lineinfo"] + defines},
         extra_link_args=libstdcxx + ["-ldl"],
     )] + extensions
 

@@ -15,6 +15,8 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
   hf_moe_eager        transformers' expert loop
   hf_moe_grouped_mm   transformers' experts_implementation="grouped_mm" (sort + histc + cumsum)
   hasten_fused        hasten: one-kernel grouping, grouped GEMM, fused SwiGLU, deterministic combine
+  hasten_fused_torch_gemm  hasten_fused with every grouped GEMM on torch's kernel
+                      (HASTEN_GROUPED_GEMM=torch): the A/B of hasten's CUTLASS tiles in one run
   hasten_fused_class_shared  hasten_fused with the shared experts' MLP left to its class (torch's
                       SiLU and product), beside hasten_fused's fused SwiGLU on them: the A/B of that
                       patch in one run (DeepSeek-V2-Lite, Llama 4; elsewhere equal to hasten_fused)
@@ -36,6 +38,7 @@ And the grouping alone: hasten::moe_group against sort + histc + cumsum + invers
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -54,12 +57,16 @@ from hasten.ops import moe as moe_ops  # noqa: E402
 
 IMPL = {"hf_moe_eager": "eager", "hf_moe_grouped_mm": "grouped_mm", "hasten_fused": "hasten_fused",
         "hasten_graphed": "hasten_fused", "hasten_graphed_callables": "hasten_fused",
-        "hasten_compiled": "hasten_fused", "hasten_fused_class_shared": "hasten_fused"}
+        "hasten_compiled": "hasten_fused", "hasten_fused_class_shared": "hasten_fused",
+        "hasten_fused_torch_gemm": "hasten_fused"}
+# variants run with HASTEN_GROUPED_GEMM set (read by hasten's grouped GEMM on every call)
+GROUPED_GEMM = {"hasten_fused_torch_gemm": "torch"}
 # variants whose shared experts (DeepSeek's, Llama 4's) stay the class's own MLP under hasten's experts
 CLASS_SHARED_MLPS = {"hasten_fused_class_shared"}
 # graphed replays must equal eager hasten (same kernels, same inputs); compiled may reorder float math
 DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and a small block)
-GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2}
+GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2,
+                  "hasten_fused_torch_gemm": 2e-2}  # another GEMM kernel: bf16 outputs rounded apart
 
 
 BLOCK = "qwen3_30b_a3b"  # set by --block
@@ -359,6 +366,9 @@ def run(args, variants: list[str]) -> int:
 
     rows = []
     for name in variants:
+        previous_gemm = os.environ.get("HASTEN_GROUPED_GEMM")
+        if name in GROUPED_GEMM:
+            os.environ["HASTEN_GROUPED_GEMM"] = GROUPED_GEMM[name]
         try:
             rows.append(run_variant(name, block, config, x, grad, iters, want, ref_out, run_id,
                                     profile=name in args.profile.split(",")))
@@ -369,6 +379,10 @@ def run(args, variants: list[str]) -> int:
                          "correct": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}",
                          "notes": "failed"})
         finally:
+            if previous_gemm is None:
+                os.environ.pop("HASTEN_GROUPED_GEMM", None)
+            else:
+                os.environ["HASTEN_GROUPED_GEMM"] = previous_gemm
             x.grad = None
             block.zero_grad(set_to_none=True)
             common.sync()
@@ -411,6 +425,7 @@ def run(args, variants: list[str]) -> int:
               f"  correct {r['correct']}  {r.get('error') or r['notes'][:110]}")
     by = {r["variant"]: r["step_s"] for r in rows if r["step_s"]}
     for a, b in (("hf_moe_grouped_mm", "hasten_fused"), ("hf_moe_eager", "hasten_fused"),
+                 ("hasten_fused_torch_gemm", "hasten_fused"),
                  ("hasten_fused", "hasten_graphed"), ("hasten_fused", "hasten_graphed_callables"),
                  ("hasten_fused", "hasten_compiled"), ("torch_sort_histc_cumsum", "hasten_moe_group")):
         if a in by and b in by:

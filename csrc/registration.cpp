@@ -8,10 +8,21 @@
 
 extern "C" {
 // `import hasten._C` loads this shared object, which runs the static TORCH_LIBRARY
-// initialisers below; the Python module itself has no functions.
+// initialisers below; the Python module itself has no functions, one constant:
+// WITH_CUTLASS, 1 where the experts' CUTLASS grouped GEMM kernels were built (doctor reports it).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+#ifdef HASTEN_WITH_CUTLASS
+  const long with_cutlass = 1;
+#else
+  const long with_cutlass = 0;
+#endif
+  if (module != nullptr && PyModule_AddIntConstant(module, "WITH_CUTLASS", with_cutlass) != 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 }
 
@@ -42,6 +53,15 @@ TORCH_LIBRARY(hasten, m) {
   m.def("moe_combine(Tensor y, Tensor inverse, Tensor offsets, int top_k, Tensor? weights) -> Tensor");
   // Router-weight gradient of moe_combine: (T, k), dot(grad_out[t], y[inverse[t*k + j]]).
   m.def("moe_combine_weight_grad(Tensor grad_out, Tensor y, Tensor inverse, Tensor offsets, int top_k) -> Tensor");
+  // The experts' grouped GEMM: x (S, in) rows in expert order, expert g owning rows
+  // [group_ends[g-1], group_ends[g]); weight (E, out, in), or (E, in, out) when transposed (as
+  // transformers' is_transposed experts store it) -> (S, out) = x[rows of g] @ W_g^T. Rows past
+  // group_ends[E-1] are zero on the CPU and undefined on CUDA. Its input gradient is the same op
+  // with `transposed` flipped; its weight gradient the op below.
+  m.def("moe_grouped_mm(Tensor x, Tensor weight, Tensor group_ends, bool transposed) -> Tensor");
+  // out[g] = a[rows of g]^T @ b[rows of g]: a (S, M), b (S, N) -> (E, M, N), float32 accumulation,
+  // zeros for an expert without rows.
+  m.def("moe_grouped_mm_weight_grad(Tensor a, Tensor b, Tensor group_ends) -> Tensor");
   // SwiGLU on [gate | up] rows (R, 2I): silu(gate) * up -> (R, I); and its backward -> (R, 2I).
   m.def("swiglu(Tensor gate_up) -> Tensor");
   m.def("swiglu_backward(Tensor grad_act, Tensor gate_up) -> Tensor");

@@ -29,8 +29,7 @@ if (( built )); then
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" ggprobe "* ]]; then
-    mkdir -p /tmp/cutlass && tar xJf .whl/cutlass-include.txz -C /tmp/cutlass
-    export HASTEN_CUTLASS=/tmp/cutlass MAX_JOBS=16
+    export MAX_JOBS=16  # CUTLASS's headers: unpacked by gpu_parts.sh to HASTEN_CUTLASS_DIR
     part ggprobe "${GGPROBE_CAP:-400}" python3 scripts/grouped_gemm_probe.py --out "$LOGS"
     grep -E "built|torch|GEMMs|Error|error" "$LOGS/ggprobe.log" 2>/dev/null | tail -30 | tee -a "$SUMMARY"
   fi

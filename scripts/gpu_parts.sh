@@ -70,6 +70,11 @@ print(f"gpu while busy ({len(busy)} samples of {len(rows)}): " + ", ".join(f"{k}
 PY
 }
 
+# CUTLASS's headers (the experts' grouped GEMM kernels): .whl/cutlass-include.txz, where carried
+if [[ -f .whl/cutlass-include.txz ]]; then
+  mkdir -p /tmp/cutlass && tar xJf .whl/cutlass-include.txz -C /tmp/cutlass && export HASTEN_CUTLASS_DIR=/tmp/cutlass
+fi
+
 built=1
 if [[ $PARTS == *" build "* ]]; then
   part build 300 python3 -m pip install -v --no-build-isolation --no-deps -e . || built=0

@@ -7,7 +7,7 @@ forward's gate_up and down, the input gradients of both, and both weight gradien
 configuration is one TU built from csrc/kernels/grouped_gemm_sm90.cuh (JIT, in parallel); each
 result is checked against torch._grouped_mm's (relative Frobenius difference) before it is timed.
 
-  HASTEN_CUTLASS=/path/to/cutlass python3 scripts/grouped_gemm_probe.py --out DIR
+  HASTEN_CUTLASS_DIR=/path/to/cutlass python3 scripts/grouped_gemm_probe.py --out DIR
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--blocks", default=",".join(BLOCKS))
     args = ap.parse_args()
-    cutlass = os.environ.get("HASTEN_CUTLASS", "/tmp/cutlass")
+    cutlass = os.environ.get("HASTEN_CUTLASS_DIR", "/tmp/cutlass")
     mod = build(cutlass, "/tmp/gg_probe_build")
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)

@@ -3,8 +3,8 @@
 // the groups' pointers, strides and sizes written on the device from the grouping's ends, so
 // nothing is read on the host (no sync, capturable in a CUDA graph).
 //
-// Torch-free: included by the kernel TUs (one per tile configuration, compiled in parallel) and
-// by nothing else; the host glue sees only grouped_gemm.h.
+// Torch-free: included by the kernel TUs (grouped_gemm_sm90/*.cu, one per kind and tile, compiled
+// in parallel) and by scripts/grouped_gemm_probe.py; the host glue sees only grouped_gemm.h.
 //
 // Three kinds, rows S in expert order, group g's rows [ends[g-1], ends[g]):
 //   kForward     out (S, N)    = a (S, K) @ b[g] (N, K)^T      b (E, N, K)  the experts' weights as stored
@@ -12,6 +12,13 @@
 //   kWeightGrad  out[g] (M, N) = a[g rows] (., M)^T @ b[g rows] (., N)   a (S, M), b (S, N)
 //                              (grad_W = grad_y^T @ x; a group without rows gets zeros)
 #pragma once
+
+// CUTLASS's device asserts are calls inside the mainloop: ptxas then serialises the WGMMA pipeline
+// (warning C7510, "wgmma.mma_async instructions are serialized"); torch's extension build does
+// not define NDEBUG, so the kernels' TUs do, before any header includes <cassert>.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +36,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
 #include "grouped_gemm.h"
+#include "grouped_gemm_sm90/instances.h"
 
 namespace hasten {
 namespace kernels {
@@ -214,6 +222,33 @@ struct Runner {
   }
 };
 
+// grouped_gemm.h's tile names -> configurations
+template <GroupedGemmTile Tile>
+struct TileConfig;
+template <>
+struct TileConfig<GroupedGemmTile::k64x256PingPong> {
+  using type = Config<64, 256, 64, 2, 1, true>;
+};
+template <>
+struct TileConfig<GroupedGemmTile::k128x128PingPong> {
+  using type = Config<128, 128, 64, 2, 1, true>;
+};
+
 }  // namespace grouped_gemm_sm90
 }  // namespace kernels
 }  // namespace hasten
+
+// The body of one instance TU: instances.h's two functions for (KIND, TILE).
+#define HASTEN_GROUPED_GEMM_SM90_INSTANCE(KIND, TILE)                                                          \
+  namespace hasten {                                                                                          \
+  namespace kernels {                                                                                         \
+  using Runner_##KIND##_##TILE = grouped_gemm_sm90::Runner<                                                   \
+      GroupedGemmKind::KIND, typename grouped_gemm_sm90::TileConfig<GroupedGemmTile::TILE>::type>;            \
+  size_t HASTEN_GROUPED_GEMM_SM90_FN(KIND, TILE, workspace_bytes)(const GroupedGemmParams& p) {               \
+    return Runner_##KIND##_##TILE::workspace_bytes(p);                                                         \
+  }                                                                                                           \
+  cudaError_t HASTEN_GROUPED_GEMM_SM90_FN(KIND, TILE, run)(const GroupedGemmParams& p) {                      \
+    return Runner_##KIND##_##TILE::run(p);                                                                     \
+  }                                                                                                           \
+  }                                                                                                           \
+  }

@@ -70,5 +70,46 @@ inline void check_weight_grad_args(const at::Tensor& grad_out, const at::Tensor&
   check_size(y, 0, inverse.numel(), "moe_combine_weight_grad", "y", "slots = tokens * top_k");
 }
 
+// The experts' grouped GEMM: x (S, in) rows in expert order, weight (E, out, in), or (E, in, out)
+// when transposed, group_ends (E,) int32 inclusive ends.
+inline void check_group_ends(const char* op, const at::Tensor& rows, const at::Tensor& group_ends) {
+  check_dtype(group_ends, op, "group_ends", {at::kInt});
+  check_dim(group_ends, 1, op, "group_ends", "1-D (experts,)");
+  TORCH_CHECK(group_ends.numel() >= 1, "hasten::", op, ": `group_ends` needs one entry per expert, got none");
+  check_same_device(rows, group_ends, op, "x", "group_ends");
+}
+
+inline void check_grouped_float(const char* op, const char* arg, const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ||
+                  (t.scalar_type() == at::kDouble && t.is_cpu()),
+              "hasten::", op, ": `", arg, "` must be float32, float16 or bfloat16 (float64 on the CPU), got ",
+              t.scalar_type());
+}
+
+inline void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& group_ends,
+                                  bool transposed) {
+  const char* op = "moe_grouped_mm";
+  check_dim(x, 2, op, "x", "2-D (rows, in)");
+  check_dim(weight, 3, op, "weight", transposed ? "3-D (experts, in, out)" : "3-D (experts, out, in)");
+  check_grouped_float(op, "x", x);
+  check_same_dtype(x, weight, op, "x", "weight");
+  check_size(weight, transposed ? 1 : 2, x.size(1), op, "weight", "the columns of x (in)");
+  check_group_ends(op, x, group_ends);
+  check_size(group_ends, 0, weight.size(0), op, "group_ends", "the experts of weight");
+  check_same_device(x, weight, op, "x", "weight");
+}
+
+// a (S, M), b (S, N) rows in expert order -> (E, M, N)
+inline void check_grouped_mm_weight_grad_args(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends) {
+  const char* op = "moe_grouped_mm_weight_grad";
+  check_dim(a, 2, op, "a", "2-D (rows, M)");
+  check_dim(b, 2, op, "b", "2-D (rows, N)");
+  check_grouped_float(op, "a", a);
+  check_same_dtype(a, b, op, "a", "b");
+  check_size(b, 0, a.size(0), op, "b", "the rows of a");
+  check_group_ends(op, a, group_ends);
+  check_same_device(a, b, op, "a", "b");
+}
+
 // gate_up (R, 2I): [gate | up] per row; grad_act (R, I) for the backward
 }  // namespace hasten

@@ -142,6 +142,14 @@ ENVIRONMENT = (
      "minutes shorter); packed attention then runs flash-attn or torch's varlen kernel, said at run time."),
     ("HASTEN_CUDNN_FRONTEND_INCLUDE", "install", "the folder holding `cudnn_frontend.h`, where the "
      "nvidia-cudnn-frontend pip package is not installed."),
+    ("HASTEN_CUTLASS_DIR", "install", "a CUTLASS checkout (or its include folder) for the MoE experts' grouped "
+     "GEMM kernels, where the nvidia-cutlass pip package is not installed; with either, 9.0 in the architecture "
+     "list is built as 9.0a."),
+    ("HASTEN_CUTLASS", "install", "`0`: leave out the CUTLASS grouped GEMM kernels; MoE experts then run torch's "
+     "grouped GEMM throughout (`hasten doctor` says which a build has)."),
+    ("HASTEN_GROUPED_GEMM", "run", "MoE experts' grouped GEMM on sm90: `auto` (default: hasten's CUTLASS tiles "
+     "where they measured faster, torch's kernel elsewhere), `torch`, `cutlass_64x256` or `cutlass_128x128` (for "
+     "A/B runs); read on every call."),
     ("HASTEN_VERIFY", "run", "`1`: every attention call re-derives the packing metadata from position_ids and "
      "raises on a mismatch (as `attention.verify: true`); under torch.compile it is read when a layer is traced."),
     ("HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES", "run", "the float32 workspace, in bytes, above which the "

@@ -149,6 +149,112 @@ def test_clamped_swiglu_with_expert_biases_cuda_equals_the_biases_added_apart(dt
     torch.testing.assert_close(leaves[1].grad.float(), (one_hot.t().float() @ back.float()), rtol=2e-2, atol=2e-2)
 
 
+def _grouped_case(rows, experts, d_in, d_out, transposed, gen, empty=(1,)):
+    """bfloat16 operands on the GPU with a random grouping, the experts in `empty` given no rows,
+    and a few rows past the last group's end."""
+    counts = torch.randint(1, 2 * rows // experts + 2, (experts,), generator=gen)
+    for e in empty:
+        counts[e] = 0
+    counts = (counts.double() * (rows - 5) / counts.sum()).floor().long()  # 5+ rows past the end
+    ends = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(rows, d_in, generator=gen).bfloat16()
+    shape = (experts, d_in, d_out) if transposed else (experts, d_out, d_in)
+    weight = (torch.randn(*shape, generator=gen) / d_in ** 0.5).bfloat16()
+    return x.cuda(), weight.cuda(), ends.cuda()
+
+
+def _grouped_reference_fp32(x, weight, ends, transposed):
+    out = torch.zeros(x.shape[0], weight.shape[2] if transposed else weight.shape[1], device=x.device)
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        w = weight[g].float()
+        out[start:end] = x[start:end].float() @ (w if transposed else w.t())
+        start = end
+    return out
+
+
+# torch: at::_grouped_mm; the CUTLASS tiles forced; auto: the measured rule
+@pytest.mark.parametrize("mode", ["auto", "torch", "cutlass_64x256", "cutlass_128x128"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
+@pytest.mark.parametrize("rows,experts,d_in,d_out", [(4099, 8, 768, 2048), (1000, 5, 2048, 264), (77, 4, 8, 16),
+                                                     (12_300, 8, 1416, 1416)])
+def test_grouped_mm_cuda_equals_per_expert_fp32(monkeypatch, mode, transposed, rows, experts, d_in, d_out):
+    """Forward, input and weight gradients against per-expert float32 matmuls, with an empty
+    expert (its weight gradient must be zeros: the ragged reduction of nothing) and rows past the
+    last end (undefined in the output, never read: not compared)."""
+    monkeypatch.setenv("HASTEN_GROUPED_GEMM", mode)
+    gen = torch.Generator().manual_seed(rows + d_in + transposed)
+    x, weight, ends = _grouped_case(rows, experts, d_in, d_out, transposed, gen)
+    x.requires_grad_(True)
+    weight.requires_grad_(True)
+    y = moe_ops.grouped_mm(x, weight, ends, transposed)
+    grad = torch.randn(y.shape, generator=gen).bfloat16().cuda()
+    valid = int(ends[-1])
+    grad[valid:] = 0  # what combine's backward gives the rows past the end
+    grad_x, grad_w = torch.autograd.grad(y, (x, weight), grad)
+    xr, wr = x.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
+    yr = _grouped_reference_fp32(xr, wr, ends, transposed)
+    ref_x, ref_w = torch.autograd.grad(yr, (xr, wr), grad.float())
+
+    def close(got, want, what):
+        err = (got.float() - want).norm() / want.norm().clamp_min(1e-12)
+        assert err < 1e-2, f"{what}: relative error {err:.2e} ({mode})"
+
+    close(y[:valid], yr[:valid].detach(), "y")
+    close(grad_x[:valid], ref_x[:valid], "grad_x")
+    close(grad_w, ref_w, "grad_weight")
+    assert torch.count_nonzero(grad_w[1]) == 0, "the empty expert's weight gradient must be zeros"
+
+
+def test_grouped_mm_cuda_all_experts_empty_and_no_rows():
+    x = torch.randn(24, 16, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(3, 32, 16, device="cuda", dtype=torch.bfloat16)
+    dw = torch.ops.hasten.moe_grouped_mm_weight_grad(x, torch.randn(24, 32, device="cuda", dtype=torch.bfloat16),
+                                                     torch.zeros(3, dtype=torch.int32, device="cuda"))
+    assert dw.shape == (3, 16, 32) and torch.count_nonzero(dw) == 0
+    y = torch.ops.hasten.moe_grouped_mm(x[:0], weight, torch.zeros(3, dtype=torch.int32, device="cuda"), False)
+    assert y.shape == (0, 32)
+
+
+def test_grouped_mm_cuda_syncs_nothing_and_names_a_bad_mode(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    x, weight, ends = _grouped_case(4099, 8, 768, 2048, False, gen)
+    moe_ops.grouped_mm(x, weight, ends)  # warm: the device attributes are read once
+    with count_host_syncs() as syncs:
+        y = moe_ops.grouped_mm(x, weight, ends)
+        torch.ops.hasten.moe_grouped_mm_weight_grad(y, x, ends)
+    assert syncs.count == 0
+    monkeypatch.setenv("HASTEN_GROUPED_GEMM", "fastest")
+    with pytest.raises(RuntimeError, match="HASTEN_GROUPED_GEMM must be auto, torch"):
+        moe_ops.grouped_mm(x, weight, ends)
+
+
+def _hasten_kernel_ran(fn) -> bool:
+    """Whether fn launched hasten's CUTLASS grouped GEMM (its prepare kernel, which torch's own
+    CUTLASS grouped GEMM does not have)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any("prepare_groups" in e.name for e in prof.events())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="hasten's CUTLASS kernels are sm90 code")
+def test_grouped_mm_cuda_runs_hastens_kernels_where_the_rule_says(monkeypatch):
+    import hasten._C
+    assert hasten._C.WITH_CUTLASS == 1, "this build has no CUTLASS grouped GEMM (set HASTEN_CUTLASS_DIR)"
+    gen = torch.Generator().manual_seed(5)
+    short_k = _grouped_case(4099, 8, 768, 2048, False, gen)  # K 768: 64x256
+    long_k = _grouped_case(4099, 8, 2048, 1536, False, gen)  # K 2048, few rows per expert: torch's
+    assert _hasten_kernel_ran(lambda: moe_ops.grouped_mm(*short_k))
+    assert not _hasten_kernel_ran(lambda: moe_ops.grouped_mm(*long_k))
+    assert _hasten_kernel_ran(lambda: torch.ops.hasten.moe_grouped_mm_weight_grad(long_k[0], long_k[0], long_k[2]))
+    monkeypatch.setenv("HASTEN_GROUPED_GEMM", "torch")
+    assert not _hasten_kernel_ran(lambda: moe_ops.grouped_mm(*short_k))
+    monkeypatch.setenv("HASTEN_GROUPED_GEMM", "cutlass_128x128")
+    assert _hasten_kernel_ran(lambda: moe_ops.grouped_mm(*long_k))
+
+
 def test_fused_block_equals_eager_block_bf16_and_syncs_nothing():
     block, config = _w3_block()
     x = torch.randn(1, 4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # (B, T, H)

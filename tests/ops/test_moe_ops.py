@@ -168,3 +168,45 @@ def test_clamped_swiglu_is_not_the_plain_swiglu_nor_unclamped():
     assert not torch.allclose(got, clamped_swiglu_reference(gate_up, 1.702, 100.0), atol=1e-3)
     gate, up = gate_up[:, ::2].clamp(max=0.8), gate_up[:, 1::2].clamp(-0.8, 0.8)
     assert not torch.allclose(got, up * gate * torch.sigmoid(1.702 * gate), atol=1e-3)
+
+
+def _grouped_reference(x, weight, ends, transposed):
+    """Per expert in float64: rows [ends[g-1], ends[g]) times W_g^T; rows past the last end zero."""
+    out = torch.zeros(x.shape[0], weight.shape[2] if transposed else weight.shape[1], dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        w = weight[g].double()
+        out[start:end] = x[start:end].double() @ (w if transposed else w.t())
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
+@pytest.mark.parametrize("ends", [[3, 3, 9, 12], [0, 0, 0, 13], [13, 13, 13, 13], [1, 2, 5, 9]],
+                         ids=["one_empty", "last_takes_all", "first_takes_all", "rows_past_the_end"])
+def test_grouped_mm_matches_per_expert_matmul_with_its_gradients(transposed, ends):
+    gen = torch.Generator().manual_seed(len(ends) + sum(ends))
+    rows, experts, d_in, d_out = 13, 4, 6, 5
+    x = torch.randn(rows, d_in, generator=gen, dtype=torch.float64, requires_grad=True)
+    shape = (experts, d_in, d_out) if transposed else (experts, d_out, d_in)
+    weight = torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    ends_t = torch.tensor(ends, dtype=torch.int32)
+    y = moe_ops.grouped_mm(x, weight, ends_t, transposed)
+    torch.testing.assert_close(y, _grouped_reference(x.detach(), weight.detach(), ends_t, transposed), rtol=0, atol=1e-12)
+    torch.autograd.gradcheck(lambda a, w: moe_ops.grouped_mm(a, w, ends_t, transposed), (x, weight))
+    # an expert without rows gets a zero weight gradient, not an untouched buffer
+    grad = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    (grad_weight,) = torch.autograd.grad(y, weight, grad)
+    starts = [0] + ends[:-1]
+    for g, (start, end) in enumerate(zip(starts, ends)):
+        if start == end:
+            assert torch.count_nonzero(grad_weight[g]) == 0
+
+
+def test_grouped_mm_refuses_group_ends_that_are_not_a_grouping():
+    x, weight = torch.randn(5, 4), torch.randn(2, 3, 4)
+    for ends in ([3, 2], [2, 6], [-1, 5]):
+        with pytest.raises(RuntimeError, match="group_ends. must be non-decreasing within"):
+            torch.ops.hasten.moe_grouped_mm(x, weight, torch.tensor(ends, dtype=torch.int32), False)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        torch.ops.hasten.moe_grouped_mm_weight_grad(x, torch.randn(5, 2), torch.tensor([4, 3], dtype=torch.int32))

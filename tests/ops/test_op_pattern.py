@@ -20,10 +20,11 @@ from hasten.ops import op_names
 
 ops = torch.ops.hasten
 DIFFERENTIABLE = {"rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "varlen_attention", "linear_cross_entropy",
-                  "moe_permute", "moe_combine", "swiglu", "clamped_swiglu", "lora_linear",
+                  "moe_permute", "moe_combine", "moe_grouped_mm", "swiglu", "clamped_swiglu", "lora_linear",
                   "lora_linear_group", "lora_gated_group"}
 BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
-                "moe_combine_weight_grad", "swiglu_backward", "clamped_swiglu_backward", "lora_linear_backward",
+                "moe_combine_weight_grad", "moe_grouped_mm_weight_grad", "swiglu_backward", "clamped_swiglu_backward",
+                "lora_linear_backward",
                 "lora_linear_group_backward", "lora_gated_group_backward"}
 # integer-valued or in-place ops, with no derivative to define
 NOT_DIFFERENTIABLE = {"varlen_meta", "moe_group", "cross_entropy_rows_"}
@@ -97,6 +98,11 @@ def _cases(requires_grad: bool):
         ("moe_combine", (t(tokens * top_k, hidden), grouping.inverse, grouping.offsets, top_k, None)),
         ("moe_combine_weight_grad", (t(tokens, hidden, grad=False), t(tokens * top_k, hidden, grad=False),
                                      grouping.inverse, grouping.offsets, top_k)),
+        # 3 experts over 7 rows, the middle one empty, the last row past every group; both layouts
+        ("moe_grouped_mm", (t(7, 5), t(3, 4, 5), torch.tensor([2, 2, 6], dtype=torch.int32), False)),
+        ("moe_grouped_mm", (t(7, 5), t(3, 5, 4), torch.tensor([2, 2, 6], dtype=torch.int32), True)),
+        ("moe_grouped_mm_weight_grad", (t(7, 4, grad=False), t(7, 5, grad=False),
+                                        torch.tensor([2, 2, 6], dtype=torch.int32))),
         ("swiglu", (t(4, 10),)),
         ("swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False))),
         ("clamped_swiglu", (t(4, 10), 1.702, 0.8)),
@@ -257,6 +263,15 @@ def _bad_inputs():
         ("moe_permute", (f(2, 4), torch.zeros(4, dtype=i32), torch.tensor([0, 4], dtype=i32), 2, torch.ones(3))),
         ("moe_combine", (f(4, 8), torch.zeros(4, dtype=i32), torch.zeros(3, dtype=i32), 2, f(3))),
         ("moe_combine_weight_grad", (f(6, 5), f(14, 5), g.inverse, g.offsets, 2)),
+        ("moe_grouped_mm", (f(4, 5), f(2, 3, 6), torch.tensor([2, 4], dtype=i32), False)),  # in
+        ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 4], dtype=i32), True)),  # in, transposed
+        ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 2, 4], dtype=i32), False)),  # experts
+        ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 4]), False)),  # int64 ends
+        ("moe_grouped_mm", (f(4, 5), f(2, 3, 5, dtype=torch.float64), torch.tensor([2, 4], dtype=i32), False)),
+        ("moe_grouped_mm", (f(4, 5), f(3, 5), torch.tensor([2, 4], dtype=i32), False)),  # a 2-D weight
+        ("moe_grouped_mm", (torch.ones(4, 5, dtype=i32), f(2, 3, 5), torch.tensor([2, 4], dtype=i32), False)),
+        ("moe_grouped_mm_weight_grad", (f(4, 3), f(5, 6), torch.tensor([2, 4], dtype=i32))),  # rows
+        ("moe_grouped_mm_weight_grad", (f(4, 3), f(4, 6), torch.zeros(0, dtype=i32))),  # no experts
         ("swiglu", (f(2, 3),)),
         ("swiglu_backward", (f(2, 4), f(2, 10))),
         ("clamped_swiglu", (f(2, 3), 1.702, 7.0)),

@@ -17,10 +17,13 @@ the factors (lhs (E, out, r), rhs (E, r, in)); backward keeps x and the (S, r) p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn.utils import parametrize
 
 from hasten.observability import record_fallback
+from hasten.ops import has_cuda_kernel
 from hasten.ops import moe as moe_ops
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
@@ -177,15 +180,24 @@ def describe(experts: torch.nn.Module) -> str:
     return ", ".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_built() -> bool:
+    """Whether hasten._C has the grouped GEMM's CUDA kernel (asked once: the dispatcher query is
+    host time on every expert GEMM)."""
+    return has_cuda_kernel("moe_grouped_mm")
+
+
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    if _GROUPED_MM is None:
+    if _GROUPED_MM is None:  # hasten's op runs torch's kernel wherever its own do not apply
         return f"torch {torch.__version__} has no torch._grouped_mm"
     if x.device.type != "cuda":
         return "grouped GEMM needs a CUDA GPU"
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return f"grouped GEMM takes bfloat16 and the experts run in {weight.dtype}"
-    if (x.shape[1] * 2) % 16 or (weight.shape[1] * 2) % 16:
+    if x.shape[1] % 8 or weight.shape[1] % 8 or weight.shape[2] % 8:
         return "grouped GEMM needs row sizes that are multiples of 8 elements"
+    if not _grouped_mm_built():
+        return "this hasten build has no CUDA kernel for hasten::moe_grouped_mm"
     return None
 
 
@@ -241,13 +253,16 @@ def _per_expert_backward(ctx, grad_out):
 _per_expert_matmul_op.register_autograd(_per_expert_backward, setup_context=_per_expert_setup)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping) -> torch.Tensor:
-    """x (S, in) in expert order, weight (E, out, in) -> (S, out); rows past the valid slots are undefined."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping, transposed: bool = False) -> torch.Tensor:
+    """x (S, in) in expert order, weight (E, out, in), or (E, in, out) when transposed -> (S, out);
+    rows past the valid slots are undefined."""
     reason = _grouped_mm_usable(x, weight)
     if reason is None:
-        return _GROUPED_MM(x, weight.transpose(-2, -1), offs=g.group_ends)
+        return moe_ops.grouped_mm(x, weight, g.group_ends, transposed)
     record_fallback("moe_grouped_gemm", f"MoE experts run one matmul per expert ({reason}); correct, slower, "
                     "and one host sync per layer")
+    if transposed:
+        weight = weight.transpose(-2, -1)
     if torch.compiler.is_compiling():
         return _per_expert_matmul_op(x, weight, g.offsets)
     return _per_expert_matmul(x, weight, g.offsets)
@@ -332,23 +347,21 @@ def _projection(experts: torch.nn.Module, name: str, x: torch.Tensor, g: moe_ops
                 row_one_hot: torch.Tensor | None) -> torch.Tensor:
     """x (S, in) through the expert weight `name` (E, out, in), or (E, in, out) where the module
     stores it transposed; split where it carries LoRA factors; plus the row's expert bias."""
-    transposed = getattr(experts, "is_transposed", False)
+    transposed = bool(getattr(experts, "is_transposed", False))
     split = lora_factors(experts, name)
     if split is None:
-        weight = getattr(experts, name)
-        y = grouped_linear(x, weight.transpose(-2, -1) if transposed else weight, g)
+        y = grouped_linear(x, getattr(experts, name), g, transposed)
     else:
         base, (lhs, rhs, scaling) = split  # delta = scaling * lhs @ rhs, in the stored layout
-        if transposed:  # (E, in, out): y = x (lhs rhs) = (x lhs) rhs
-            base, first, second = base.transpose(-2, -1), lhs.transpose(-2, -1), rhs.transpose(-2, -1)
-        else:  # (E, out, in): y = x (lhs rhs)^T = (x rhs^T) lhs^T
-            first, second = rhs, lhs
-        # PEFT's factors are permuted views of its adapters; grouped GEMM needs one of the last two
-        # dimensions dense, and the copies are small (E x out x r). The scaling goes on the (S, r)
-        # product, not the (S, out) one: a pass over S x r values each way instead of S x out
-        # (W5's gate_up: 131,072 x 1,536 per layer, forward and backward)
-        low = grouped_linear(x, first.contiguous(), g) * scaling  # (S, r)
-        y = grouped_linear(x, base, g) + grouped_linear(low, second.contiguous(), g)
+        # (E, in, out): y = x (lhs rhs) = (x lhs) rhs, lhs (E, in, r) and rhs (E, r, out) in that
+        # layout too; (E, out, in): y = x (lhs rhs)^T = (x rhs^T) lhs^T, rhs (E, r, in), lhs (E, out, r)
+        first, second = (lhs, rhs) if transposed else (rhs, lhs)
+        # PEFT's factors are permuted views of its adapters; the grouped GEMM reads them dense, and
+        # the copies are small (E x out x r). The scaling goes on the (S, r) product, not the (S,
+        # out) one: a pass over S x r values each way instead of S x out (W5's gate_up: 131,072 x
+        # 1,536 per layer, forward and backward)
+        low = grouped_linear(x, first.contiguous(), g, transposed) * scaling  # (S, r)
+        y = grouped_linear(x, base, g, transposed) + grouped_linear(low, second.contiguous(), g, transposed)
     if row_one_hot is not None:
         y = _add_expert_bias(y, getattr(experts, f"{name}_bias"), row_one_hot)
     return y

@@ -360,6 +360,41 @@ def check_weight_grad_args(grad_out, y, inverse, offsets, top_k) -> None:
     check_size(y, 0, inverse.numel(), op, "y", "slots = tokens * top_k")
 
 
+def _check_group_ends(op: str, rows, group_ends) -> None:
+    check_dtype(group_ends, op, "group_ends", (torch.int32,))
+    check_dim(group_ends, 1, op, "group_ends", "1-D (experts,)")
+    check(group_ends.numel() >= 1, op, "`group_ends` needs one entry per expert, got none")
+    check_same_device(rows, group_ends, op, "x", "group_ends")
+
+
+def _check_grouped_float(op: str, arg: str, t) -> None:
+    check(t.dtype in FLOATS or (t.dtype == torch.float64 and t.device.type == "cpu"), op,
+          lambda: f"`{arg}` must be float32, float16 or bfloat16 (float64 on the CPU), got {dtype_name(t.dtype)}")
+
+
+def check_grouped_mm_args(x, weight, group_ends, transposed) -> None:
+    op = "moe_grouped_mm"
+    check_dim(x, 2, op, "x", "2-D (rows, in)")
+    check_dim(weight, 3, op, "weight", "3-D (experts, in, out)" if transposed else "3-D (experts, out, in)")
+    _check_grouped_float(op, "x", x)
+    check_same_dtype(x, weight, op, "x", "weight")
+    check_size(weight, 1 if transposed else 2, x.shape[1], op, "weight", "the columns of x (in)")
+    _check_group_ends(op, x, group_ends)
+    check_size(group_ends, 0, weight.shape[0], op, "group_ends", "the experts of weight")
+    check_same_device(x, weight, op, "x", "weight")
+
+
+def check_grouped_mm_weight_grad_args(a, b, group_ends) -> None:
+    op = "moe_grouped_mm_weight_grad"
+    check_dim(a, 2, op, "a", "2-D (rows, M)")
+    check_dim(b, 2, op, "b", "2-D (rows, N)")
+    _check_grouped_float(op, "a", a)
+    check_same_dtype(a, b, op, "a", "b")
+    check_size(b, 0, a.shape[0], op, "b", "the rows of a")
+    _check_group_ends(op, a, group_ends)
+    check_same_device(a, b, op, "a", "b")
+
+
 # --- LoRA (csrc/lora) -----------------------------------------------------------------------------
 
 def check_lora_linear_args(op: str, x, x_lora, weight, bias, lora_a, lora_b) -> None:

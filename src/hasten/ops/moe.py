@@ -59,6 +59,16 @@ def _clamped_swiglu_backward_fake(grad_act, gate_up, alpha, limit, bias=None, gr
     return gate_up.new_empty(gate_up.shape)
 
 
+def _grouped_mm_fake(x, weight, group_ends, transposed):
+    _checks.check_grouped_mm_args(x, weight, group_ends, transposed)
+    return x.new_empty((x.shape[0], weight.shape[2] if transposed else weight.shape[1]))
+
+
+def _grouped_mm_weight_grad_fake(a, b, group_ends):
+    _checks.check_grouped_mm_weight_grad_args(a, b, group_ends)
+    return a.new_empty((group_ends.shape[0], a.shape[1], b.shape[1]))
+
+
 def _inverse_of(index: torch.Tensor) -> torch.Tensor:
     """The inverse of a permutation of the S slots (permutation <-> inverse), one scatter on the
     index's device: the backward of permute needs the inverse and that of combine the permutation,
@@ -116,6 +126,28 @@ def _combine_backward(ctx, grad_out):
     return grad_y, None, None, None, grad_weights
 
 
+# grouped_mm: y[rows of g] = x[rows of g] @ W_g^T, weight (E, out, in), or (E, in, out) when transposed
+def _grouped_mm_setup(ctx, inputs, output):
+    x, weight, group_ends, ctx.transposed = inputs
+    # x's gradient needs the weight; the weight's needs x
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None,
+                          group_ends)
+
+
+def _grouped_mm_backward(ctx, grad):
+    x, weight, group_ends = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        # grad_x[rows of g] = grad @ W_g: the same GEMM on the other layout of the weight
+        grad_x = call_in_backward("moe_grouped_mm", grad, weight, group_ends, not ctx.transposed)
+    if ctx.needs_input_grad[1]:
+        # (E, out, in): grad^T @ x per expert; (E, in, out): x^T @ grad
+        a, b = (x, grad) if ctx.transposed else (grad, x)
+        grad_weight = call_in_backward("moe_grouped_mm_weight_grad", a, b, group_ends)
+    return grad_x, grad_weight, None, None
+
+
 def _swiglu_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
@@ -150,13 +182,15 @@ def _register() -> None:
                        ("moe_combine", _moe_combine_fake), ("moe_combine_weight_grad", _moe_combine_weight_grad_fake),
                        ("swiglu", _swiglu_fake), ("swiglu_backward", _swiglu_backward_fake),
                        ("clamped_swiglu", _clamped_swiglu_fake),
-                       ("clamped_swiglu_backward", _clamped_swiglu_backward_fake)):
+                       ("clamped_swiglu_backward", _clamped_swiglu_backward_fake),
+                       ("moe_grouped_mm", _grouped_mm_fake), ("moe_grouped_mm_weight_grad", _grouped_mm_weight_grad_fake)):
         torch.library.register_fake(lib + name, fake)
     register_autograd("moe_permute", _permute_backward, setup_context=_permute_setup)
     register_autograd("moe_combine", _combine_backward, setup_context=_combine_setup)
+    register_autograd("moe_grouped_mm", _grouped_mm_backward, setup_context=_grouped_mm_setup)
     register_autograd("swiglu", _swiglu_backward, setup_context=_swiglu_setup)
     register_autograd("clamped_swiglu", _clamped_swiglu_backward, setup_context=_clamped_swiglu_setup)
-    for op in ("moe_combine_weight_grad", "swiglu_backward", "clamped_swiglu_backward"):
+    for op in ("moe_combine_weight_grad", "swiglu_backward", "clamped_swiglu_backward", "moe_grouped_mm_weight_grad"):
         no_double_backward(op)
 
 
@@ -195,6 +229,16 @@ def combine(y: torch.Tensor, weights: torch.Tensor | None, g: Grouping) -> torch
     summed where weights is None."""
     load()
     return call("moe_combine", y, g.inverse, g.offsets, g.top_k, weights)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """The experts' grouped GEMM: x (S, in) in expert order -> (S, out), expert g's rows times
+    W_g^T, weight (E, out, in), or (E, in, out) when transposed; group_ends (E,) int32 inclusive
+    ends (Grouping.group_ends). On CUDA, bfloat16 on an sm90 GPU runs hasten's CUTLASS kernels
+    where a tile of theirs measured faster, torch's grouped GEMM elsewhere; no host sync. Rows
+    past the last end are undefined on CUDA."""
+    load()
+    return call("moe_grouped_mm", x, weight, group_ends, bool(transposed))
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
