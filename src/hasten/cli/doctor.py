@@ -289,7 +289,25 @@ def op_library_findings(gpu_present: bool) -> list[Finding]:
             findings.append(Finding(name, "blocker", "no CUDA kernel in this build", REBUILD_WITH_CUDA))
         else:
             findings.append(Finding(name, "info", "no CUDA kernel (none needed without a GPU)"))
+    findings.append(grouped_gemm_finding(gpu_present))
     return findings
+
+
+def grouped_gemm_finding(gpu_present: bool) -> Finding:
+    """Whether the MoE experts' CUTLASS grouped GEMM kernels (sm90) are in this build."""
+    import hasten._C
+
+    if getattr(hasten._C, "WITH_CUTLASS", 0):
+        return Finding("MoE grouped GEMM", "ok", "hasten's CUTLASS sm90 kernels built (torch's kernel where they "
+                       "measured slower, and on other GPUs)")
+    import torch
+
+    detail = "torch's grouped GEMM only (CUTLASS's headers were missing at install, or 9.0 was not a target)"
+    hopper = gpu_present and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    if not hopper:  # the kernels are sm90 code: nothing is lost elsewhere
+        return Finding("MoE grouped GEMM", "info", detail + "; hasten's kernels are for sm90 GPUs")
+    return Finding("MoE grouped GEMM", "warn", detail + "; MoE experts run torch's kernel throughout, slower",
+                   "pip install nvidia-cutlass (or set HASTEN_CUTLASS_DIR), then reinstall hasten")
 
 
 def linear_attention_finding(gpu_count: int) -> Finding:
