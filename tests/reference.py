@@ -64,6 +64,18 @@ def moe_combine_reference(y, inverse, top_k, valid, weights=None):
     return (rows * keep * w).reshape(tokens, top_k, -1).sum(1)
 
 
+def grouped_mm_reference(x, weight, ends, transposed):
+    """Per expert in x's dtype (differentiable): rows [ends[g-1], ends[g]) of x (S, in) times W_g^T,
+    weight (E, out, in), or (E, in, out) when transposed; rows past the last end zero."""
+    out = x.new_zeros(x.shape[0], weight.shape[2] if transposed else weight.shape[1])
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        w = weight[g].to(x.dtype)
+        out[start:end] = x[start:end] @ (w if transposed else w.t())
+        start = end
+    return out
+
+
 def swiglu_reference(gate_up):
     g, u = gate_up.double().chunk(2, dim=-1)
     return torch.nn.functional.silu(g) * u

@@ -11,6 +11,7 @@ from hasten.integrations.transformers import registered
 from hasten.observability import count_host_syncs, fallback_counts
 from hasten.ops import moe as moe_ops
 from tests.ops.test_moe_ops import check_grouping
+from tests.reference import grouped_mm_reference
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 1, 1), (3, 8, 128), (16384, 8, 128), (5000, 2, 512),
@@ -163,16 +164,6 @@ def _grouped_case(rows, experts, d_in, d_out, transposed, gen, empty=(1,)):
     return x.cuda(), weight.cuda(), ends.cuda()
 
 
-def _grouped_reference_fp32(x, weight, ends, transposed):
-    out = torch.zeros(x.shape[0], weight.shape[2] if transposed else weight.shape[1], device=x.device)
-    start = 0
-    for g, end in enumerate(ends.tolist()):
-        w = weight[g].float()
-        out[start:end] = x[start:end].float() @ (w if transposed else w.t())
-        start = end
-    return out
-
-
 # torch: at::_grouped_mm; the CUTLASS tiles forced; auto: the measured rule
 @pytest.mark.parametrize("mode", ["auto", "torch", "cutlass_64x256", "cutlass_128x128"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
@@ -193,7 +184,7 @@ def test_grouped_mm_cuda_equals_per_expert_fp32(monkeypatch, mode, transposed, r
     grad[valid:] = 0  # what combine's backward gives the rows past the end
     grad_x, grad_w = torch.autograd.grad(y, (x, weight), grad)
     xr, wr = x.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
-    yr = _grouped_reference_fp32(xr, wr, ends, transposed)
+    yr = grouped_mm_reference(xr, wr, ends, transposed)
     ref_x, ref_w = torch.autograd.grad(yr, (xr, wr), grad.float())
 
     def close(got, want, what):

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from hasten.ops import moe as moe_ops
-from tests.reference import (moe_combine_reference, moe_group_reference, moe_permute_reference,
-                             swiglu_reference)
+from tests.reference import (grouped_mm_reference, moe_combine_reference, moe_group_reference,
+                             moe_permute_reference, swiglu_reference)
 
 
 def _ids(gen, tokens, top_k, experts, dtype=torch.int64, skew=False):
@@ -170,17 +170,6 @@ def test_clamped_swiglu_is_not_the_plain_swiglu_nor_unclamped():
     assert not torch.allclose(got, up * gate * torch.sigmoid(1.702 * gate), atol=1e-3)
 
 
-def _grouped_reference(x, weight, ends, transposed):
-    """Per expert in float64: rows [ends[g-1], ends[g]) times W_g^T; rows past the last end zero."""
-    out = torch.zeros(x.shape[0], weight.shape[2] if transposed else weight.shape[1], dtype=torch.float64)
-    start = 0
-    for g, end in enumerate(ends.tolist()):
-        w = weight[g].double()
-        out[start:end] = x[start:end].double() @ (w if transposed else w.t())
-        start = end
-    return out
-
-
 @pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
 @pytest.mark.parametrize("ends", [[3, 3, 9, 12], [0, 0, 0, 13], [13, 13, 13, 13], [1, 2, 5, 9]],
                          ids=["one_empty", "last_takes_all", "first_takes_all", "rows_past_the_end"])
@@ -192,7 +181,8 @@ def test_grouped_mm_matches_per_expert_matmul_with_its_gradients(transposed, end
     weight = torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
     ends_t = torch.tensor(ends, dtype=torch.int32)
     y = moe_ops.grouped_mm(x, weight, ends_t, transposed)
-    torch.testing.assert_close(y, _grouped_reference(x.detach(), weight.detach(), ends_t, transposed), rtol=0, atol=1e-12)
+    torch.testing.assert_close(y, grouped_mm_reference(x.detach(), weight.detach(), ends_t, transposed), rtol=0,
+                               atol=1e-12)
     torch.autograd.gradcheck(lambda a, w: moe_ops.grouped_mm(a, w, ends_t, transposed), (x, weight))
     # an expert without rows gets a zero weight gradient, not an untouched buffer
     grad = torch.randn(y.shape, generator=gen, dtype=torch.float64)
