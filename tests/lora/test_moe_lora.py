@@ -51,7 +51,7 @@ def _packed_step_equals(model, want_loss, want) -> dict:
     return got
 
 
-def test_expert_lora_on_the_fused_moe_path_equals_peft_one_sample_at_a_time():
+def test_expert_lora_on_the_fused_moe_path_equals_peft_one_sample_at_a_time(expert_gemm):
     model, want_loss, want = _expert_lora_model("qwen3_moe", ["q_proj", "v_proj"])
     handle = hasten.accelerate(model.get_base_model(), Config())
     assert any(item.startswith("fused MoE experts") for item in handle.active), handle.report()
@@ -89,7 +89,24 @@ def test_expert_lora_runs_split_without_the_merged_expert_stack(monkeypatch):
     handle.undo()
 
 
-def test_expert_lora_on_gpt_oss_transposed_biased_experts_equals_peft():
+@pytest.fixture(params=["per_expert", "grouped_op"])
+def expert_gemm(request, monkeypatch):
+    """The experts' GEMMs on the CPU: one matmul per expert (the fallback a CPU run takes), or
+    hasten::moe_grouped_mm's CPU kernel, which the GPU path calls with the weight's stored layout
+    (`transposed`) and whose backward flips it: the wiring the GPU runs, checked here in float32."""
+    from hasten.observability import fallback_counts, reset_fallbacks
+
+    reset_fallbacks()
+    if request.param == "grouped_op":
+        from hasten.moe import experts
+
+        monkeypatch.setattr(experts, "_grouped_mm_usable", lambda x, weight: None)
+    yield request.param
+    ran_per_expert = fallback_counts().get("moe_grouped_gemm", 0) > 0
+    assert ran_per_expert == (request.param == "per_expert"), fallback_counts()
+
+
+def test_expert_lora_on_gpt_oss_transposed_biased_experts_equals_peft(expert_gemm):
     """gpt-oss stores its experts transposed (E, in, out), with biases and a clamped SwiGLU on
     interleaved columns: the split LoRA in the stored layout, the biases per row and the gate on
     hasten's grouped rows give PEFT's loss and every gradient, one sample at a time (the
