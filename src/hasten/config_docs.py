@@ -147,9 +147,10 @@ ENVIRONMENT = (
      "list is built as 9.0a."),
     ("HASTEN_CUTLASS", "install", "`0`: leave out the CUTLASS grouped GEMM kernels; MoE experts then run torch's "
      "grouped GEMM throughout (`hasten doctor` says which a build has)."),
-    ("HASTEN_GROUPED_GEMM", "run", "MoE experts' grouped GEMM on sm90: `auto` (default: hasten's CUTLASS tiles "
-     "where they measured faster, torch's kernel elsewhere), `torch`, `cutlass_64x256` or `cutlass_128x128` (for "
-     "A/B runs); read on every call."),
+    ("HASTEN_GROUPED_GEMM", "run", "MoE experts' grouped GEMM through hasten's op: `auto` (hasten's CUTLASS tiles "
+     "on sm90 where they measured faster, torch's kernel elsewhere), `torch`, `cutlass_64x256` or `cutlass_128x128` "
+     "(for A/B runs); read on every call. Unset: torch's grouped GEMM called directly (hasten's op awaits its "
+     "first GPU run)."),
     ("HASTEN_VERIFY", "run", "`1`: every attention call re-derives the packing metadata from position_ids and "
      "raises on a mismatch (as `attention.verify: true`); under torch.compile it is read when a layer is traced."),
     ("HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES", "run", "the float32 workspace, in bytes, above which the "

@@ -18,6 +18,7 @@ the factors (lhs (E, out, r), rhs (E, r, in)); backward keeps x and the (S, r) p
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch.nn.utils import parametrize
@@ -257,6 +258,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping, t
     """x (S, in) in expert order, weight (E, out, in), or (E, in, out) when transposed -> (S, out);
     rows past the valid slots are undefined."""
     reason = _grouped_mm_usable(x, weight)
+    if reason is None and os.environ.get("HASTEN_GROUPED_GEMM") is None:
+        # hasten::moe_grouped_mm has not yet run on a GPU (no device in the session that built it):
+        # until its GPU tests and W3 rows pass, the default stays torch's grouped GEMM, called
+        # directly as before; HASTEN_GROUPED_GEMM (auto, torch, a tile) opts into hasten's op
+        return _GROUPED_MM(x, weight if transposed else weight.transpose(-2, -1), offs=g.group_ends)
     if reason is None:
         return moe_ops.grouped_mm(x, weight, g.group_ends, transposed)
     record_fallback("moe_grouped_gemm", f"MoE experts run one matmul per expert ({reason}); correct, slower, "
