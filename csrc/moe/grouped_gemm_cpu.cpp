@@ -4,6 +4,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <vector>
+
 #include "moe_checks.h"
 
 namespace hasten {

@@ -89,12 +89,15 @@ bool cutlass_can_run(const at::Tensor& first, std::initializer_list<int64_t> wid
   return true;
 }
 
-std::optional<GroupedGemmTile> chosen_tile(GroupedGemmKind kind, int64_t rows, int64_t experts, int64_t n, int64_t k) {
-  const Request request = requested();
-  if (request == Request::kTorch) return std::nullopt;
-  if (kind == GroupedGemmKind::kWeightGrad) return GroupedGemmTile::k128x128PingPong;  // its one instance
-  if (request == Request::kTile64x256) return GroupedGemmTile::k64x256PingPong;
-  if (request == Request::kTile128x128) return GroupedGemmTile::k128x128PingPong;
+// A forward or input-gradient GEMM's tile (nullopt: torch's kernel); the weight gradient has one
+// instance (128x128), taken unless torch's kernel is asked for.
+std::optional<GroupedGemmTile> chosen_tile(int64_t rows, int64_t experts, int64_t n, int64_t k) {
+  switch (requested()) {
+    case Request::kTorch: return std::nullopt;
+    case Request::kTile64x256: return GroupedGemmTile::k64x256PingPong;
+    case Request::kTile128x128: return GroupedGemmTile::k128x128PingPong;
+    case Request::kAuto: break;
+  }
   return rule(rows, experts, n, k);
 }
 
@@ -139,7 +142,7 @@ at::Tensor moe_grouped_mm_cuda(const at::Tensor& x, const at::Tensor& weight, co
 #ifdef HASTEN_WITH_CUTLASS
   // transposed weight (E, in, out) is the input-gradient layout: b (E, K, N)
   const auto kind = transposed ? GroupedGemmKind::kInputGrad : GroupedGemmKind::kForward;
-  const auto tile = chosen_tile(kind, rows, weight.size(0), out_features, in);
+  const auto tile = chosen_tile(rows, weight.size(0), out_features, in);
   if (tile && cutlass_can_run(x, {in, out_features})) {
     const auto a = dense(x), b = dense(weight), ends = group_ends.contiguous();
     auto out = at::empty({rows, out_features}, x.options());
@@ -157,8 +160,7 @@ at::Tensor moe_grouped_mm_weight_grad_cuda(const at::Tensor& a, const at::Tensor
   const int64_t rows = a.size(0), m = a.size(1), n = b.size(1), experts = group_ends.numel();
   if (rows == 0 || m == 0 || n == 0) return at::zeros({experts, m, n}, a.options());
 #ifdef HASTEN_WITH_CUTLASS
-  const auto tile = chosen_tile(GroupedGemmKind::kWeightGrad, rows, experts, n, rows);
-  if (tile && cutlass_can_run(a, {m, n})) {
+  if (requested() != Request::kTorch && cutlass_can_run(a, {m, n})) {
     const auto ac = dense(a), bc = dense(b), ends = group_ends.contiguous();
     auto out = at::empty({experts, m, n}, a.options());
     if (run_cutlass(GroupedGemmKind::kWeightGrad, GroupedGemmTile::k128x128PingPong, ac, bc, ends, out, m, n, 0)) {

@@ -72,11 +72,11 @@ inline void check_weight_grad_args(const at::Tensor& grad_out, const at::Tensor&
 
 // The experts' grouped GEMM: x (S, in) rows in expert order, weight (E, out, in), or (E, in, out)
 // when transposed, group_ends (E,) int32 inclusive ends.
-inline void check_group_ends(const char* op, const at::Tensor& rows, const at::Tensor& group_ends) {
+inline void check_group_ends(const char* op, const char* rows_arg, const at::Tensor& rows, const at::Tensor& group_ends) {
   check_dtype(group_ends, op, "group_ends", {at::kInt});
   check_dim(group_ends, 1, op, "group_ends", "1-D (experts,)");
   TORCH_CHECK(group_ends.numel() >= 1, "hasten::", op, ": `group_ends` needs one entry per expert, got none");
-  check_same_device(rows, group_ends, op, "x", "group_ends");
+  check_same_device(rows, group_ends, op, rows_arg, "group_ends");
 }
 
 inline void check_grouped_float(const char* op, const char* arg, const at::Tensor& t) {
@@ -94,7 +94,7 @@ inline void check_grouped_mm_args(const at::Tensor& x, const at::Tensor& weight,
   check_grouped_float(op, "x", x);
   check_same_dtype(x, weight, op, "x", "weight");
   check_size(weight, transposed ? 1 : 2, x.size(1), op, "weight", "the columns of x (in)");
-  check_group_ends(op, x, group_ends);
+  check_group_ends(op, "x", x, group_ends);
   check_size(group_ends, 0, weight.size(0), op, "group_ends", "the experts of weight");
   check_same_device(x, weight, op, "x", "weight");
 }
@@ -107,7 +107,7 @@ inline void check_grouped_mm_weight_grad_args(const at::Tensor& a, const at::Ten
   check_grouped_float(op, "a", a);
   check_same_dtype(a, b, op, "a", "b");
   check_size(b, 0, a.size(0), op, "b", "the rows of a");
-  check_group_ends(op, a, group_ends);
+  check_group_ends(op, "a", a, group_ends);
   check_same_device(a, b, op, "a", "b");
 }
 

@@ -3,25 +3,36 @@
 
 namespace hasten {
 namespace kernels {
+namespace {
 
-size_t grouped_gemm_workspace_bytes(GroupedGemmKind kind, GroupedGemmTile tile, const GroupedGemmParams& p) {
-#define HASTEN_CASE(KIND, TILE)                                              \
-  if (kind == GroupedGemmKind::KIND && tile == GroupedGemmTile::TILE) { \
-    return HASTEN_GROUPED_GEMM_SM90_FN(KIND, TILE, workspace_bytes)(p);  \
+struct Instance {
+  size_t (*workspace_bytes)(const GroupedGemmParams&);
+  cudaError_t (*run)(const GroupedGemmParams&);
+};
+
+// The built instance for (kind, tile), or null (instances.h lists what is built).
+const Instance* find(GroupedGemmKind kind, GroupedGemmTile tile) {
+#define HASTEN_CASE(KIND, TILE)                                                                    \
+  if (kind == GroupedGemmKind::KIND && tile == GroupedGemmTile::TILE) {                       \
+    static const Instance instance{HASTEN_GROUPED_GEMM_SM90_FN(KIND, TILE, workspace_bytes),   \
+                                   HASTEN_GROUPED_GEMM_SM90_FN(KIND, TILE, run)};              \
+    return &instance;                                                                          \
   }
   HASTEN_GROUPED_GEMM_SM90_INSTANCES(HASTEN_CASE)
 #undef HASTEN_CASE
-  return 0;
+  return nullptr;
+}
+
+}  // namespace
+
+size_t grouped_gemm_workspace_bytes(GroupedGemmKind kind, GroupedGemmTile tile, const GroupedGemmParams& p) {
+  const Instance* instance = find(kind, tile);
+  return instance ? instance->workspace_bytes(p) : 0;
 }
 
 cudaError_t run_grouped_gemm(GroupedGemmKind kind, GroupedGemmTile tile, const GroupedGemmParams& p) {
-#define HASTEN_CASE(KIND, TILE)                                              \
-  if (kind == GroupedGemmKind::KIND && tile == GroupedGemmTile::TILE) { \
-    return HASTEN_GROUPED_GEMM_SM90_FN(KIND, TILE, run)(p);              \
-  }
-  HASTEN_GROUPED_GEMM_SM90_INSTANCES(HASTEN_CASE)
-#undef HASTEN_CASE
-  return cudaErrorNotSupported;
+  const Instance* instance = find(kind, tile);
+  return instance ? instance->run(p) : cudaErrorNotSupported;
 }
 
 }  // namespace kernels

@@ -360,11 +360,11 @@ def check_weight_grad_args(grad_out, y, inverse, offsets, top_k) -> None:
     check_size(y, 0, inverse.numel(), op, "y", "slots = tokens * top_k")
 
 
-def _check_group_ends(op: str, rows, group_ends) -> None:
+def _check_group_ends(op: str, rows_arg: str, rows, group_ends) -> None:
     check_dtype(group_ends, op, "group_ends", (torch.int32,))
     check_dim(group_ends, 1, op, "group_ends", "1-D (experts,)")
     check(group_ends.numel() >= 1, op, "`group_ends` needs one entry per expert, got none")
-    check_same_device(rows, group_ends, op, "x", "group_ends")
+    check_same_device(rows, group_ends, op, rows_arg, "group_ends")
 
 
 def _check_grouped_float(op: str, arg: str, t) -> None:
@@ -379,7 +379,7 @@ def check_grouped_mm_args(x, weight, group_ends, transposed) -> None:
     _check_grouped_float(op, "x", x)
     check_same_dtype(x, weight, op, "x", "weight")
     check_size(weight, 1 if transposed else 2, x.shape[1], op, "weight", "the columns of x (in)")
-    _check_group_ends(op, x, group_ends)
+    _check_group_ends(op, "x", x, group_ends)
     check_size(group_ends, 0, weight.shape[0], op, "group_ends", "the experts of weight")
     check_same_device(x, weight, op, "x", "weight")
 
@@ -391,7 +391,7 @@ def check_grouped_mm_weight_grad_args(a, b, group_ends) -> None:
     _check_grouped_float(op, "a", a)
     check_same_dtype(a, b, op, "a", "b")
     check_size(b, 0, a.shape[0], op, "b", "the rows of a")
-    _check_group_ends(op, a, group_ends)
+    _check_group_ends(op, "a", a, group_ends)
     check_same_device(a, b, op, "a", "b")
 
 
