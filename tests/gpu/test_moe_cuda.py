@@ -47,9 +47,10 @@ def test_group_cuda_out_of_range_ids_are_dropped_last():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hidden", [2048, 40, 7])
-def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden):
-    gen = torch.Generator().manual_seed(hidden)
-    tokens, top_k, experts = 300, 4, 16
+@pytest.mark.parametrize("tokens,top_k", [(300, 4), (301, 3)])  # 903 slots: off the permute's 4 rows per block
+def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden, tokens, top_k):
+    gen = torch.Generator().manual_seed(hidden + tokens)
+    experts = 16
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
     g_cpu, g_gpu = moe_ops.group(ids, experts), moe_ops.group(ids.cuda(), experts)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
