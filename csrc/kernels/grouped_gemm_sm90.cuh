@@ -126,21 +126,32 @@ struct Carve {
   }
 };
 
-// One thread per group: its sizes, pointers and leading dimensions from the ends.
+// One block per group: thread 0 writes its sizes, pointers and leading dimensions from the ends.
+// A weight gradient of an expert without rows is a GEMM with K = 0, which CUTLASS would not compute
+// as zeros: its mainloop never runs, so the epilogue stores accumulator registers no MMA cleared
+// (whatever the warpgroup's previous tile left). Such a group gets M = 0 instead (no tiles: the
+// scheduler skips it) and its block writes the zeros.
 template <GroupedGemmKind Kind, class G>
 __global__ void prepare_groups(GroupedGemmParams p, const typename G::Element** a_ptrs,
                                const typename G::Element** b_ptrs, typename G::Element** d_ptrs,
                                typename G::StrideA* stride_a, typename G::StrideB* stride_b,
                                typename G::StrideD* stride_d, typename G::Shape* shapes) {
-  const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= p.groups) return;
+  const int g = blockIdx.x;
   const int64_t start = g == 0 ? 0 : p.group_ends[g - 1];
   const int rows = static_cast<int>(p.group_ends[g] - start);
   const auto* a = static_cast<const typename G::Element*>(p.a);
   const auto* b = static_cast<const typename G::Element*>(p.b);
   auto* d = static_cast<typename G::Element*>(p.out);
   if constexpr (Kind == GroupedGemmKind::kWeightGrad) {
-    shapes[g] = typename G::Shape(p.m, p.n, rows);
+    if (rows == 0) {  // out[g] (M, N) = 0, in 16-byte stores (M, N multiples of 8)
+      uint4* out_g = reinterpret_cast<uint4*>(d + int64_t(g) * p.m * p.n);
+      const int64_t vectors = int64_t(p.m) * p.n / 8;
+      for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) out_g[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  if (threadIdx.x != 0) return;
+  if constexpr (Kind == GroupedGemmKind::kWeightGrad) {
+    shapes[g] = typename G::Shape(rows == 0 ? 0 : p.m, p.n, rows);
     a_ptrs[g] = a + start * p.m;  // (M, rows) M-major: the group's rows of a (S, M)
     b_ptrs[g] = b + start * p.n;  // (N, rows) N-major: the group's rows of b (S, N)
     d_ptrs[g] = d + int64_t(g) * p.m * p.n;
@@ -207,8 +218,7 @@ struct Runner {
     if (p.groups <= 0) return cudaSuccess;
     if (p.workspace == nullptr || p.workspace_bytes < workspace_bytes(p)) return cudaErrorInvalidValue;
     const Arrays arrays = carve(p.groups, p.workspace);
-    const int threads = 128;
-    prepare_groups<Kind, G><<<(p.groups + threads - 1) / threads, threads, 0, p.stream>>>(
+    prepare_groups<Kind, G><<<p.groups, 256, 0, p.stream>>>(
         p, arrays.a, arrays.b, arrays.d, arrays.stride_a, arrays.stride_b, arrays.stride_d, arrays.shapes);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
