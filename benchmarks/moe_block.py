@@ -307,7 +307,8 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
                              if hasattr(m, "_hasten_gate") and getattr(m, "has_bias", False)})
         notes.append(f"expert gate {gates or 'n/a'}; gate_up bias in the gate kernel {fused_bias or 'n/a'}; "
                      "shared MLPs on hasten's SwiGLU "
-                     f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}")
+                     f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}; grouped GEMM "
+                     f"{os.environ.get('HASTEN_GROUPED_GEMM') or 'torch._grouped_mm (HASTEN_GROUPED_GEMM unset)'}")
     notes.append(f"output rel err vs eager {out_err:.2e}")
     if name in GRAD_TOLERANCE:
         check = compare(out, x_grad, param_grads, want)

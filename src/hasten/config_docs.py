@@ -148,9 +148,9 @@ ENVIRONMENT = (
     ("HASTEN_CUTLASS", "install", "`0`: leave out the CUTLASS grouped GEMM kernels; MoE experts then run torch's "
      "grouped GEMM throughout (`hasten doctor` says which a build has)."),
     ("HASTEN_GROUPED_GEMM", "run", "MoE experts' grouped GEMM through hasten's op: `auto` (hasten's CUTLASS tiles "
-     "on sm90 where they measured faster, torch's kernel elsewhere), `torch`, `cutlass_64x256` or `cutlass_128x128` "
-     "(for A/B runs); read on every call. Unset: torch's grouped GEMM called directly (hasten's op awaits its "
-     "first GPU run)."),
+     "on sm90 where an H200 probe measured them faster, torch's kernel elsewhere), `torch`, `cutlass_64x256` or "
+     "`cutlass_128x128` (for A/B runs); read on every call. Unset (the default): torch's grouped GEMM called "
+     "directly; `auto` measured 0.86-0.96x of it in W3's blocks on an H100 (docs/benchmarks.md)."),
     ("HASTEN_VERIFY", "run", "`1`: every attention call re-derives the packing metadata from position_ids and "
      "raises on a mismatch (as `attention.verify: true`); under torch.compile it is read when a layer is traced."),
     ("HASTEN_ATTENTION_BACKWARD_PER_HEAD_ABOVE_BYTES", "run", "the float32 workspace, in bytes, above which the "

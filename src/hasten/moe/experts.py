@@ -259,9 +259,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping, t
     rows past the valid slots are undefined."""
     reason = _grouped_mm_usable(x, weight)
     if reason is None and os.environ.get("HASTEN_GROUPED_GEMM") is None:
-        # hasten::moe_grouped_mm has not yet run on a GPU (no device in the session that built it):
-        # until its GPU tests and W3 rows pass, the default stays torch's grouped GEMM, called
-        # directly as before; HASTEN_GROUPED_GEMM (auto, torch, a tile) opts into hasten's op
+        # hasten::moe_grouped_mm's CUTLASS tiles pass their GPU tests (equal to torch's kernel bit
+        # for bit in W3's blocks) but ran slower there on an H100 (0.86-0.96x; 5e6de35): the default
+        # stays torch's grouped GEMM, called directly; HASTEN_GROUPED_GEMM (auto, torch, a tile)
+        # opts into hasten's op
         return _GROUPED_MM(x, weight if transposed else weight.transpose(-2, -1), offs=g.group_ends)
     if reason is None:
         return moe_ops.grouped_mm(x, weight, g.group_ends, transposed)
