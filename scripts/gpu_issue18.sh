@@ -11,6 +11,8 @@
 #   ggprobe scripts/grouped_gemm_probe.py: the experts' six grouped GEMMs of W3's blocks per CUTLASS
 #           sm90 configuration against torch._grouped_mm (CUTLASS's headers from
 #           .whl/cutlass-include.txz, unpacked to /tmp/cutlass; the TUs built in parallel) cap 400 s
+#           (HASTEN_GG_PROBE_CONFIGS: a subset; HASTEN_GG_PROBE_FLAGS=both: also built with hasten's
+#           build flags; hasten's own op is timed too where the build has its CUTLASS kernels)
 #   gptoss  benchmarks/packed_sft.py --model gpt_oss_20b (4 of 24 layers, full fine-tuning):
 #           hasten packed against transformers' padded micro-batches (eager attention with the
 #           sinks, grouped_mm experts); rows W1-gpt_oss_20b.jsonl                  cap $GPTOSS_CAP (300)

@@ -7,11 +7,21 @@ forward's gate_up and down, the input gradients of both, and both weight gradien
 configuration is one TU built from csrc/kernels/grouped_gemm_sm90.cuh (JIT, in parallel); each
 result is checked against torch._grouped_mm's (relative Frobenius difference) before it is timed.
 
+Two more columns tell the probe's kernels from what hasten ships (the op ran its tiles 15-40%
+slower inside W3's blocks on an H100, 5e6de35, than this probe had timed them on an H200):
+  HASTEN_GG_PROBE_FLAGS=build|both  the same TUs also (both) or only (build) compiled with the flags
+      hasten's own build gives them (torch's extension defaults, which define __CUDA_NO_HALF_OPERATORS__
+      and its kin; the probe's default undefines them): configurations named "...+buildflags"
+  hasten's op, where this hasten build has its CUTLASS kernels: `hasten::moe_grouped_mm` and its
+      weight gradient with HASTEN_GROUPED_GEMM at each built tile, per call as the experts call it
+      (workspace and CUTLASS's initialize included): "hasten_op:<tile>"
+
   HASTEN_CUTLASS_DIR=/path/to/cutlass python3 scripts/grouped_gemm_probe.py --out DIR
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -45,7 +55,9 @@ def config_name(c):
     return f"{c[0]}x{c[1]}x{c[2]}_c{c[3]}x{c[4]}_{'pingpong' if c[5] else 'coop'}"
 
 
-def build(cutlass: str, build_dir: str):
+def build(cutlass: str, build_dir: str, build_flags: bool = False):
+    """The probe's TUs as one JIT extension; build_flags: compiled as hasten's setup.py compiles its
+    kernels (torch's default defines kept, -lineinfo) instead of with the __CUDA_NO_* defines undone."""
     from torch.utils import cpp_extension
     os.makedirs(build_dir, exist_ok=True)
     sources, decls, table = [], [], []
@@ -99,10 +111,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     include = [os.path.join(ROOT, "csrc", "kernels"), os.path.join(cutlass, "include"),
                os.path.join(cutlass, "tools", "util", "include")]
-    flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__",
-             "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+    if build_flags:
+        flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+    else:
+        flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__",
+                 "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                 "-U__CUDA_NO_HALF2_OPERATORS__"]
     t0 = time.time()
-    mod = cpp_extension.load("hasten_gg_probe", [binding] + sources, extra_include_paths=include,
+    name = "hasten_gg_probe_buildflags" if build_flags else "hasten_gg_probe"
+    mod = cpp_extension.load(name, [binding] + sources, extra_include_paths=include,
                              extra_cuda_cflags=flags, extra_cflags=["-O2", "-std=c++17"], build_directory=build_dir,
                              verbose=False)
     print(f"built {len(sources)} kernels in {time.time() - t0:.0f} s", flush=True)
@@ -132,6 +149,45 @@ def time_ms(fn, reps=20):
     return times[len(times) // 2]
 
 
+def hasten_op_tiles() -> list[str]:
+    """The HASTEN_GROUPED_GEMM values that force each CUTLASS tile of this hasten build (none when it
+    has no CUTLASS kernels or hasten is not importable)."""
+    try:
+        import hasten._C as built  # defines torch.ops.hasten's schemas and kernels
+    except Exception as exc:  # noqa: BLE001 - the probe's own columns do not need hasten's build
+        print(f"hasten's op not timed: {type(exc).__name__}: {exc}", flush=True)
+        return []
+    if not getattr(built, "WITH_CUTLASS", 0):
+        print("hasten's op not timed: this build has no CUTLASS kernels", flush=True)
+        return []
+    return ["cutlass_64x256", "cutlass_128x128"]
+
+
+def hasten_op_call(kind: str, a, b, ends):
+    """hasten::moe_grouped_mm (or its weight gradient) on the probe's operands, per call as the
+    experts call it; the tile is what HASTEN_GROUPED_GEMM forces (forced_tile). forward: b (E, N, K)
+    as stored; input_grad: b (E, K, N), the op's transposed layout; weight_grad: (S, M), (S, N) ->
+    (E, M, N) (its one tile, 128x128)."""
+    ops = torch.ops.hasten
+    if kind == "weight_grad":
+        return lambda: ops.moe_grouped_mm_weight_grad(a, b, ends)
+    return lambda: ops.moe_grouped_mm(a, b, ends, kind == "input_grad")
+
+
+@contextlib.contextmanager
+def forced_tile(tile: str):
+    """HASTEN_GROUPED_GEMM=tile for the block (the op reads it on every call), restored after."""
+    previous = os.environ.get("HASTEN_GROUPED_GEMM")
+    os.environ["HASTEN_GROUPED_GEMM"] = tile
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("HASTEN_GROUPED_GEMM", None)
+        else:
+            os.environ["HASTEN_GROUPED_GEMM"] = previous
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -139,7 +195,15 @@ def main():
     ap.add_argument("--blocks", default=",".join(BLOCKS))
     args = ap.parse_args()
     cutlass = os.environ.get("HASTEN_CUTLASS_DIR", "/tmp/cutlass")
-    mod = build(cutlass, "/tmp/gg_probe_build")
+    which = os.environ.get("HASTEN_GG_PROBE_FLAGS", "probe")
+    if which not in ("probe", "build", "both"):
+        ap.error(f"HASTEN_GG_PROBE_FLAGS must be probe, build or both, got {which!r}")
+    modules = []  # (suffix of the configuration names, extension)
+    if which in ("probe", "both"):
+        modules.append(("", build(cutlass, "/tmp/gg_probe_build")))
+    if which in ("build", "both"):
+        modules.append(("+buildflags", build(cutlass, "/tmp/gg_probe_build_flags", build_flags=True)))
+    op_tiles = hasten_op_tiles()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -177,21 +241,32 @@ def main():
             row = {"block": block, "gemm": name, "rows": S, "torch_ms": round(t_torch, 4),
                    "torch_tflops": round(flops / t_torch / 1e9, 1), "configs": {}}
             best = (t_torch, "torch")
-            for i, c in enumerate(CONFIGS):
-                out = torch.empty(shape, **bf)
-                out.fill_(float("nan"))
-                call = lambda: mod.run(KINDS[kind], i, a, b, out, ends, m, n, k)
-                rc = call()
-                torch.cuda.synchronize()
-                if rc != 0:
-                    row["configs"][config_name(c)] = {"error": rc}
-                    continue
-                err = float((out.float() - want).norm() / want.norm().clamp_min(1e-30))
-                t = time_ms(call)
-                row["configs"][config_name(c)] = {"ms": round(t, 4), "tflops": round(flops / t / 1e9, 1),
-                                                  "rel_err": float(f"{err:.2e}")}
-                if err < 1e-2 and t < best[0]:
-                    best = (t, config_name(c))
+            for suffix, mod in modules:
+                for i, c in enumerate(CONFIGS):
+                    out = torch.empty(shape, **bf)
+                    out.fill_(float("nan"))
+                    call = lambda mod=mod, i=i, out=out: mod.run(KINDS[kind], i, a, b, out, ends, m, n, k)
+                    rc = call()
+                    torch.cuda.synchronize()
+                    label = config_name(c) + suffix
+                    if rc != 0:
+                        row["configs"][label] = {"error": rc}
+                        continue
+                    err = float((out.float() - want).norm() / want.norm().clamp_min(1e-30))
+                    t = time_ms(call)
+                    row["configs"][label] = {"ms": round(t, 4), "tflops": round(flops / t / 1e9, 1),
+                                             "rel_err": float(f"{err:.2e}")}
+                    if err < 1e-2 and t < best[0]:
+                        best = (t, label)
+            for tile in op_tiles if kind != "weight_grad" else op_tiles[-1:]:  # one weight-gradient tile
+                label = f"hasten_op:{tile}"
+                call = hasten_op_call(kind, a, b, ends)
+                with forced_tile(tile):
+                    got = call()
+                    err = float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
+                    t = time_ms(call)
+                row["configs"][label] = {"ms": round(t, 4), "tflops": round(flops / t / 1e9, 1),
+                                         "rel_err": float(f"{err:.2e}")}
             row["best"] = best[1]
             row["best_ms"] = round(best[0], 4)
             total_torch += t_torch
