@@ -91,8 +91,8 @@ bool cutlass_can_run(const at::Tensor& first, std::initializer_list<int64_t> wid
 
 // A forward or input-gradient GEMM's tile (nullopt: torch's kernel); the weight gradient has one
 // instance (128x128), taken unless torch's kernel is asked for.
-std::optional<GroupedGemmTile> chosen_tile(int64_t rows, int64_t experts, int64_t n, int64_t k) {
-  switch (requested()) {
+std::optional<GroupedGemmTile> chosen_tile(Request request, int64_t rows, int64_t experts, int64_t n, int64_t k) {
+  switch (request) {
     case Request::kTorch: return std::nullopt;
     case Request::kTile64x256: return GroupedGemmTile::k64x256PingPong;
     case Request::kTile128x128: return GroupedGemmTile::k128x128PingPong;
@@ -136,39 +136,43 @@ at::Tensor moe_grouped_mm_cuda(const at::Tensor& x, const at::Tensor& weight, co
                                bool transposed) {
   check_device(x, "moe_grouped_mm", "x", c10::DeviceType::CUDA);
   check_grouped_mm_args(x, weight, group_ends, transposed);
+  const Request request = requested();  // a bad HASTEN_GROUPED_GEMM is an error on every build
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), in = x.size(1), out_features = weight.size(transposed ? 2 : 1);
   if (rows == 0 || out_features == 0 || in == 0) return at::zeros({rows, out_features}, x.options());
 #ifdef HASTEN_WITH_CUTLASS
   // transposed weight (E, in, out) is the input-gradient layout: b (E, K, N)
   const auto kind = transposed ? GroupedGemmKind::kInputGrad : GroupedGemmKind::kForward;
-  const auto tile = chosen_tile(rows, weight.size(0), out_features, in);
+  const auto tile = chosen_tile(request, rows, weight.size(0), out_features, in);
   if (tile && cutlass_can_run(x, {in, out_features})) {
     const auto a = dense(x), b = dense(weight), ends = group_ends.contiguous();
     auto out = at::empty({rows, out_features}, x.options());
     if (run_cutlass(kind, *tile, a, b, ends, out, 0, out_features, in)) return out;
   }
+#else
+  (void)request;
 #endif
-  requested();  // a bad HASTEN_GROUPED_GEMM is an error on every build
   return at::_grouped_mm(x, transposed ? weight : weight.transpose(-2, -1), group_ends);
 }
 
 at::Tensor moe_grouped_mm_weight_grad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& group_ends) {
   check_device(a, "moe_grouped_mm_weight_grad", "a", c10::DeviceType::CUDA);
   check_grouped_mm_weight_grad_args(a, b, group_ends);
+  const Request request = requested();  // a bad HASTEN_GROUPED_GEMM is an error on every build
   const c10::cuda::CUDAGuard guard(a.device());
   const int64_t rows = a.size(0), m = a.size(1), n = b.size(1), experts = group_ends.numel();
   if (rows == 0 || m == 0 || n == 0) return at::zeros({experts, m, n}, a.options());
 #ifdef HASTEN_WITH_CUTLASS
-  if (requested() != Request::kTorch && cutlass_can_run(a, {m, n})) {
+  if (request != Request::kTorch && cutlass_can_run(a, {m, n})) {
     const auto ac = dense(a), bc = dense(b), ends = group_ends.contiguous();
     auto out = at::empty({experts, m, n}, a.options());
     if (run_cutlass(GroupedGemmKind::kWeightGrad, GroupedGemmTile::k128x128PingPong, ac, bc, ends, out, m, n, 0)) {
       return out;
     }
   }
+#else
+  (void)request;
 #endif
-  requested();
   return at::_grouped_mm(a.t(), b, group_ends);
 }
 

@@ -100,7 +100,7 @@ def expert_gemm(request, monkeypatch):
     if request.param == "grouped_op":
         from hasten.moe import experts
 
-        monkeypatch.setattr(experts, "_grouped_mm_usable", lambda x, weight: None)
+        monkeypatch.setattr(experts, "_grouped_mm_usable", lambda x, weight, hastens_op: None)
         monkeypatch.setenv("HASTEN_GROUPED_GEMM", "auto")  # opt into hasten's op (the default calls torch's)
     yield request.param
     ran_per_expert = fallback_counts().get("moe_grouped_gemm", 0) > 0

@@ -188,7 +188,9 @@ def _grouped_mm_built() -> bool:
     return has_cuda_kernel("moe_grouped_mm")
 
 
-def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor, hastens_op: bool) -> str | None:
+    """Why the experts' GEMMs cannot be one grouped GEMM (None: they can); `hastens_op`: through
+    hasten::moe_grouped_mm, which this build must have, rather than torch's called directly."""
     if _GROUPED_MM is None:  # hasten's op runs torch's kernel wherever its own do not apply
         return f"torch {torch.__version__} has no torch._grouped_mm"
     if x.device.type != "cuda":
@@ -197,7 +199,7 @@ def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return f"grouped GEMM takes bfloat16 and the experts run in {weight.dtype}"
     if x.shape[1] % 8 or weight.shape[1] % 8 or weight.shape[2] % 8:
         return "grouped GEMM needs row sizes that are multiples of 8 elements"
-    if not _grouped_mm_built():
+    if hastens_op and not _grouped_mm_built():
         return "this hasten build has no CUDA kernel for hasten::moe_grouped_mm"
     return None
 
@@ -257,8 +259,9 @@ _per_expert_matmul_op.register_autograd(_per_expert_backward, setup_context=_per
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, g: moe_ops.Grouping, transposed: bool = False) -> torch.Tensor:
     """x (S, in) in expert order, weight (E, out, in), or (E, in, out) when transposed -> (S, out);
     rows past the valid slots are undefined."""
-    reason = _grouped_mm_usable(x, weight)
-    if reason is None and os.environ.get("HASTEN_GROUPED_GEMM") is None:
+    hastens_op = os.environ.get("HASTEN_GROUPED_GEMM") is not None
+    reason = _grouped_mm_usable(x, weight, hastens_op)
+    if reason is None and not hastens_op:
         # hasten::moe_grouped_mm's CUTLASS tiles pass their GPU tests (equal to torch's kernel bit
         # for bit in W3's blocks) but ran slower there on an H100 (0.86-0.96x; 5e6de35): the default
         # stays torch's grouped GEMM, called directly; HASTEN_GROUPED_GEMM (auto, torch, a tile)
