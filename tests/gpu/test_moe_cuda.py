@@ -40,14 +40,17 @@ def test_group_cuda_out_of_range_ids_are_dropped_last():
     x = torch.randn(3, 16, device="cuda")
     g = moe_ops.Grouping(counts, offsets, permutation, inverse, 2)
     rows = moe_ops.permute(x, g)
-    assert torch.all(rows[3:] == 0)
+    assert torch.equal(rows[:3], x) and torch.all(rows[3:] == 0)  # the valid slots 0, 3, 4: tokens 0, 1, 2
+    scaled = moe_ops.permute(x, g, torch.arange(1.0, 7.0, device="cuda"))
+    assert torch.equal(scaled[:3], x * torch.tensor([[1.0], [4.0], [5.0]], device="cuda"))
+    assert torch.all(scaled[3:] == 0)
     out = moe_ops.combine(rows, torch.ones(3, 2, device="cuda"), g)
     assert torch.allclose(out, torch.stack([x[0], x[1], x[2]]))  # each token's one valid slot
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hidden", [2048, 40, 7])
-@pytest.mark.parametrize("tokens,top_k", [(300, 4), (301, 3)])  # 903 slots: off the permute's 4 rows per block
+@pytest.mark.parametrize("tokens,top_k", [(300, 4), (301, 3)])
 def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden, tokens, top_k):
     gen = torch.Generator().manual_seed(hidden + tokens)
     experts = 16
@@ -60,8 +63,8 @@ def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden, tokens, top_k):
     ops = torch.ops.hasten
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     pairs = [
-        (ops.moe_permute(x, g_cpu.permutation, g_cpu.offsets, top_k, scale),
-         ops.moe_permute(x.cuda(), g_gpu.permutation, g_gpu.offsets, top_k, scale.cuda())),
+        (ops.moe_permute(x, g_cpu.inverse, g_cpu.offsets, top_k, scale),
+         ops.moe_permute(x.cuda(), g_gpu.inverse, g_gpu.offsets, top_k, scale.cuda())),
         (ops.moe_combine(y, g_cpu.inverse, g_cpu.offsets, top_k, w),
          ops.moe_combine(y.cuda(), g_gpu.inverse, g_gpu.offsets, top_k, w.cuda())),
         (ops.moe_combine_weight_grad(x, y, g_cpu.inverse, g_cpu.offsets, top_k),
