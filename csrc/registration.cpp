@@ -45,10 +45,9 @@ TORCH_LIBRARY(hasten, m) {
   // every expert (positions >= offsets[E]) and ignored by moe_permute / moe_combine.
   m.def("moe_group(Tensor expert_ids, int num_experts) -> (Tensor counts, Tensor offsets, Tensor permutation, "
         "Tensor inverse)");
-  // x (T, H) -> (S, H) in expert order: out[inverse[s]] = slot_scale[s] * x[s / k]; rows of
-  // dropped slots are zero. It takes the inverse (not the permutation) so that its CUDA kernel
-  // reads each token's row once and writes it to its k positions.
-  m.def("moe_permute(Tensor x, Tensor inverse, Tensor offsets, int top_k, Tensor? slot_scale) -> Tensor");
+  // x (T, H) -> (S, H) in expert order: out[p] = slot_scale[s] * x[s / k], s = permutation[p];
+  // rows of dropped slots are zero.
+  m.def("moe_permute(Tensor x, Tensor permutation, Tensor offsets, int top_k, Tensor? slot_scale) -> Tensor");
   // y (S, H) in expert order -> (T, H): out[t] = sum_j weights[t, j] * y[inverse[t*k + j]]
   // (weight 1 without weights), summed in float in a fixed order: deterministic.
   m.def("moe_combine(Tensor y, Tensor inverse, Tensor offsets, int top_k, Tensor? weights) -> Tensor");

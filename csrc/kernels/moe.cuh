@@ -36,15 +36,15 @@ cudaError_t launch_moe_group(const MoeGroupParams& params, int device, cudaStrea
 
 struct MoePermuteParams {
   const void* x;               // (T, H) rows of tokens
-  const int32_t* inverse;      // (S,) slot -> position; a bijection onto [0, S)
-  const int32_t* offsets;      // (E + 1,); slots at positions >= offsets[E] (dropped) get zero rows
-  const void* slot_scale;      // (S,) same element type as x, or nullptr: slot s's row scaled by slot_scale[s]
+  const int32_t* permutation;  // (S,)
+  const int32_t* offsets;      // (E + 1,); rows at positions >= offsets[E] are written as zeros
+  const void* slot_scale;      // (S,) same element type as x, or nullptr: row p scaled by slot_scale[slot]
   void* out;                   // (S, H)
-  int64_t num_tokens, hidden;  // S = num_tokens * top_k
+  int64_t num_slots, hidden;
   int num_experts, top_k;
   ElementType type;
 };
-// out[inverse[s]] = slot_scale[s] * x[s / top_k]; each token's row is read once and written top_k times
+// out[p] = slot_scale[s] * x[s / top_k] with s = permutation[p]
 cudaError_t launch_moe_permute(const MoePermuteParams& params, cudaStream_t stream);
 
 struct MoeCombineParams {

@@ -14,38 +14,56 @@ struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
-// One token per block (as the combine): its row is read once, then written to each of its top_k
-// positions (a scaled copy where slot_scale is given; zeros for a dropped slot). The gather form
-// (one block per output row, reading x[permutation[p] / k]) read each token's row top_k times,
-// far apart in time, and x (16,384 x 2,048 bf16, 64 MiB on W3) does not stay in L2: it moved
-// 2 S rows (S reads, S writes) where this moves T + S. On an H100 at 7652501 the gather took
-// 0.35 ms a call on W3's Qwen3 block (top-8) against the combine's 0.20, which moves S + T.
-// Every position is written exactly once: inverse is a bijection of the S slots onto [0, S).
+// kPermuteRows output rows per block; each thread moves V elements of every row at a time. One row
+// per block (2,048 bf16: one 16-byte vector per thread) left each block a chain of three dependent
+// loads (offsets, permutation, source row) for 4 KiB: latency-bound at about 1.9 TB/s of writes on
+// W3 (0.28 ms for 131,072 rows, where the combine moves as many bytes in 0.15). Four rows per block
+// put four independent source loads in flight per thread.
+// The scatter form (one block per token: read its row once, write its k positions; 91ac38f) was
+// measured 3x slower on an H100 (W3 Qwen3: 1.17 and 0.96 ms a call against 0.35), though it
+// moves T + S rows where this moves 2 S: random 4 KiB row writes ran near 0.5 TB/s, where the
+// combine's random 4 KiB row reads run near bandwidth. The gather's writes stay sequential.
+constexpr int kPermuteRows = 4;
+
 template <typename T, int V>
-__global__ void moe_permute_kernel(const T* __restrict__ x, const int32_t* __restrict__ inverse,
+__global__ void moe_permute_kernel(const T* __restrict__ x, const int32_t* __restrict__ permutation,
                                    const int32_t* __restrict__ offsets, const T* __restrict__ slot_scale,
-                                   T* __restrict__ out, int64_t hidden, int num_experts, int top_k) {
-  const int64_t token = blockIdx.x;
-  const int64_t num_slots = static_cast<int64_t>(gridDim.x) * top_k;
+                                   T* __restrict__ out, int64_t num_slots, int64_t hidden, int num_experts,
+                                   int top_k) {
   const int64_t valid_slots = offsets[num_experts];
+  const T* src[kPermuteRows];
+  T* dst[kPermuteRows];
+  float scale[kPermuteRows];
+  bool live[kPermuteRows], valid[kPermuteRows];
+#pragma unroll
+  for (int r = 0; r < kPermuteRows; ++r) {
+    const int64_t pos = static_cast<int64_t>(blockIdx.x) * kPermuteRows + r;
+    live[r] = pos < num_slots;
+    valid[r] = live[r] && pos < valid_slots;
+    const int64_t slot = valid[r] ? permutation[pos] : 0;
+    scale[r] = (valid[r] && slot_scale != nullptr) ? to_float(slot_scale[slot]) : 1.0f;
+    src[r] = x + (slot / top_k) * hidden;
+    dst[r] = out + (live[r] ? pos : 0) * hidden;
+  }
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < hidden; c += static_cast<int64_t>(blockDim.x) * V) {
-    const Vec<T, V> row = *reinterpret_cast<const Vec<T, V>*>(x + token * hidden + c);
-    for (int j = 0; j < top_k; ++j) {
-      const int64_t slot = token * top_k + j;
-      const int64_t pos = inverse[slot];
-      if (pos < 0 || pos >= num_slots) continue;  // not a position: nothing to write
-      Vec<T, V> chunk;
-      if (pos >= valid_slots) {  // dropped slot: a zero row
+    Vec<T, V> chunk[kPermuteRows];
 #pragma unroll
-        for (int i = 0; i < V; ++i) chunk.v[i] = from_float<T>(0.0f);
-      } else if (slot_scale != nullptr) {
-        const float scale = to_float(slot_scale[slot]);
-#pragma unroll
-        for (int i = 0; i < V; ++i) chunk.v[i] = from_float<T>(to_float(row.v[i]) * scale);
+    for (int r = 0; r < kPermuteRows; ++r) {
+      if (valid[r]) {
+        chunk[r] = *reinterpret_cast<const Vec<T, V>*>(src[r] + c);
       } else {
-        chunk = row;
+#pragma unroll
+        for (int i = 0; i < V; ++i) chunk[r].v[i] = from_float<T>(0.0f);
       }
-      *reinterpret_cast<Vec<T, V>*>(out + pos * hidden + c) = chunk;
+    }
+#pragma unroll
+    for (int r = 0; r < kPermuteRows; ++r) {
+      if (!live[r]) continue;
+      if (slot_scale != nullptr) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) chunk[r].v[i] = from_float<T>(to_float(chunk[r].v[i]) * scale[r]);
+      }
+      *reinterpret_cast<Vec<T, V>*>(dst[r] + c) = chunk[r];
     }
   }
 }
@@ -117,17 +135,18 @@ int threads_for(int64_t hidden, int vec) {
 }  // namespace
 
 cudaError_t launch_moe_permute(const MoePermuteParams& p, cudaStream_t stream) {
-  if (p.num_tokens == 0 || p.hidden == 0) return cudaSuccess;
+  if (p.num_slots == 0 || p.hidden == 0) return cudaSuccess;
   return HASTEN_DISPATCH_ELEMENT(p.type, {
     const T* x = static_cast<const T*>(p.x);
     const T* scale = static_cast<const T*>(p.slot_scale);
     T* out = static_cast<T*>(p.out);
+    const int64_t blocks = (p.num_slots + kPermuteRows - 1) / kPermuteRows;
     if (rows_vectorizable<T>(p.hidden, x, out)) {
-      moe_permute_kernel<T, kVec<T>><<<p.num_tokens, threads_for(p.hidden, kVec<T>), 0, stream>>>(
-          x, p.inverse, p.offsets, scale, out, p.hidden, p.num_experts, p.top_k);
+      moe_permute_kernel<T, kVec<T>><<<blocks, threads_for(p.hidden, kVec<T>), 0, stream>>>(
+          x, p.permutation, p.offsets, scale, out, p.num_slots, p.hidden, p.num_experts, p.top_k);
     } else {
-      moe_permute_kernel<T, 1><<<p.num_tokens, threads_for(p.hidden, 1), 0, stream>>>(
-          x, p.inverse, p.offsets, scale, out, p.hidden, p.num_experts, p.top_k);
+      moe_permute_kernel<T, 1><<<blocks, threads_for(p.hidden, 1), 0, stream>>>(
+          x, p.permutation, p.offsets, scale, out, p.num_slots, p.hidden, p.num_experts, p.top_k);
     }
     return cudaGetLastError();
   });

@@ -17,9 +17,9 @@ inline void check_moe_group_args(const at::Tensor& expert_ids, int64_t num_exper
 inline void check_routing_args(const char* op, const at::Tensor& rows, const at::Tensor& index,
                                const at::Tensor& offsets, int64_t top_k) {
   check_dim(rows, 2, op, "rows", "2-D (rows, hidden)");
-  check_dtype(index, op, "inverse", {at::kInt});
+  check_dtype(index, op, "permutation/inverse", {at::kInt});
   check_dtype(offsets, op, "offsets", {at::kInt});
-  check_dim(index, 1, op, "inverse", "1-D (slots,)");
+  check_dim(index, 1, op, "permutation/inverse", "1-D (slots,)");
   check_dim(offsets, 1, op, "offsets", "1-D (experts + 1,)");
   TORCH_CHECK(offsets.numel() >= 2, "hasten::", op, ": `offsets` needs experts + 1 >= 2 entries");
   TORCH_CHECK(top_k >= 1, "hasten::", op, ": top_k must be at least 1, got ", num(top_k));
@@ -29,19 +29,19 @@ inline void check_routing_args(const char* op, const at::Tensor& rows, const at:
                   rows.scalar_type() == at::kBFloat16 || (rows.scalar_type() == at::kDouble && rows.is_cpu()),
               "hasten::", op, ": rows must be float32, float16 or bfloat16 (float64 on the CPU), got ",
               rows.scalar_type());
-  check_same_device(rows, index, op, "rows", "inverse");
+  check_same_device(rows, index, op, "rows", "permutation/inverse");
   check_same_device(rows, offsets, op, "rows", "offsets");
 }
 
 // x (T, H), slot_scale (S,) or none
-inline void check_permute_args(const at::Tensor& x, const at::Tensor& inverse, const at::Tensor& offsets,
+inline void check_permute_args(const at::Tensor& x, const at::Tensor& permutation, const at::Tensor& offsets,
                                int64_t top_k, const std::optional<at::Tensor>& slot_scale) {
-  check_routing_args("moe_permute", x, inverse, offsets, top_k);
-  check_size(x, 0, inverse.numel() / top_k, "moe_permute", "x", "tokens = slots / top_k");
+  check_routing_args("moe_permute", x, permutation, offsets, top_k);
+  check_size(x, 0, permutation.numel() / top_k, "moe_permute", "x", "tokens = slots / top_k");
   if (slot_scale.has_value()) {
     check_same_dtype(x, *slot_scale, "moe_permute", "x", "slot_scale");
-    TORCH_CHECK(slot_scale->numel() == inverse.numel(), "hasten::moe_permute: `slot_scale` needs one value per "
-                "slot (", num(inverse.numel()), "), got shape ", shape(slot_scale->sizes()));
+    TORCH_CHECK(slot_scale->numel() == permutation.numel(), "hasten::moe_permute: `slot_scale` needs one value per "
+                "slot (", num(permutation.numel()), "), got shape ", shape(slot_scale->sizes()));
     check_same_device(x, *slot_scale, "moe_permute", "x", "slot_scale");
   }
 }

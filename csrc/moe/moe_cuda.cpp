@@ -46,21 +46,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_group_cuda(const 
 }
 
 // The kernels read raw pointers: every tensor they touch is held contiguous for the launch.
-at::Tensor moe_permute_cuda(const at::Tensor& x, const at::Tensor& inverse, const at::Tensor& offsets,
+at::Tensor moe_permute_cuda(const at::Tensor& x, const at::Tensor& permutation, const at::Tensor& offsets,
                             int64_t top_k, const std::optional<at::Tensor>& slot_scale) {
   check_device(x, "moe_permute", "x", c10::DeviceType::CUDA);
-  check_permute_args(x, inverse, offsets, top_k, slot_scale);
+  check_permute_args(x, permutation, offsets, top_k, slot_scale);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto xc = x.contiguous(), inv = inverse.contiguous(), offs = offsets.contiguous();
+  const auto xc = x.contiguous(), perm = permutation.contiguous(), offs = offsets.contiguous();
   const auto scale = slot_scale ? std::optional<at::Tensor>(slot_scale->contiguous()) : std::nullopt;
-  auto out = at::empty({inv.numel(), x.size(1)}, x.options());
+  auto out = at::empty({perm.numel(), x.size(1)}, x.options());
   kernels::MoePermuteParams p;
   p.x = xc.data_ptr();
-  p.inverse = inv.data_ptr<int32_t>();
+  p.permutation = perm.data_ptr<int32_t>();
   p.offsets = offs.data_ptr<int32_t>();
   p.slot_scale = scale ? scale->data_ptr() : nullptr;
   p.out = out.data_ptr();
-  p.num_tokens = x.size(0);
+  p.num_slots = perm.numel();
   p.hidden = x.size(1);
   p.num_experts = static_cast<int>(offs.numel() - 1);
   p.top_k = static_cast<int>(top_k);

@@ -13,24 +13,23 @@ namespace {
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-at::Tensor moe_permute_cpu(const at::Tensor& x, const at::Tensor& inverse, const at::Tensor& offsets,
+at::Tensor moe_permute_cpu(const at::Tensor& x, const at::Tensor& permutation, const at::Tensor& offsets,
                            int64_t top_k, const std::optional<at::Tensor>& slot_scale) {
   check_device(x, "moe_permute", "x", c10::DeviceType::CPU);
-  check_permute_args(x, inverse, offsets, top_k, slot_scale);
-  const int64_t slots = inverse.numel(), hidden = x.size(1), experts = offsets.numel() - 1;
+  check_permute_args(x, permutation, offsets, top_k, slot_scale);
+  const int64_t slots = permutation.numel(), hidden = x.size(1), experts = offsets.numel() - 1;
   const auto xc = x.contiguous();
-  const auto inv = inverse.contiguous();
+  const auto perm = permutation.contiguous();
   const int32_t valid = offsets[experts].item<int32_t>();
-  auto out = at::zeros({slots, hidden}, x.options());  // dropped slots' rows stay zero
+  auto out = at::zeros({slots, hidden}, x.options());
   std::optional<at::Tensor> scale;
   if (slot_scale.has_value()) scale = slot_scale->contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_permute_cpu", [&] {
     const scalar_t* src = xc.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
-    const int32_t* iv = inv.data_ptr<int32_t>();
-    for (int64_t s = 0; s < slots; ++s) {
-      const int64_t pos = iv[s];
-      if (pos < 0 || pos >= valid) continue;  // dropped slot
+    const int32_t* p = perm.data_ptr<int32_t>();
+    for (int64_t pos = 0; pos < valid; ++pos) {
+      const int64_t s = p[pos];
       const acc_t<scalar_t> w = scale ? static_cast<acc_t<scalar_t>>(scale->data_ptr<scalar_t>()[s]) : 1;
       for (int64_t h = 0; h < hidden; ++h)
         dst[pos * hidden + h] = static_cast<scalar_t>(w * static_cast<acc_t<scalar_t>>(src[(s / top_k) * hidden + h]));

@@ -50,7 +50,7 @@ def test_group_cuda_out_of_range_ids_are_dropped_last():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hidden", [2048, 40, 7])
-@pytest.mark.parametrize("tokens,top_k", [(300, 4), (301, 3)])
+@pytest.mark.parametrize("tokens,top_k", [(300, 4), (301, 3)])  # 903 slots: off the permute's 4 rows per block
 def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden, tokens, top_k):
     gen = torch.Generator().manual_seed(hidden + tokens)
     experts = 16
@@ -63,8 +63,8 @@ def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden, tokens, top_k):
     ops = torch.ops.hasten
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     pairs = [
-        (ops.moe_permute(x, g_cpu.inverse, g_cpu.offsets, top_k, scale),
-         ops.moe_permute(x.cuda(), g_gpu.inverse, g_gpu.offsets, top_k, scale.cuda())),
+        (ops.moe_permute(x, g_cpu.permutation, g_cpu.offsets, top_k, scale),
+         ops.moe_permute(x.cuda(), g_gpu.permutation, g_gpu.offsets, top_k, scale.cuda())),
         (ops.moe_combine(y, g_cpu.inverse, g_cpu.offsets, top_k, w),
          ops.moe_combine(y.cuda(), g_gpu.inverse, g_gpu.offsets, top_k, w.cuda())),
         (ops.moe_combine_weight_grad(x, y, g_cpu.inverse, g_cpu.offsets, top_k),

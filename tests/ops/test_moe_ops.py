@@ -44,12 +44,10 @@ def test_permute_writes_zero_rows_for_dropped_slots():
     past offsets[E] are zero rows, the others the scaled rows of their slots' tokens."""
     x = torch.randn(3, 5, dtype=torch.float64)
     permutation = torch.tensor([0, 3, 4, 1, 2, 5], dtype=torch.int32)  # slots 1, 2, 5 dropped
-    inverse = torch.empty_like(permutation)
-    inverse[permutation.long()] = torch.arange(6, dtype=torch.int32)
     offsets = torch.tensor([0, 1, 3, 3, 3], dtype=torch.int32)
     scale = torch.arange(1.0, 7.0, dtype=torch.float64)
     for s in (None, scale):
-        got = torch.ops.hasten.moe_permute(x, inverse, offsets, 2, s)
+        got = torch.ops.hasten.moe_permute(x, permutation, offsets, 2, s)
         assert torch.equal(got, moe_permute_reference(x, permutation, 2, 3, s))
     assert torch.equal(got[:3], x * torch.tensor([[1.0], [4.0], [5.0]], dtype=torch.float64))
     assert torch.all(got[3:] == 0)
@@ -76,7 +74,7 @@ def test_permute_and_combine_match_reference(dtype, tol, tokens, top_k, hidden):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     scale = torch.rand(tokens * top_k, generator=gen).to(dtype)
     for s in (None, scale):
-        got = torch.ops.hasten.moe_permute(x, g.inverse, g.offsets, top_k, s)
+        got = torch.ops.hasten.moe_permute(x, g.permutation, g.offsets, top_k, s)
         assert torch.allclose(got.double(), moe_permute_reference(x, g.permutation, top_k, valid, s), atol=tol, rtol=tol)
     y = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
     w = torch.rand(tokens, top_k, generator=gen).to(dtype)

@@ -92,8 +92,8 @@ def _cases(requires_grad: bool):
                                   requires_grad)),
         ("cross_entropy_rows_", (t(9, 23, grad=False), targets, torch.tensor([0.125]), -100, 0.0, 0.0)),
         ("moe_group", (torch.randint(0, 5, (6, 2), generator=g), 5)),
-        ("moe_permute", (t(tokens, hidden), grouping.inverse, grouping.offsets, top_k, None)),
-        ("moe_permute", (t(tokens, hidden), grouping.inverse, grouping.offsets, top_k, t(tokens * top_k))),
+        ("moe_permute", (t(tokens, hidden), grouping.permutation, grouping.offsets, top_k, None)),
+        ("moe_permute", (t(tokens, hidden), grouping.permutation, grouping.offsets, top_k, t(tokens * top_k))),
         ("moe_combine", (t(tokens * top_k, hidden), grouping.inverse, grouping.offsets, top_k, t(tokens, top_k))),
         ("moe_combine", (t(tokens * top_k, hidden), grouping.inverse, grouping.offsets, top_k, None)),
         ("moe_combine_weight_grad", (t(tokens, hidden, grad=False), t(tokens * top_k, hidden, grad=False),
@@ -212,7 +212,7 @@ def test_moe_gradients_match_finite_differences():
     scale = torch.rand(15, dtype=torch.float64, requires_grad=True)
     y = torch.randn(15, 6, dtype=torch.float64, requires_grad=True)
     w = torch.rand(5, 3, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda a, s: ops.moe_permute(a, g.inverse, g.offsets, 3, s), (x, scale))
+    torch.autograd.gradcheck(lambda a, s: ops.moe_permute(a, g.permutation, g.offsets, 3, s), (x, scale))
     torch.autograd.gradcheck(lambda b, c: ops.moe_combine(b, g.inverse, g.offsets, 3, c), (y, w))
 
 
@@ -348,7 +348,7 @@ def test_formulas_save_only_what_the_needed_gradients_read():
     assert _saved_tensor_count(combine, y.detach(), w.requires_grad_()) == 3
     assert _saved_tensor_count(combine, y.requires_grad_(), w) == 4
     x, scale = torch.randn(6, 4), torch.rand(12)
-    permute = lambda a, s: ops.moe_permute(a, g.inverse, g.offsets, 2, s)  # noqa: E731
+    permute = lambda a, s: ops.moe_permute(a, g.permutation, g.offsets, 2, s)  # noqa: E731
     assert _saved_tensor_count(permute, x.requires_grad_(), None) == 2
     assert _saved_tensor_count(permute, x.detach(), scale.requires_grad_()) == 3
 

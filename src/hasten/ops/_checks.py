@@ -315,27 +315,27 @@ def check_moe_group_args(expert_ids, num_experts) -> None:
 
 def _check_routing_args(op: str, rows, index, offsets, top_k) -> None:
     check_dim(rows, 2, op, "rows", "2-D (rows, hidden)")
-    check_dtype(index, op, "inverse", (torch.int32,))
+    check_dtype(index, op, "permutation/inverse", (torch.int32,))
     check_dtype(offsets, op, "offsets", (torch.int32,))
-    check_dim(index, 1, op, "inverse", "1-D (slots,)")
+    check_dim(index, 1, op, "permutation/inverse", "1-D (slots,)")
     check_dim(offsets, 1, op, "offsets", "1-D (experts + 1,)")
     check(offsets.numel() >= 2, op, "`offsets` needs experts + 1 >= 2 entries")
     check(top_k >= 1, op, lambda: f"top_k must be at least 1, got {top_k}")
     check(index.numel() % top_k == 0, op, lambda: f"slots ({index.numel()}) must be tokens * top_k ({top_k})")
     check(rows.dtype in FLOATS or (rows.dtype == torch.float64 and rows.device.type == "cpu"), op,
           lambda: f"rows must be float32, float16 or bfloat16 (float64 on the CPU), got {dtype_name(rows.dtype)}")
-    check_same_device(rows, index, op, "rows", "inverse")
+    check_same_device(rows, index, op, "rows", "permutation/inverse")
     check_same_device(rows, offsets, op, "rows", "offsets")
 
 
-def check_permute_args(x, inverse, offsets, top_k, slot_scale) -> None:
+def check_permute_args(x, permutation, offsets, top_k, slot_scale) -> None:
     op = "moe_permute"
-    _check_routing_args(op, x, inverse, offsets, top_k)
-    check_size(x, 0, inverse.numel() // top_k, op, "x", "tokens = slots / top_k")
+    _check_routing_args(op, x, permutation, offsets, top_k)
+    check_size(x, 0, permutation.numel() // top_k, op, "x", "tokens = slots / top_k")
     if slot_scale is not None:
         check_same_dtype(x, slot_scale, op, "x", "slot_scale")
-        check(slot_scale.numel() == inverse.numel(), op, lambda: f"`slot_scale` needs one value per slot "
-              f"({inverse.numel()}), got shape {shape(slot_scale.shape)}")
+        check(slot_scale.numel() == permutation.numel(), op, lambda: f"`slot_scale` needs one value per slot "
+              f"({permutation.numel()}), got shape {shape(slot_scale.shape)}")
         check_same_device(x, slot_scale, op, "x", "slot_scale")
 
 

@@ -22,9 +22,9 @@ def _moe_group_fake(expert_ids, num_experts):
             new((slots,), dtype=torch.int32), new((slots,), dtype=torch.int32))
 
 
-def _moe_permute_fake(x, inverse, offsets, top_k, slot_scale=None):
-    _checks.check_permute_args(x, inverse, offsets, top_k, slot_scale)
-    return x.new_empty((inverse.numel(), x.shape[1]))
+def _moe_permute_fake(x, permutation, offsets, top_k, slot_scale=None):
+    _checks.check_permute_args(x, permutation, offsets, top_k, slot_scale)
+    return x.new_empty((permutation.numel(), x.shape[1]))
 
 
 def _moe_combine_fake(y, inverse, offsets, top_k, weights=None):
@@ -69,21 +69,28 @@ def _grouped_mm_weight_grad_fake(a, b, group_ends):
     return a.new_empty((group_ends.shape[0], a.shape[1], b.shape[1]))
 
 
-# permute and combine both take the inverse (slot -> position), so each one's backward is the
-# other op on the same index.
-# permute: out[inverse[s]] = slot_scale[s] * x[s // k]
+def _inverse_of(index: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation of the S slots (permutation <-> inverse), one scatter on the
+    index's device: the backward of permute needs the inverse and that of combine the permutation,
+    and each op takes only the one its forward reads."""
+    positions = torch.arange(index.numel(), dtype=index.dtype, device=index.device)
+    return torch.empty_like(index).scatter_(0, index.long(), positions)
+
+
+# permute: out[p] = slot_scale[s] * x[s // k], s = permutation[p]
 def _permute_setup(ctx, inputs, output):
-    x, inverse, offsets, top_k, slot_scale = inputs
+    x, permutation, offsets, top_k, slot_scale = inputs
     ctx.top_k = top_k
     ctx.has_scale = slot_scale is not None
     # x's gradient needs slot_scale; slot_scale's needs x
-    ctx.save_for_backward(inverse, offsets, slot_scale if ctx.needs_input_grad[0] else None,
+    ctx.save_for_backward(permutation, offsets, slot_scale if ctx.needs_input_grad[0] else None,
                           x if ctx.needs_input_grad[4] else None)
 
 
 def _permute_backward(ctx, grad):
-    inverse, offsets, slot_scale, x = ctx.saved_tensors
+    permutation, offsets, slot_scale, x = ctx.saved_tensors
     grad = grad.contiguous()
+    inverse = _inverse_of(permutation)
     grad_x = grad_scale = None
     if ctx.needs_input_grad[0]:
         # each token sums the gradients of its k slots (scaled): a gather, deterministic
@@ -112,7 +119,7 @@ def _combine_backward(ctx, grad_out):
     grad_y = grad_weights = None
     if ctx.needs_input_grad[0]:
         slot_scale = weights.reshape(-1) if ctx.has_weights else None
-        grad_y = call_in_backward("moe_permute", grad_out, inverse, offsets, ctx.top_k, slot_scale)
+        grad_y = call_in_backward("moe_permute", grad_out, _inverse_of(inverse), offsets, ctx.top_k, slot_scale)
     if ctx.needs_input_grad[4]:
         grad_weights = call_in_backward("moe_combine_weight_grad", grad_out, y, inverse, offsets, ctx.top_k)
         grad_weights = grad_weights.reshape(ctx.weights_shape)
@@ -214,7 +221,7 @@ def permute(x: torch.Tensor, g: Grouping, slot_scale: torch.Tensor | None = None
     """Tokens (T, H) -> slots in expert order (S, H), each slot's row times slot_scale (S,) where
     given (Llama 4 scales the experts' inputs by the router's scores); dropped slots are zero rows."""
     load()
-    return call("moe_permute", x, g.inverse, g.offsets, g.top_k, slot_scale)
+    return call("moe_permute", x, g.permutation, g.offsets, g.top_k, slot_scale)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor | None, g: Grouping) -> torch.Tensor:
