@@ -311,8 +311,10 @@ def test_qwen3_moe_trains_like_eager_experts_for_20_steps():
 def test_shared_experts_on_a_side_stream_equal_the_main_stream(model_type):
     """training.moe.overlap_shared_experts: the same kernels on the same inputs, on two streams: the
     packed loss and every gradient bitwise those of one stream, and every shared call overlapped."""
+    from hasten.observability import reset_fallbacks
     from tests import model_zoo as zoo
 
+    reset_fallbacks()
     model = zoo.cast_as_loaded(zoo.build(zoo.ENTRIES[model_type]).to("cuda"), torch.bfloat16)
     samples = zoo.samples()
     handle, want_loss, want = zoo.packed_run(model, samples, Config(), device="cuda")
@@ -329,52 +331,3 @@ def test_shared_experts_on_a_side_stream_equal_the_main_stream(model_type):
     finally:
         handle.undo()
 
-
-def test_shared_experts_on_a_side_stream_under_cuda_graph_capture():
-    """A DeepSeek-V2 MoE block (fused experts, shared experts on the side stream) captured forward +
-    backward in one CUDA graph: each replay gives eager's output and gradients bitwise."""
-    from transformers import DeepseekV2Config
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
-
-    from hasten.moe.shared_overlap import install_shared_expert_overlap
-
-    torch.manual_seed(0)
-    config = DeepseekV2Config(hidden_size=64, moe_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2,
-                              n_shared_experts=2, n_group=1, topk_group=1)
-    config._experts_implementation = "hasten_fused"
-    block = DeepseekV2Moe(config).cuda().to(torch.bfloat16)
-    x = torch.randn(1, 301, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(1, 301, 64, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        x.grad = None
-        block.zero_grad(set_to_none=True)
-        out = block(x)
-        out.backward(grad)
-        return out
-
-    with registered():
-        want = step().detach().clone(), x.grad.clone(), [p.grad.clone() for p in block.parameters()]
-        undo, count, state = install_shared_expert_overlap(block)
-        assert count == 1
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            x.grad = None
-            block.zero_grad(set_to_none=True)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = block(x)
-                out.backward(grad)
-            for _ in range(2):
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out, want[0]) and torch.equal(x.grad, want[1])
-                assert all(torch.equal(p.grad, w) for p, w in zip(block.parameters(), want[2]))
-            assert state.overlapped_calls >= 4
-        finally:
-            undo()
