@@ -78,7 +78,8 @@ class MoEConfig:
     fused_grouping: bool = True
     # Run each MoE block's shared experts (DeepSeek, GLM-4.5, Qwen2-MoE, Llama 4, ...) on a side CUDA
     # stream beside the routed experts, forward and backward; the results are bitwise the same. Off
-    # by default: not yet measured on a GPU. Not with training.compile.
+    # by default: not yet measured on a GPU. Not with training.compile; left off with activation
+    # offload and under torchrun with more than one rank (not verified with them).
     overlap_shared_experts: bool = False
 
 

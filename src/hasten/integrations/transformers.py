@@ -1107,6 +1107,12 @@ def _patch_shared_expert_overlap(model: PreTrainedModel, config: Config, handle:
         # have not been verified together
         handle.inactive.append("training.moe.overlap_shared_experts (activation offload is on; not verified together)")
         return
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # DDP's and FSDP2's gradient reductions start from hooks on the stream a gradient was made on;
+        # the side stream's gradients have not been verified through them
+        handle.inactive.append("training.moe.overlap_shared_experts (distributed training: not verified with DDP or "
+                               "FSDP2's gradient reduction)")
+        return
     undo, count, state = install_shared_expert_overlap(model)
     handle._undo_steps.append(undo)
     handle.shared_overlap = state
