@@ -266,11 +266,12 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     cleanup = [] if cleanup is None else cleanup
     overlap = None
     if name == "hasten_shared_overlap":  # the shared experts on a side stream: accelerate()'s hooks
-        from hasten.moe.shared_overlap import install_shared_expert_overlap
+        from hasten.moe.shared_overlap import install_shared_expert_overlap, shared_expert_blocks
 
-        undo_overlap, count, overlap = install_shared_expert_overlap(block)
+        pairs = shared_expert_blocks(block)
+        undo_overlap, overlap = install_shared_expert_overlap(pairs)
         cleanup.append(undo_overlap)
-        notes.append(f"MoE blocks with shared experts on a side stream {count}")
+        notes.append(f"MoE blocks with shared experts on a side stream {len(pairs)}")
     if name == "hasten_graphed":
         graph, static_out = capture_forward_backward(block, x, grad)
         cleanup.append(lambda: block.zero_grad(set_to_none=True))

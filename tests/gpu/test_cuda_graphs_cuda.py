@@ -308,7 +308,7 @@ def test_shared_experts_on_a_side_stream_under_cuda_graph_capture():
     from transformers import DeepseekV2Config
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 
-    from hasten.moe.shared_overlap import install_shared_expert_overlap
+    from hasten.moe.shared_overlap import install_shared_expert_overlap, shared_expert_blocks
 
     torch.manual_seed(0)
     config = DeepseekV2Config(hidden_size=64, moe_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2,
@@ -319,8 +319,9 @@ def test_shared_experts_on_a_side_stream_under_cuda_graph_capture():
     grad = torch.randn(1, 301, 64, device="cuda", dtype=torch.bfloat16)
     with registered():  # the "hasten_fused" name accelerate() would register; a bare block has none
         want = _eager(block, x.detach(), grad)
-        undo, count, state = install_shared_expert_overlap(block)
-        assert count == 1
+        pairs = shared_expert_blocks(block)
+        assert len(pairs) == 1
+        undo, state = install_shared_expert_overlap(pairs)
         try:
             graph, out = _capture_forward_backward(block, x, grad)
             for _ in range(2):

@@ -10,8 +10,7 @@ import torch
 
 import hasten
 from hasten.config import Config, ConfigError, validate
-from hasten.moe.shared_overlap import (_BlockEntry, _why_inline, install_shared_expert_overlap,
-                                       shared_expert_blocks)
+from hasten.moe.shared_overlap import _why_inline, install_shared_expert_overlap, shared_expert_blocks
 from hasten.observability import fallback_counts, reset_fallbacks
 from tests import model_zoo as zoo
 
@@ -32,9 +31,8 @@ def test_no_shared_experts_no_blocks():
 
 def test_why_inline_names_each_reason():
     hidden = torch.randn(4, 8)
-    seen = _BlockEntry(event=None, hidden=hidden, version=hidden._version)
-    assert "not a CUDA tensor seen" in _why_inline(None, hidden)
-    assert "input is not a CUDA tensor" in _why_inline(seen, hidden)  # the CPU: no side stream
+    assert "not a CUDA tensor seen" in _why_inline(None, 0, hidden)
+    assert "input is not a CUDA tensor" in _why_inline(hidden, hidden._version, hidden)  # the CPU: no side stream
 
 
 def test_hooks_leave_the_cpu_model_as_it_was_count_the_fallback_and_come_off():
@@ -52,8 +50,10 @@ def test_hooks_leave_the_cpu_model_as_it_was_count_the_fallback_and_come_off():
     want = run()
     hooks_before = {id(m): (len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()}
     reset_fallbacks()
-    undo, count, state = install_shared_expert_overlap(model)
-    assert count == len(shared_expert_blocks(model)) > 0
+    pairs = shared_expert_blocks(model)
+    undo, state = install_shared_expert_overlap(pairs)
+    count = len(pairs)
+    assert count > 0
     got = run()
     assert torch.equal(got[0], want[0]) and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
     assert fallback_counts().get("moe_shared_overlap") == count and state.overlapped_calls == 0

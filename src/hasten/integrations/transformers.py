@@ -1096,7 +1096,8 @@ def _patch_shared_expert_overlap(model: PreTrainedModel, config: Config, handle:
         return
     from hasten.moe.shared_overlap import install_shared_expert_overlap, shared_expert_blocks
 
-    if not shared_expert_blocks(model):
+    pairs = shared_expert_blocks(model)
+    if not pairs:
         handle.inactive.append("training.moe.overlap_shared_experts (this model has no MoE block with shared experts)")
         return
     if not any(p.is_cuda for p in model.parameters()):
@@ -1113,10 +1114,10 @@ def _patch_shared_expert_overlap(model: PreTrainedModel, config: Config, handle:
         handle.inactive.append("training.moe.overlap_shared_experts (distributed training: not verified with DDP or "
                                "FSDP2's gradient reduction)")
         return
-    undo, count, state = install_shared_expert_overlap(model)
+    undo, state = install_shared_expert_overlap(pairs)
     handle._undo_steps.append(undo)
     handle.shared_overlap = state
-    handle.active.append(f"shared experts on a side CUDA stream ({count} MoE blocks)")
+    handle.active.append(f"shared experts on a side CUDA stream ({len(pairs)} MoE blocks)")
 
 
 def _patch_moe_blocks(model: PreTrainedModel, kind: str, handle: AccelerationHandle) -> None:

@@ -56,13 +56,17 @@ def shared_expert_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return pairs
 
 
-@dataclass
-class _BlockEntry:
-    """What the block's pre-hook saw: the event after which its input is ready, the input, its version."""
+class _SharedCall:
+    """One block and its shared module: what the block's pre-hook saw (its input and that input's
+    version, ready once `event` has run on the main stream) and, between the shared module's two
+    hooks, the main stream to return to. One event per block, recorded again on every call: the
+    side stream's wait takes the record made just before it."""
 
-    event: torch.cuda.Event
-    hidden: torch.Tensor
-    version: int
+    def __init__(self) -> None:
+        self.event: torch.cuda.Event | None = None
+        self.hidden: torch.Tensor | None = None  # None: no block input to start the side stream from
+        self.version = 0
+        self.main: torch.cuda.Stream | None = None  # set while the shared module runs on the side stream
 
 
 @dataclass
@@ -79,35 +83,33 @@ class SharedExpertOverlap:
         return self.side_streams[device]
 
     def install(self, block: nn.Module, shared: nn.Module) -> None:
-        entry: dict[str, _BlockEntry | None] = {"block": None}
-        switched: dict[str, torch.cuda.Stream | None] = {"main": None}
+        call = _SharedCall()
 
         def block_pre(module, args, kwargs):
             hidden = args[0] if args else kwargs.get("hidden_states")
-            entry["block"] = None
+            call.hidden = None
             if isinstance(hidden, torch.Tensor) and hidden.is_cuda and not torch.compiler.is_compiling():
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(hidden.device))
-                entry["block"] = _BlockEntry(event, hidden, hidden._version)
+                if call.event is None:
+                    call.event = torch.cuda.Event()
+                call.event.record(torch.cuda.current_stream(hidden.device))
+                call.hidden, call.version = hidden, hidden._version
 
         def shared_pre(module, args, kwargs):
-            switched["main"] = None
             x = args[0] if args else next(iter(kwargs.values()), None)
-            seen, entry["block"] = entry["block"], None  # one shared call per block call
-            reason = _why_inline(seen, x)
+            hidden, call.hidden = call.hidden, None  # one shared call per block call
+            reason = _why_inline(hidden, call.version, x)
             if reason is not None:
                 record_fallback(FALLBACK, f"a shared expert ran on the main stream: {reason}")
                 return None
-            main = torch.cuda.current_stream(x.device)
+            call.main = torch.cuda.current_stream(x.device)
             side = self.side_stream(x.device)
-            side.wait_event(seen.event)
+            side.wait_event(call.event)
             x.record_stream(side)  # allocated on the main stream, read on the side stream
             torch.cuda.set_stream(side)
-            switched["main"] = main
             return None
 
         def shared_post(module, args, kwargs, output):
-            main, switched["main"] = switched["main"], None
+            main, call.main = call.main, None
             if main is None:
                 return None
             torch.cuda.set_stream(main)
@@ -126,17 +128,16 @@ class SharedExpertOverlap:
             self.handles.pop().remove()
 
 
-def _why_inline(seen: _BlockEntry | None, x) -> str | None:
-    """None when the shared module may run on the side stream, else why not."""
-    if seen is None:
+def _why_inline(hidden: torch.Tensor | None, version: int, x) -> str | None:
+    """None when the shared module, given x, may run on the side stream after its block began with
+    `hidden` at `version`; else why not."""
+    if hidden is None:
         return "its block's input was not a CUDA tensor seen outside torch.compile's tracing"
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         return "its input is not a CUDA tensor"
-    if torch.compiler.is_compiling():
-        return "torch.compile is tracing it"
-    if x.untyped_storage().data_ptr() != seen.hidden.untyped_storage().data_ptr():
+    if x.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr():
         return "its input is not its block's input (computed after the block began)"
-    if seen.hidden._version != seen.version or x._version != seen.version:
+    if hidden._version != version or x._version != version:
         return "its block's input was modified in place after the block began"
     return None
 
@@ -149,10 +150,10 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
-def install_shared_expert_overlap(model: nn.Module) -> tuple[Callable[[], None], int, SharedExpertOverlap]:
-    """Hook every MoE block of `model` that has shared experts. Returns (undo, blocks hooked, state)."""
+def install_shared_expert_overlap(pairs: list[tuple[nn.Module, nn.Module]]
+                                  ) -> tuple[Callable[[], None], SharedExpertOverlap]:
+    """Hook each (block, shared module) of `shared_expert_blocks`. Returns (undo, state)."""
     state = SharedExpertOverlap()
-    pairs = shared_expert_blocks(model)
     for block, shared in pairs:
         state.install(block, shared)
-    return state.undo, len(pairs), state
+    return state.undo, state
