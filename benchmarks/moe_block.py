@@ -20,9 +20,6 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
   hasten_fused_class_shared  hasten_fused with the shared experts' MLP left to its class (torch's
                       SiLU and product), beside hasten_fused's fused SwiGLU on them: the A/B of that
                       patch in one run (DeepSeek-V2-Lite, Llama 4; elsewhere equal to hasten_fused)
-  hasten_shared_overlap  hasten_fused with the shared experts on a side CUDA stream beside the routed
-                      ones (training.moe.overlap_shared_experts; DeepSeek-V2-Lite, Llama 4; elsewhere
-                      no shared experts: equal to hasten_fused)
   hasten_graphed      hasten_fused with forward + backward captured once in a CUDA graph (after 3
                       warm-up iterations on a side stream) and replayed per step; parameter gradients
                       are None before capture, so each replay writes them afresh (= zero_grad + step)
@@ -61,7 +58,7 @@ from hasten.ops import moe as moe_ops  # noqa: E402
 IMPL = {"hf_moe_eager": "eager", "hf_moe_grouped_mm": "grouped_mm", "hasten_fused": "hasten_fused",
         "hasten_graphed": "hasten_fused", "hasten_graphed_callables": "hasten_fused",
         "hasten_compiled": "hasten_fused", "hasten_fused_class_shared": "hasten_fused",
-        "hasten_fused_torch_gemm": "hasten_fused", "hasten_shared_overlap": "hasten_fused"}
+        "hasten_fused_torch_gemm": "hasten_fused"}
 # variants run with HASTEN_GROUPED_GEMM set (read by hasten's grouped GEMM on every call)
 GROUPED_GEMM = {"hasten_fused_torch_gemm": "torch"}
 # variants whose shared experts (DeepSeek's, Llama 4's) stay the class's own MLP under hasten's experts
@@ -69,7 +66,7 @@ CLASS_SHARED_MLPS = {"hasten_fused_class_shared"}
 # graphed replays must equal eager hasten (same kernels, same inputs); compiled may reorder float math
 DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and a small block)
 GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2,
-                  "hasten_fused_torch_gemm": 2e-2, "hasten_shared_overlap": 1e-3}  # another GEMM kernel: bf16 outputs rounded apart
+                  "hasten_fused_torch_gemm": 2e-2}  # another GEMM kernel: bf16 outputs rounded apart
 
 
 BLOCK = "qwen3_30b_a3b"  # set by --block
@@ -256,22 +253,12 @@ def eager_step(call, module, x, grad):
 
 
 def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, run_id: str,
-                profile: bool = False, cleanup: list | None = None) -> dict:
-    """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'.
-    What the variant changed on the block is undone by the callables it appends to `cleanup`, which
-    the caller runs whether the variant ends or fails."""
+                profile: bool = False) -> dict:
+    """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'."""
     reset_fallbacks()
     use_implementation(block, config, IMPL[name], class_shared_mlps=name in CLASS_SHARED_MLPS)
     notes, check = [], None
-    cleanup = [] if cleanup is None else cleanup
-    overlap = None
-    if name == "hasten_shared_overlap":  # the shared experts on a side stream: accelerate()'s hooks
-        from hasten.moe.shared_overlap import install_shared_expert_overlap, shared_expert_blocks
-
-        pairs = shared_expert_blocks(block)
-        undo_overlap, overlap = install_shared_expert_overlap(pairs)
-        cleanup.append(undo_overlap)
-        notes.append(f"MoE blocks with shared experts on a side stream {len(pairs)}")
+    cleanup = []
     if name == "hasten_graphed":
         graph, static_out = capture_forward_backward(block, x, grad)
         cleanup.append(lambda: block.zero_grad(set_to_none=True))
@@ -323,9 +310,6 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
                      f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}; grouped GEMM "
                      f"{os.environ.get('HASTEN_GROUPED_GEMM') or 'torch._grouped_mm (HASTEN_GROUPED_GEMM unset)'}")
     notes.append(f"output rel err vs eager {out_err:.2e}")
-    if overlap is not None:
-        notes.append(f"shared expert calls on the side stream {overlap.overlapped_calls}; fallbacks "
-                     f"{fallback_counts().get('moe_shared_overlap', 0)}")
     if name in GRAD_TOLERANCE:
         check = compare(out, x_grad, param_grads, want)
         correct = correct and check[0] <= GRAD_TOLERANCE[name] and check[1] <= GRAD_TOLERANCE[name]
@@ -333,6 +317,8 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
                      f"{len(param_grads)} parameters) max rel diff {check[1]:.2e}, bitwise equal {check[2]}")
         print(f"{name}: vs eager hasten_fused on the same inputs: output rel diff {check[0]:.3e}, "
               f"largest gradient rel diff {check[1]:.3e}, bitwise equal {check[2]}", flush=True)
+    for undo in cleanup:
+        undo()
     return {"workload": "W3", "variant": name, "block": BLOCK, "run_id": run_id, **common.environment(),
             "tokens_per_s": x.shape[1] / common.median(times), "step_s": common.median(times), "peak_gib": None,
             "host_syncs_per_step": syncs.count, "correct": correct, "notes": "; ".join(notes)}
@@ -382,12 +368,11 @@ def run(args, variants: list[str]) -> int:
     rows = []
     for name in variants:
         previous_gemm = os.environ.get("HASTEN_GROUPED_GEMM")
-        cleanup: list = []
         if name in GROUPED_GEMM:
             os.environ["HASTEN_GROUPED_GEMM"] = GROUPED_GEMM[name]
         try:
             rows.append(run_variant(name, block, config, x, grad, iters, want, ref_out, run_id,
-                                    profile=name in args.profile.split(","), cleanup=cleanup))
+                                    profile=name in args.profile.split(",")))
         except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others
             traceback.print_exc()
             rows.append({"workload": "W3", "variant": name, "block": BLOCK, "run_id": run_id, **common.environment(),
@@ -395,8 +380,6 @@ def run(args, variants: list[str]) -> int:
                          "correct": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}",
                          "notes": "failed"})
         finally:
-            for undo in cleanup:
-                undo()
             if previous_gemm is None:
                 os.environ.pop("HASTEN_GROUPED_GEMM", None)
             else:
@@ -443,7 +426,7 @@ def run(args, variants: list[str]) -> int:
               f"  correct {r['correct']}  {r.get('error') or r['notes'][:110]}")
     by = {r["variant"]: r["step_s"] for r in rows if r["step_s"]}
     for a, b in (("hf_moe_grouped_mm", "hasten_fused"), ("hf_moe_eager", "hasten_fused"),
-                 ("hasten_fused_torch_gemm", "hasten_fused"), ("hasten_fused", "hasten_shared_overlap"),
+                 ("hasten_fused_torch_gemm", "hasten_fused"),
                  ("hasten_fused", "hasten_graphed"), ("hasten_fused", "hasten_graphed_callables"),
                  ("hasten_fused", "hasten_compiled"), ("torch_sort_histc_cumsum", "hasten_moe_group")):
         if a in by and b in by:

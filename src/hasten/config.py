@@ -76,11 +76,6 @@ class MoEConfig:
     # MoE experts through hasten: one-kernel grouping (counts, offsets, permutation),
     # grouped GEMMs, fused SwiGLU and a deterministic combine.
     fused_grouping: bool = True
-    # Run each MoE block's shared experts (DeepSeek, GLM-4.5, Qwen2-MoE, Llama 4, ...) on a side CUDA
-    # stream beside the routed experts, forward and backward; the results are bitwise the same. Off
-    # by default: not yet measured on a GPU. Not with training.compile; left off with activation
-    # offload and under torchrun with more than one rank (not verified with them).
-    overlap_shared_experts: bool = False
 
 
 @dataclass
@@ -438,9 +433,6 @@ def validate(config: Config, *, source: str = "config") -> None:
         if config.attention.verify:
             blockers.append("`attention.verify: true` (each layer re-derives the metadata and compares it on the "
                             "host)")
-        if t.moe.overlap_shared_experts:
-            blockers.append("`training.moe.overlap_shared_experts: true` (it switches CUDA streams in module hooks, "
-                            "which a compiled layer cannot run)")
         if blockers:
             raise refuse("`training.compile: true` compiles each decoder layer as one graph, which cannot combine "
                          f"with {'; nor with '.join(blockers)}. Turn those off, or set training.compile: false.")

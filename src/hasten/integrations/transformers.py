@@ -52,7 +52,6 @@ from hasten.stateful.varlen import LinearMeta
 if TYPE_CHECKING:
     from hasten.memory.offload import OffloadManager
     from hasten.moe import MoeLoadStats
-    from hasten.moe.shared_overlap import SharedExpertOverlap
 
 ATTN_NAME = "hasten_varlen"
 # the model's own eager / sdpa attention, packed rows kept apart by a mask hasten builds on that
@@ -803,7 +802,6 @@ class AccelerationHandle:
     active: list[str] = field(default_factory=list)
     inactive: list[str] = field(default_factory=list)
     moe_stats: MoeLoadStats | None = None
-    shared_overlap: SharedExpertOverlap | None = None  # training.moe.overlap_shared_experts, where installed
     offload: OffloadManager | None = None
     packing_refusal: str | None = None
     _undo_steps: list = field(default_factory=list)
@@ -1087,37 +1085,6 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     handle._undo_steps.append(undo)
     handle.moe_stats = stats
     handle.active.append(f"fused MoE experts ({len(experts)} layers: {describe(experts[0])})")
-
-
-def _patch_shared_expert_overlap(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
-    """`training.moe.overlap_shared_experts`: each MoE block's shared experts on a side CUDA stream
-    (hasten/moe/shared_overlap.py); nothing where the model has no shared experts or no CUDA."""
-    if not config.training.moe.overlap_shared_experts:
-        return
-    from hasten.moe.shared_overlap import install_shared_expert_overlap, shared_expert_blocks
-
-    pairs = shared_expert_blocks(model)
-    if not pairs:
-        handle.inactive.append("training.moe.overlap_shared_experts (this model has no MoE block with shared experts)")
-        return
-    if not any(p.is_cuda for p in model.parameters()):
-        handle.inactive.append("training.moe.overlap_shared_experts (the model is not on a CUDA GPU: one stream)")
-        return
-    if config.training.checkpoint.offload_mode() != "none":
-        # the offload's copy streams order themselves after the stream a tensor was saved on; the two
-        # have not been verified together
-        handle.inactive.append("training.moe.overlap_shared_experts (activation offload is on; not verified together)")
-        return
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        # DDP's and FSDP2's gradient reductions start from hooks on the stream a gradient was made on;
-        # the side stream's gradients have not been verified through them
-        handle.inactive.append("training.moe.overlap_shared_experts (distributed training: not verified with DDP or "
-                               "FSDP2's gradient reduction)")
-        return
-    undo, state = install_shared_expert_overlap(pairs)
-    handle._undo_steps.append(undo)
-    handle.shared_overlap = state
-    handle.active.append(f"shared experts on a side CUDA stream ({len(pairs)} MoE blocks)")
 
 
 def _patch_moe_blocks(model: PreTrainedModel, kind: str, handle: AccelerationHandle) -> None:
@@ -1434,7 +1401,6 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     try:
         _patch_attention(model, config, handle)
         _patch_moe(model, config, handle)
-        _patch_shared_expert_overlap(model, config, handle)
         _patch_memory(model, config, handle)
         _patch_loss(model, config, handle)
         _patch_dense_kernels(model, config, handle)
