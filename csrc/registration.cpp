@@ -48,11 +48,15 @@ TORCH_LIBRARY(hasten, m) {
   // x (T, H) -> (S, H) in expert order: out[p] = slot_scale[s] * x[s / k], s = permutation[p];
   // rows of dropped slots are zero.
   m.def("moe_permute(Tensor x, Tensor permutation, Tensor offsets, int top_k, Tensor? slot_scale) -> Tensor");
-  // y (S, H) in expert order -> (T, H): out[t] = sum_j weights[t, j] * y[inverse[t*k + j]]
-  // (weight 1 without weights), summed in float in a fixed order: deterministic.
-  m.def("moe_combine(Tensor y, Tensor inverse, Tensor offsets, int top_k, Tensor? weights) -> Tensor");
-  // Router-weight gradient of moe_combine: (T, k), dot(grad_out[t], y[inverse[t*k + j]]).
-  m.def("moe_combine_weight_grad(Tensor grad_out, Tensor y, Tensor inverse, Tensor offsets, int top_k) -> Tensor");
+  // y (S, H) in expert order -> (T, H): out[t] = sum_j weights[t, j] * y'[inverse[t*k + j]]
+  // (weight 1 without weights), summed in float in a fixed order: deterministic. y' = y, or with
+  // bias (E, H) y[p] + bias[expert of p] rounded to y's dtype (the model's `y + bias`; gpt-oss's
+  // down_proj bias without a pass of its own over y).
+  m.def("moe_combine(Tensor y, Tensor inverse, Tensor offsets, int top_k, Tensor? weights, "
+        "Tensor? bias=None) -> Tensor");
+  // Router-weight gradient of moe_combine: (T, k), dot(grad_out[t], y'[inverse[t*k + j]]).
+  m.def("moe_combine_weight_grad(Tensor grad_out, Tensor y, Tensor inverse, Tensor offsets, int top_k, "
+        "Tensor? bias=None) -> Tensor");
   // The experts' grouped GEMM: x (S, in) rows in expert order, expert g owning rows
   // [group_ends[g-1], group_ends[g]); weight (E, out, in), or (E, in, out) when transposed (as
   // transformers' is_transposed experts store it) -> (S, out) = x[rows of g] @ W_g^T. Rows past

@@ -56,8 +56,14 @@ def moe_permute_reference(x, permutation, top_k, valid, slot_scale=None):
     return out
 
 
-def moe_combine_reference(y, inverse, top_k, valid, weights=None):
+def moe_combine_reference(y, inverse, top_k, valid, weights=None, offsets=None, bias=None):
+    """Float64 out[t] = sum_j weights[t, j] * y'[inverse[t * k + j]]; with bias (E, H) and offsets
+    (E + 1,), y'[p] = y[p] + bias[expert of p] added in y's dtype (the model's `y + bias`)."""
     tokens = inverse.numel() // top_k
+    if bias is not None:
+        rows = torch.arange(y.shape[0], dtype=offsets.dtype)
+        experts = torch.searchsorted(offsets[1:], rows, right=True).clamp_max(bias.shape[0] - 1)
+        y = y + bias[experts.long()]
     rows = y.double()[inverse.long().clamp_max(max(y.shape[0] - 1, 0))] if y.shape[0] else y.double()
     keep = (inverse.long() < valid).double().unsqueeze(1)
     w = weights.double().reshape(-1, 1) if weights is not None else torch.ones(inverse.numel(), 1, dtype=torch.float64)

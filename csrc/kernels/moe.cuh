@@ -56,8 +56,12 @@ struct MoeCombineParams {
   int64_t num_tokens, hidden;
   int num_experts, top_k;
   ElementType type;
+  // (E, H) same element type as y, or nullptr: the row's expert bias added to y first, rounded to
+  // the element type as the model's `y + bias` is (gpt-oss's down_proj bias; one pass over y saved)
+  const void* bias = nullptr;
 };
-// out[t] = sum_j weights[t, j] * y[inverse[t * top_k + j]], in a fixed order, float accumulation
+// out[t] = sum_j weights[t, j] * round(y[p] + bias[expert of p]), p = inverse[t * top_k + j], in a
+// fixed order, float accumulation
 cudaError_t launch_moe_combine(const MoeCombineParams& params, cudaStream_t stream);
 
 struct MoeCombineWeightGradParams {
@@ -69,8 +73,10 @@ struct MoeCombineWeightGradParams {
   int64_t num_tokens, hidden;
   int num_experts, top_k;
   ElementType type;
+  const void* bias = nullptr;  // (E, H) or nullptr, as MoeCombineParams::bias
 };
-// grad_weights[t, j] = dot(grad_out[t], y[inverse[t * top_k + j]]) (0 for dropped slots)
+// grad_weights[t, j] = dot(grad_out[t], round(y[p] + bias[expert of p])), p = inverse[t * top_k + j]
+// (0 for dropped slots)
 cudaError_t launch_moe_combine_weight_grad(const MoeCombineWeightGradParams& params, cudaStream_t stream);
 
 }  // namespace kernels

@@ -3,6 +3,7 @@
 // atomics), and the router-weight gradient of combine. Rows move as 16-byte vectors
 // when the row length allows it.
 #include "dtype_utils.cuh"
+#include "expert_rows.cuh"
 #include "moe.cuh"
 
 namespace hasten {
@@ -68,10 +69,29 @@ __global__ void moe_permute_kernel(const T* __restrict__ x, const int32_t* __res
   }
 }
 
-template <typename T, int V>
+// Chunk c of sorted row pos of y as floats; with kBias plus the row's expert bias, rounded to T as
+// the model's `y + bias` in its dtype is (offsets + 1 are the groups' inclusive ends).
+template <typename T, int V, bool kBias>
+__device__ __forceinline__ void load_biased_row(const T* __restrict__ y, const T* __restrict__ bias,
+                                                const int32_t* __restrict__ offsets, int num_experts, int pos,
+                                                int64_t hidden, int64_t c, float (&out)[V]) {
+  const Vec<T, V> chunk = *reinterpret_cast<const Vec<T, V>*>(y + static_cast<int64_t>(pos) * hidden + c);
+  if constexpr (kBias) {
+    const int64_t expert = expert_of_row(offsets + 1, num_experts, pos);
+    const Vec<T, V> b = *reinterpret_cast<const Vec<T, V>*>(bias + expert * hidden + c);
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = to_float(from_float<T>(to_float(chunk.v[i]) + to_float(b.v[i])));
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = to_float(chunk.v[i]);
+  }
+}
+
+template <typename T, int V, bool kBias>
 __global__ void moe_combine_kernel(const T* __restrict__ y, const int32_t* __restrict__ inverse,
                                    const int32_t* __restrict__ offsets, const T* __restrict__ weights,
-                                   T* __restrict__ out, int64_t hidden, int num_experts, int top_k) {
+                                   const T* __restrict__ bias, T* __restrict__ out, int64_t hidden, int num_experts,
+                                   int top_k) {
   const int64_t token = blockIdx.x;
   const int valid_slots = offsets[num_experts];
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < hidden; c += static_cast<int64_t>(blockDim.x) * V) {
@@ -83,9 +103,10 @@ __global__ void moe_combine_kernel(const T* __restrict__ y, const int32_t* __res
       const int pos = inverse[slot];
       if (pos >= valid_slots) continue;  // dropped slot
       const float w = weights != nullptr ? to_float(weights[slot]) : 1.0f;
-      const Vec<T, V> chunk = *reinterpret_cast<const Vec<T, V>*>(y + static_cast<int64_t>(pos) * hidden + c);
+      float row[V];
+      load_biased_row<T, V, kBias>(y, bias, offsets, num_experts, pos, hidden, c, row);
 #pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += w * to_float(chunk.v[i]);
+      for (int i = 0; i < V; ++i) acc[i] += w * row[i];
     }
     Vec<T, V> result;
 #pragma unroll
@@ -95,11 +116,12 @@ __global__ void moe_combine_kernel(const T* __restrict__ y, const int32_t* __res
 }
 
 // One warp per (token, choice): a dot product of two rows.
-template <typename T, int V>
+template <typename T, int V, bool kBias>
 __global__ void moe_combine_weight_grad_kernel(const T* __restrict__ grad_out, const T* __restrict__ y,
                                                const int32_t* __restrict__ inverse,
-                                               const int32_t* __restrict__ offsets, T* __restrict__ grad_weights,
-                                               int64_t num_slots, int64_t hidden, int num_experts, int top_k) {
+                                               const int32_t* __restrict__ offsets, const T* __restrict__ bias,
+                                               T* __restrict__ grad_weights, int64_t num_slots, int64_t hidden,
+                                               int num_experts, int top_k) {
   const int64_t slot = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (slot >= num_slots) return;
@@ -107,12 +129,12 @@ __global__ void moe_combine_weight_grad_kernel(const T* __restrict__ grad_out, c
   float acc = 0.0f;
   if (pos < offsets[num_experts]) {
     const T* g = grad_out + (slot / top_k) * hidden;
-    const T* r = y + static_cast<int64_t>(pos) * hidden;
     for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += 32 * V) {
       const Vec<T, V> a = *reinterpret_cast<const Vec<T, V>*>(g + c);
-      const Vec<T, V> b = *reinterpret_cast<const Vec<T, V>*>(r + c);
+      float row[V];
+      load_biased_row<T, V, kBias>(y, bias, offsets, num_experts, pos, hidden, c, row);
 #pragma unroll
-      for (int i = 0; i < V; ++i) acc += to_float(a.v[i]) * to_float(b.v[i]);
+      for (int i = 0; i < V; ++i) acc += to_float(a.v[i]) * row[i];
     }
   }
 #pragma unroll
@@ -157,13 +179,20 @@ cudaError_t launch_moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
   return HASTEN_DISPATCH_ELEMENT(p.type, {
     const T* y = static_cast<const T*>(p.y);
     const T* w = static_cast<const T*>(p.weights);
+    const T* bias = static_cast<const T*>(p.bias);
     T* out = static_cast<T*>(p.out);
-    if (rows_vectorizable<T>(p.hidden, y, out)) {
-      moe_combine_kernel<T, kVec<T>><<<p.num_tokens, threads_for(p.hidden, kVec<T>), 0, stream>>>(
-          y, p.inverse, p.offsets, w, out, p.hidden, p.num_experts, p.top_k);
+    const bool vectors = rows_vectorizable<T>(p.hidden, y, out) && aligned16(bias);
+    const int threads = threads_for(p.hidden, vectors ? kVec<T> : 1);
+    auto launch = [&](auto kernel) {
+      kernel<<<p.num_tokens, threads, 0, stream>>>(y, p.inverse, p.offsets, w, bias, out, p.hidden, p.num_experts,
+                                                   p.top_k);
+    };
+    if (vectors) {
+      if (bias != nullptr) launch(moe_combine_kernel<T, kVec<T>, true>);
+      else launch(moe_combine_kernel<T, kVec<T>, false>);
     } else {
-      moe_combine_kernel<T, 1><<<p.num_tokens, threads_for(p.hidden, 1), 0, stream>>>(
-          y, p.inverse, p.offsets, w, out, p.hidden, p.num_experts, p.top_k);
+      if (bias != nullptr) launch(moe_combine_kernel<T, 1, true>);
+      else launch(moe_combine_kernel<T, 1, false>);
     }
     return cudaGetLastError();
   });
@@ -177,13 +206,18 @@ cudaError_t launch_moe_combine_weight_grad(const MoeCombineWeightGradParams& p, 
   return HASTEN_DISPATCH_ELEMENT(p.type, {
     const T* g = static_cast<const T*>(p.grad_out);
     const T* y = static_cast<const T*>(p.y);
+    const T* bias = static_cast<const T*>(p.bias);
     T* gw = static_cast<T*>(p.grad_weights);
-    if (rows_vectorizable<T>(p.hidden, g, y)) {
-      moe_combine_weight_grad_kernel<T, kVec<T>><<<blocks, kThreads, 0, stream>>>(
-          g, y, p.inverse, p.offsets, gw, slots, p.hidden, p.num_experts, p.top_k);
+    auto launch = [&](auto kernel) {
+      kernel<<<blocks, kThreads, 0, stream>>>(g, y, p.inverse, p.offsets, bias, gw, slots, p.hidden, p.num_experts,
+                                              p.top_k);
+    };
+    if (rows_vectorizable<T>(p.hidden, g, y) && aligned16(bias)) {
+      if (bias != nullptr) launch(moe_combine_weight_grad_kernel<T, kVec<T>, true>);
+      else launch(moe_combine_weight_grad_kernel<T, kVec<T>, false>);
     } else {
-      moe_combine_weight_grad_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(
-          g, y, p.inverse, p.offsets, gw, slots, p.hidden, p.num_experts, p.top_k);
+      if (bias != nullptr) launch(moe_combine_weight_grad_kernel<T, 1, true>);
+      else launch(moe_combine_weight_grad_kernel<T, 1, false>);
     }
     return cudaGetLastError();
   });

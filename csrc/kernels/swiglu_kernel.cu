@@ -5,6 +5,7 @@
 // blockIdx.y (looping past the grid's limit) and columns on x in 16-byte chunks where every row
 // is aligned for them (one element otherwise), so no thread divides an index.
 #include "dtype_utils.cuh"
+#include "expert_rows.cuh"
 #include "gate_activation_math.cuh"
 #include "swiglu.cuh"
 
@@ -133,17 +134,6 @@ __device__ __forceinline__ ClampedGate clamped_gate(float gate, float up, float 
   c.s = 1.0f / (1.0f + expf(-(c.g * alpha)));
   c.glu = c.g * c.s;
   return c;
-}
-
-// The expert of an expert-sorted row: how many inclusive group ends are <= r, at most E - 1.
-__device__ __forceinline__ int64_t expert_of_row(const int32_t* group_ends, int64_t experts, int64_t r) {
-  int64_t low = 0, high = experts;  // the first e with group_ends[e] > r
-  while (low < high) {
-    const int64_t middle = (low + high) / 2;
-    if (group_ends[middle] > r) high = middle;
-    else low = middle + 1;
-  }
-  return low < experts ? low : experts - 1;
 }
 
 // gate_up chunk v of row r plus the row's expert bias, rounded to T (the model adds the bias in

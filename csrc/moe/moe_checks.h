@@ -46,10 +46,23 @@ inline void check_permute_args(const at::Tensor& x, const at::Tensor& permutatio
   }
 }
 
-// y (S, H), weights (T, top_k) or none
+// bias (E, H) of the combine ops: one row per expert of offsets, y's width, dtype and device
+inline void check_expert_bias(const char* op, const at::Tensor& y, const at::Tensor& offsets,
+                              const std::optional<at::Tensor>& bias) {
+  if (!bias.has_value()) return;
+  check_dim(*bias, 2, op, "bias", "2-D (experts, hidden)");
+  check_same_dtype(y, *bias, op, "y", "bias");
+  check_size(*bias, 0, offsets.numel() - 1, op, "bias", "experts = offsets - 1");
+  check_size(*bias, 1, y.size(1), op, "bias", "hidden of y");
+  check_same_device(y, *bias, op, "y", "bias");
+}
+
+// y (S, H), weights (T, top_k) or none, bias (E, H) or none
 inline void check_combine_args(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& offsets,
-                               int64_t top_k, const std::optional<at::Tensor>& weights) {
+                               int64_t top_k, const std::optional<at::Tensor>& weights,
+                               const std::optional<at::Tensor>& bias) {
   check_routing_args("moe_combine", y, inverse, offsets, top_k);
+  check_expert_bias("moe_combine", y, offsets, bias);
   check_size(y, 0, inverse.numel(), "moe_combine", "y", "slots = tokens * top_k");
   if (weights.has_value()) {
     check_same_dtype(y, *weights, "moe_combine", "y", "weights");
@@ -59,10 +72,11 @@ inline void check_combine_args(const at::Tensor& y, const at::Tensor& inverse, c
   }
 }
 
-// grad_out (T, H), y (S, H)
+// grad_out (T, H), y (S, H), bias (E, H) or none
 inline void check_weight_grad_args(const at::Tensor& grad_out, const at::Tensor& y, const at::Tensor& inverse,
-                                   const at::Tensor& offsets, int64_t top_k) {
+                                   const at::Tensor& offsets, int64_t top_k, const std::optional<at::Tensor>& bias) {
   check_routing_args("moe_combine_weight_grad", y, inverse, offsets, top_k);
+  check_expert_bias("moe_combine_weight_grad", y, offsets, bias);
   check_same_dtype(y, grad_out, "moe_combine_weight_grad", "y", "grad_out");
   check_dim(grad_out, 2, "moe_combine_weight_grad", "grad_out", "2-D (tokens, hidden)");
   check_size(grad_out, 0, inverse.numel() / top_k, "moe_combine_weight_grad", "grad_out", "tokens");

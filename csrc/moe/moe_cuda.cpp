@@ -70,18 +70,20 @@ at::Tensor moe_permute_cuda(const at::Tensor& x, const at::Tensor& permutation, 
 }
 
 at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, const at::Tensor& offsets, int64_t top_k,
-                            const std::optional<at::Tensor>& weights) {
+                            const std::optional<at::Tensor>& weights, const std::optional<at::Tensor>& bias) {
   check_device(y, "moe_combine", "y", c10::DeviceType::CUDA);
-  check_combine_args(y, inverse, offsets, top_k, weights);
+  check_combine_args(y, inverse, offsets, top_k, weights, bias);
   const c10::cuda::CUDAGuard guard(y.device());
   const auto yc = y.contiguous(), inv = inverse.contiguous(), offs = offsets.contiguous();
   const auto w = weights ? std::optional<at::Tensor>(weights->contiguous()) : std::nullopt;
+  const auto b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   auto out = at::empty({inv.numel() / top_k, y.size(1)}, y.options());
   kernels::MoeCombineParams p;
   p.y = yc.data_ptr();
   p.inverse = inv.data_ptr<int32_t>();
   p.offsets = offs.data_ptr<int32_t>();
   p.weights = w ? w->data_ptr() : nullptr;
+  p.bias = b ? b->data_ptr() : nullptr;
   p.out = out.data_ptr();
   p.num_tokens = inv.numel() / top_k;
   p.hidden = y.size(1);
@@ -93,11 +95,13 @@ at::Tensor moe_combine_cuda(const at::Tensor& y, const at::Tensor& inverse, cons
 }
 
 at::Tensor moe_combine_weight_grad_cuda(const at::Tensor& grad_out, const at::Tensor& y, const at::Tensor& inverse,
-                                        const at::Tensor& offsets, int64_t top_k) {
+                                        const at::Tensor& offsets, int64_t top_k,
+                                        const std::optional<at::Tensor>& bias) {
   check_device(y, "moe_combine_weight_grad", "y", c10::DeviceType::CUDA);
-  check_weight_grad_args(grad_out, y, inverse, offsets, top_k);
+  check_weight_grad_args(grad_out, y, inverse, offsets, top_k, bias);
   const c10::cuda::CUDAGuard guard(y.device());
   const auto g = grad_out.contiguous(), yc = y.contiguous(), inv = inverse.contiguous(), offs = offsets.contiguous();
+  const auto b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   auto out = at::empty({inv.numel() / top_k, top_k}, y.options());
   kernels::MoeCombineWeightGradParams p;
   p.grad_out = g.data_ptr();
@@ -105,6 +109,7 @@ at::Tensor moe_combine_weight_grad_cuda(const at::Tensor& grad_out, const at::Te
   p.inverse = inv.data_ptr<int32_t>();
   p.offsets = offs.data_ptr<int32_t>();
   p.grad_weights = out.data_ptr();
+  p.bias = b ? b->data_ptr() : nullptr;
   p.num_tokens = inv.numel() / top_k;
   p.hidden = y.size(1);
   p.num_experts = static_cast<int>(offs.numel() - 1);

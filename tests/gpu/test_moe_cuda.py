@@ -46,6 +46,12 @@ def test_group_cuda_out_of_range_ids_are_dropped_last():
     assert torch.all(scaled[3:] == 0)
     out = moe_ops.combine(rows, torch.ones(3, 2, device="cuda"), g)
     assert torch.allclose(out, torch.stack([x[0], x[1], x[2]]))  # each token's one valid slot
+    # an expert bias goes to valid rows only: the experts of slots 0, 3, 4 are 0, 1, 1
+    bias = torch.randn(4, 16, device="cuda")
+    out = moe_ops.combine(rows, torch.ones(3, 2, device="cuda"), g, bias)
+    assert torch.allclose(out, torch.stack([x[0] + bias[0], x[1] + bias[1], x[2] + bias[1]]))
+    grad_w = torch.ops.hasten.moe_combine_weight_grad(torch.ones(3, 16, device="cuda"), rows, inverse, offsets, 2, bias)
+    assert grad_w[0, 1] == 0 and grad_w[1, 0] == 0 and grad_w[2, 1] == 0  # the dropped slots (ids 7, -1, 9)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -60,6 +66,7 @@ def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden, tokens, top_k):
     y = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
     w = torch.rand(tokens, top_k, generator=gen).to(dtype)
     scale = torch.rand(tokens * top_k, generator=gen).to(dtype)
+    bias = (torch.randn(experts, hidden, generator=gen) * 3).to(dtype)
     ops = torch.ops.hasten
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     pairs = [
@@ -69,6 +76,11 @@ def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden, tokens, top_k):
          ops.moe_combine(y.cuda(), g_gpu.inverse, g_gpu.offsets, top_k, w.cuda())),
         (ops.moe_combine_weight_grad(x, y, g_cpu.inverse, g_cpu.offsets, top_k),
          ops.moe_combine_weight_grad(x.cuda(), y.cuda(), g_gpu.inverse, g_gpu.offsets, top_k)),
+        # with an expert bias per row's expert (gpt-oss's down_proj bias), large enough to show
+        (ops.moe_combine(y, g_cpu.inverse, g_cpu.offsets, top_k, w, bias),
+         ops.moe_combine(y.cuda(), g_gpu.inverse, g_gpu.offsets, top_k, w.cuda(), bias.cuda())),
+        (ops.moe_combine_weight_grad(x, y, g_cpu.inverse, g_cpu.offsets, top_k, bias),
+         ops.moe_combine_weight_grad(x.cuda(), y.cuda(), g_gpu.inverse, g_gpu.offsets, top_k, bias.cuda())),
     ]
     gate_up = (torch.randn(513, 2 * hidden, generator=gen) * 3).to(dtype)
     grad = torch.randn(513, hidden, generator=gen).to(dtype)

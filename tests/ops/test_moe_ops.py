@@ -88,6 +88,75 @@ def test_permute_and_combine_match_reference(dtype, tol, tokens, top_k, hidden):
     assert torch.allclose(got.double(), want, atol=tol * hidden, rtol=tol * 4)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 1, 8), (19, 3, 33), (64, 4, 64)])
+def test_combine_with_expert_bias_matches_reference(dtype, tol, tokens, top_k, hidden):
+    """gpt-oss's down_proj bias inside the combine: each row's expert bias added in y's dtype, then
+    weighted; the router-weight gradient dots grad_out with the biased rows."""
+    gen = torch.Generator().manual_seed(tokens * hidden)
+    _, g = _routing(gen, tokens, top_k, 5)
+    valid = int(g.offsets[-1])
+    y = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
+    w = torch.rand(tokens, top_k, generator=gen).to(dtype)
+    bias = (torch.randn(5, hidden, generator=gen) * 4).to(dtype)  # large: a dropped bias shows
+    for weights in (None, w):
+        got = torch.ops.hasten.moe_combine(y, g.inverse, g.offsets, top_k, weights, bias)
+        want = moe_combine_reference(y, g.inverse, top_k, valid, weights, g.offsets, bias)
+        assert torch.allclose(got.double(), want, atol=tol * 16, rtol=tol * 4)
+    grad_out = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    got = torch.ops.hasten.moe_combine_weight_grad(grad_out, y, g.inverse, g.offsets, top_k, bias)
+    ones = torch.ones(tokens, top_k, dtype=dtype)
+    biased = torch.stack([moe_combine_reference(y, g.inverse, top_k, valid, (ones * (torch.arange(top_k) == j)),
+                                                g.offsets, bias) for j in range(top_k)], 1)  # (T, k, H)
+    want = (grad_out.double().unsqueeze(1) * biased).sum(-1)
+    assert torch.allclose(got.double(), want, atol=tol * hidden * 8, rtol=tol * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_with_bias_equals_the_bias_added_apart(dtype):
+    """The fused bias is the model's computation: combine(y + one_hot @ bias) (what the experts ran
+    before, torch.addmm) and combine(y, bias=bias) give the same output bit for bit, and the same
+    gradients of y, the weights and the bias."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, top_k, hidden, experts = 23, 3, 40, 6
+    _, g = _routing(gen, tokens, top_k, experts)
+    y0 = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
+    w0 = torch.rand(tokens, top_k, generator=gen).to(dtype)
+    b0 = (torch.randn(experts, hidden, generator=gen) * 3).to(dtype)
+    grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    one_hot = moe_ops.row_experts_one_hot(g.group_ends, tokens * top_k, dtype)
+
+    def run(fused):
+        y, w, b = (t.clone().requires_grad_() for t in (y0, w0, b0))
+        out = moe_ops.combine(y, w, g, b) if fused else moe_ops.combine(torch.addmm(y, one_hot, b), w, g)
+        out.backward(grad)
+        return out.detach(), y.grad, w.grad, b.grad
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
+
+
+def test_combine_with_bias_gradients():
+    gen = torch.Generator().manual_seed(1)
+    _, g = _routing(gen, 7, 3, 4)
+    y = torch.randn(21, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(4, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, c, d: moe_ops.combine(a, c, g, d), (y, w, b))
+    # the bias alone needing its gradient (the experts' outputs frozen): d y is still formed for it
+    torch.autograd.gradcheck(lambda d: moe_ops.combine(y.detach(), w.detach(), g, d), (b,))
+
+
+def test_combine_rejects_a_bias_of_the_wrong_shape():
+    gen = torch.Generator().manual_seed(2)
+    _, g = _routing(gen, 4, 2, 3)
+    y = torch.randn(8, 6)
+    with pytest.raises(RuntimeError, match=r"bias.*experts = offsets - 1"):
+        torch.ops.hasten.moe_combine(y, g.inverse, g.offsets, 2, None, torch.zeros(4, 6))
+    with pytest.raises(RuntimeError, match=r"bias.*hidden of y"):
+        torch.ops.hasten.moe_combine_weight_grad(torch.randn(4, 6), y, g.inverse, g.offsets, 2, torch.zeros(3, 5))
+
+
 def test_permute_combine_gradients():
     gen = torch.Generator().manual_seed(0)
     _, g = _routing(gen, 7, 3, 4)

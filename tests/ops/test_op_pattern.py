@@ -96,8 +96,14 @@ def _cases(requires_grad: bool):
         ("moe_permute", (t(tokens, hidden), grouping.permutation, grouping.offsets, top_k, t(tokens * top_k))),
         ("moe_combine", (t(tokens * top_k, hidden), grouping.inverse, grouping.offsets, top_k, t(tokens, top_k))),
         ("moe_combine", (t(tokens * top_k, hidden), grouping.inverse, grouping.offsets, top_k, None)),
+        # with an expert bias (E, H) per row's expert (gpt-oss's down_proj bias)
+        ("moe_combine", (t(tokens * top_k, hidden), grouping.inverse, grouping.offsets, top_k, t(tokens, top_k),
+                         t(grouping.offsets.numel() - 1, hidden))),
         ("moe_combine_weight_grad", (t(tokens, hidden, grad=False), t(tokens * top_k, hidden, grad=False),
                                      grouping.inverse, grouping.offsets, top_k)),
+        ("moe_combine_weight_grad", (t(tokens, hidden, grad=False), t(tokens * top_k, hidden, grad=False),
+                                     grouping.inverse, grouping.offsets, top_k,
+                                     t(grouping.offsets.numel() - 1, hidden, grad=False))),
         # 3 experts over 7 rows, the middle one empty, the last row past every group; both layouts
         ("moe_grouped_mm", (t(7, 5), t(3, 4, 5), torch.tensor([2, 2, 6], dtype=torch.int32), False)),
         ("moe_grouped_mm", (t(7, 5), t(3, 5, 4), torch.tensor([2, 2, 6], dtype=torch.int32), True)),
@@ -263,6 +269,8 @@ def _bad_inputs():
         ("moe_permute", (f(2, 4), torch.zeros(4, dtype=i32), torch.tensor([0, 4], dtype=i32), 2, torch.ones(3))),
         ("moe_combine", (f(4, 8), torch.zeros(4, dtype=i32), torch.zeros(3, dtype=i32), 2, f(3))),
         ("moe_combine_weight_grad", (f(6, 5), f(14, 5), g.inverse, g.offsets, 2)),
+        ("moe_combine", (f(14, 5), g.inverse, g.offsets, 2, None, f(g.offsets.numel(), 5))),  # bias: experts
+        ("moe_combine", (f(14, 5), g.inverse, g.offsets, 2, None, f(g.offsets.numel() - 1, 5, dtype=torch.float64))),
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 6), torch.tensor([2, 4], dtype=i32), False)),  # in
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 4], dtype=i32), True)),  # in, transposed
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 2, 4], dtype=i32), False)),  # experts

@@ -175,8 +175,9 @@ def describe(experts: torch.nn.Module) -> str:
                   "clamped_swiglu": "fused clamped SwiGLU (gpt-oss: interleaved gate and up, alpha, limit)"}.get(
         gate, f"the model's own gated activation ({type(experts).__name__}._apply_gate)"))
     if getattr(experts, "has_bias", False):
-        parts.append("expert biases (gate_up's inside the clamped kernel)" if gate == "clamped_swiglu"
-                     and getattr(experts, "_hasten_fused_bias", False) else "expert biases")
+        parts.append("expert biases (gate_up's inside the clamped kernel, down's in the combine)"
+                     if gate == "clamped_swiglu" and getattr(experts, "_hasten_fused_bias", False)
+                     else "expert biases (down's in the combine)")
     parts.append("deterministic combine")
     return ", ".join(parts)
 
@@ -385,12 +386,13 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     if stats is not None:
         stats.add(self, g.counts)
     x = moe_ops.permute(hidden_states, g)
-    row_one_hot = _row_expert_one_hot(g, x.shape[0], x.dtype) if getattr(self, "has_bias", False) else None
+    has_bias = bool(getattr(self, "has_bias", False))
     gate = getattr(self, "_hasten_gate", None) or gate_kernel(self)  # decided at accelerate(); else here
     # gpt-oss: gate_up's expert biases added inside the clamped kernel where accelerate() checked it
     # (clamped_bias_mismatch), instead of a pass of their own over the (S, 2I) tensor
-    fused_bias = row_one_hot is not None and gate == "clamped_swiglu" and getattr(self, "_hasten_fused_bias", False)
-    gate_up = _projection(self, "gate_up_proj", x, g, None if fused_bias else row_one_hot)
+    fused_bias = has_bias and gate == "clamped_swiglu" and getattr(self, "_hasten_fused_bias", False)
+    row_one_hot = _row_expert_one_hot(g, x.shape[0], x.dtype) if has_bias and not fused_bias else None
+    gate_up = _projection(self, "gate_up_proj", x, g, row_one_hot)
     if gate == "swiglu":
         act = moe_ops.swiglu(gate_up)
     elif gate == "clamped_swiglu" and fused_bias:
@@ -400,5 +402,9 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         act = moe_ops.clamped_swiglu(gate_up, self.alpha, self.limit)
     else:
         act = type(self)._apply_gate(self, gate_up)
-    y = _projection(self, "down_proj", act, g, row_one_hot)
-    return moe_ops.combine(y, top_k_weights.to(y.dtype), g)
+    # down_proj's expert biases: added inside the combine, which reads every row of y anyway (the
+    # model's y + bias rounded to y's dtype, then weighted), instead of a pass of their own over the
+    # (S, H) tensor (gpt-oss-20b's block: 65,536 x 2,880)
+    y = _projection(self, "down_proj", act, g, None)
+    down_bias = self.down_proj_bias.to(y.dtype) if has_bias else None
+    return moe_ops.combine(y, top_k_weights.to(y.dtype), g, down_bias)

@@ -339,9 +339,21 @@ def check_permute_args(x, permutation, offsets, top_k, slot_scale) -> None:
         check_same_device(x, slot_scale, op, "x", "slot_scale")
 
 
-def check_combine_args(y, inverse, offsets, top_k, weights) -> None:
+def _check_expert_bias(op: str, y, offsets, bias) -> None:
+    """bias (E, H) of the combine ops: one row per expert of offsets, y's width, dtype and device."""
+    if bias is None:
+        return
+    check_dim(bias, 2, op, "bias", "2-D (experts, hidden)")
+    check_same_dtype(y, bias, op, "y", "bias")
+    check_size(bias, 0, offsets.numel() - 1, op, "bias", "experts = offsets - 1")
+    check_size(bias, 1, y.shape[1], op, "bias", "hidden of y")
+    check_same_device(y, bias, op, "y", "bias")
+
+
+def check_combine_args(y, inverse, offsets, top_k, weights, bias=None) -> None:
     op = "moe_combine"
     _check_routing_args(op, y, inverse, offsets, top_k)
+    _check_expert_bias(op, y, offsets, bias)
     check_size(y, 0, inverse.numel(), op, "y", "slots = tokens * top_k")
     if weights is not None:
         check_same_dtype(y, weights, op, "y", "weights")
@@ -350,9 +362,10 @@ def check_combine_args(y, inverse, offsets, top_k, weights) -> None:
         check_same_device(y, weights, op, "y", "weights")
 
 
-def check_weight_grad_args(grad_out, y, inverse, offsets, top_k) -> None:
+def check_weight_grad_args(grad_out, y, inverse, offsets, top_k, bias=None) -> None:
     op = "moe_combine_weight_grad"
     _check_routing_args(op, y, inverse, offsets, top_k)
+    _check_expert_bias(op, y, offsets, bias)
     check_same_dtype(y, grad_out, op, "y", "grad_out")
     check_dim(grad_out, 2, op, "grad_out", "2-D (tokens, hidden)")
     check_size(grad_out, 0, inverse.numel() // top_k, op, "grad_out", "tokens")

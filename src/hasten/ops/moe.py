@@ -27,13 +27,13 @@ def _moe_permute_fake(x, permutation, offsets, top_k, slot_scale=None):
     return x.new_empty((permutation.numel(), x.shape[1]))
 
 
-def _moe_combine_fake(y, inverse, offsets, top_k, weights=None):
-    _checks.check_combine_args(y, inverse, offsets, top_k, weights)
+def _moe_combine_fake(y, inverse, offsets, top_k, weights=None, bias=None):
+    _checks.check_combine_args(y, inverse, offsets, top_k, weights, bias)
     return y.new_empty((inverse.numel() // top_k, y.shape[1]))
 
 
-def _moe_combine_weight_grad_fake(grad_out, y, inverse, offsets, top_k):
-    _checks.check_weight_grad_args(grad_out, y, inverse, offsets, top_k)
+def _moe_combine_weight_grad_fake(grad_out, y, inverse, offsets, top_k, bias=None):
+    _checks.check_weight_grad_args(grad_out, y, inverse, offsets, top_k, bias)
     return y.new_empty((inverse.numel() // top_k, top_k))
 
 
@@ -102,28 +102,37 @@ def _permute_backward(ctx, grad):
     return grad_x, None, None, None, grad_scale
 
 
-# combine: out[t] = sum_j weights[t, j] * y[inverse[t * k + j]]
+# combine: out[t] = sum_j weights[t, j] * y'[inverse[t * k + j]], y'[p] = y[p] (+ bias[expert of p])
 def _combine_setup(ctx, inputs, output):
-    y, inverse, offsets, top_k, weights = inputs
+    y, inverse, offsets, top_k, weights, bias = (*inputs, None)[:6]
     ctx.top_k = top_k
     ctx.has_weights = weights is not None
+    ctx.has_bias = bias is not None
     ctx.weights_shape = weights.shape if weights is not None else None
-    # y's gradient needs the weights; the weights' need y
-    ctx.save_for_backward(inverse, offsets, weights if ctx.needs_input_grad[0] else None,
-                          y if ctx.needs_input_grad[4] else None)
+    # y's and the bias's gradients need the weights; the weights' need y and the bias
+    needs_grad_y = ctx.needs_input_grad[0] or (ctx.has_bias and ctx.needs_input_grad[5])
+    ctx.save_for_backward(inverse, offsets, weights if needs_grad_y else None,
+                          y if ctx.needs_input_grad[4] else None, bias if ctx.needs_input_grad[4] else None)
 
 
 def _combine_backward(ctx, grad_out):
-    inverse, offsets, weights, y = ctx.saved_tensors
+    """d y[p] = weights[t, j] * grad_out[t] (a permute of grad_out); d weights[t, j] =
+    dot(grad_out[t], y'[p]); d bias (E, H) = rows' one-hot^T @ d y (each row of an expert got its
+    bias: the GEMM torch.addmm's backward runs, float32 accumulation); dropped rows of d y are zero."""
+    inverse, offsets, weights, y, bias = ctx.saved_tensors
     grad_out = grad_out.contiguous()
-    grad_y = grad_weights = None
-    if ctx.needs_input_grad[0]:
+    needs_bias = ctx.has_bias and ctx.needs_input_grad[5]
+    grad_y = grad_weights = grad_bias = None
+    if ctx.needs_input_grad[0] or needs_bias:
         slot_scale = weights.reshape(-1) if ctx.has_weights else None
         grad_y = call_in_backward("moe_permute", grad_out, _inverse_of(inverse), offsets, ctx.top_k, slot_scale)
     if ctx.needs_input_grad[4]:
-        grad_weights = call_in_backward("moe_combine_weight_grad", grad_out, y, inverse, offsets, ctx.top_k)
+        extra = () if bias is None else (bias,)
+        grad_weights = call_in_backward("moe_combine_weight_grad", grad_out, y, inverse, offsets, ctx.top_k, *extra)
         grad_weights = grad_weights.reshape(ctx.weights_shape)
-    return grad_y, None, None, None, grad_weights
+    if needs_bias:
+        grad_bias = row_experts_one_hot(offsets[1:], grad_y.shape[0], grad_y.dtype).t().mm(grad_y)
+    return grad_y if ctx.needs_input_grad[0] else None, None, None, None, grad_weights, grad_bias
 
 
 # grouped_mm: y[rows of g] = x[rows of g] @ W_g^T, weight (E, out, in), or (E, in, out) when transposed
@@ -224,11 +233,13 @@ def permute(x: torch.Tensor, g: Grouping, slot_scale: torch.Tensor | None = None
     return call("moe_permute", x, g.permutation, g.offsets, g.top_k, slot_scale)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor | None, g: Grouping) -> torch.Tensor:
+def combine(y: torch.Tensor, weights: torch.Tensor | None, g: Grouping, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Expert outputs in expert order (S, H) -> tokens (T, H), weighted by the router's (T, k), or
-    summed where weights is None."""
+    summed where weights is None. With bias (E, H), each row's expert bias is added first, rounded
+    to y's dtype (what the model's `y + bias` gives), inside the kernel: no pass of its own over y."""
     load()
-    return call("moe_combine", y, g.inverse, g.offsets, g.top_k, weights)
+    extra = () if bias is None else (bias,)
+    return call("moe_combine", y, g.inverse, g.offsets, g.top_k, weights, *extra)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, transposed: bool = False) -> torch.Tensor:
