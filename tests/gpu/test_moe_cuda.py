@@ -134,13 +134,14 @@ def test_clamped_swiglu_cuda_equals_cpu_forward_and_backward(dtype, rows, inner,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,inner,experts", [(65_536 + 3, 2880, 32), (70_000, 12, 5), (9, 3, 4)])
+@pytest.mark.parametrize("rows,inner,experts", [(65_536 + 3, 2880, 32), (70_000, 12, 5), (9, 3, 4), (37, 8, 16)])
 def test_clamped_swiglu_with_expert_biases_cuda_equals_the_biases_added_apart(dtype, rows, inner, experts):
     """gpt-oss's gate_up biases inside the clamped kernel (each expert-sorted row's expert from the
     group ends by binary search): the CUDA kernel, forward and backward, against the same kernel on
     gate_up + one_hot @ bias (the unfused path, bitwise in bf16: the sum is rounded once either way)
     and against the CPU reference; experts of uneven sizes, one empty, rows past the ends, rows past
-    the grid's 65,535, the vector path (2880) and the element path (odd widths)."""
+    the grid's 65,535, the vector path (2880) and the element path (odd widths); experts of a row or
+    two, so that one thread's four consecutive rows span several experts and empty ones."""
     gen = torch.Generator().manual_seed(rows + experts)
     sizes = torch.randint(0, 2 * rows // experts + 1, (experts,), generator=gen)
     sizes[1] = 0
