@@ -69,16 +69,22 @@ __global__ void moe_permute_kernel(const T* __restrict__ x, const int32_t* __res
   }
 }
 
-// Chunk c of sorted row pos of y as floats; with kBias plus the row's expert bias, rounded to T as
-// the model's `y + bias` in its dtype is (offsets + 1 are the groups' inclusive ends).
+// Row pos's expert bias (E, H) where kBias, else nullptr; offsets + 1 are the groups' inclusive ends.
+template <typename T, bool kBias>
+__device__ __forceinline__ const T* bias_row(const T* __restrict__ bias, const int32_t* __restrict__ offsets,
+                                             int num_experts, int pos, int64_t hidden) {
+  if constexpr (kBias) return bias + expert_of_row(offsets + 1, num_experts, pos) * hidden;
+  return nullptr;
+}
+
+// Chunk c of a row of y as floats; with kBias plus chunk c of the row's expert bias (bias_row),
+// rounded to T as the model's `y + bias` in its dtype is.
 template <typename T, int V, bool kBias>
-__device__ __forceinline__ void load_biased_row(const T* __restrict__ y, const T* __restrict__ bias,
-                                                const int32_t* __restrict__ offsets, int num_experts, int pos,
-                                                int64_t hidden, int64_t c, float (&out)[V]) {
-  const Vec<T, V> chunk = *reinterpret_cast<const Vec<T, V>*>(y + static_cast<int64_t>(pos) * hidden + c);
+__device__ __forceinline__ void load_biased_row(const T* __restrict__ row, const T* __restrict__ bias, int64_t c,
+                                                float (&out)[V]) {
+  const Vec<T, V> chunk = *reinterpret_cast<const Vec<T, V>*>(row + c);
   if constexpr (kBias) {
-    const int64_t expert = expert_of_row(offsets + 1, num_experts, pos);
-    const Vec<T, V> b = *reinterpret_cast<const Vec<T, V>*>(bias + expert * hidden + c);
+    const Vec<T, V> b = *reinterpret_cast<const Vec<T, V>*>(bias + c);
 #pragma unroll
     for (int i = 0; i < V; ++i) out[i] = to_float(from_float<T>(to_float(chunk.v[i]) + to_float(b.v[i])));
   } else {
@@ -104,7 +110,8 @@ __global__ void moe_combine_kernel(const T* __restrict__ y, const int32_t* __res
       if (pos >= valid_slots) continue;  // dropped slot
       const float w = weights != nullptr ? to_float(weights[slot]) : 1.0f;
       float row[V];
-      load_biased_row<T, V, kBias>(y, bias, offsets, num_experts, pos, hidden, c, row);
+      load_biased_row<T, V, kBias>(y + static_cast<int64_t>(pos) * hidden,
+                                   bias_row<T, kBias>(bias, offsets, num_experts, pos, hidden), c, row);
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] += w * row[i];
     }
@@ -129,10 +136,12 @@ __global__ void moe_combine_weight_grad_kernel(const T* __restrict__ grad_out, c
   float acc = 0.0f;
   if (pos < offsets[num_experts]) {
     const T* g = grad_out + (slot / top_k) * hidden;
+    const T* r = y + static_cast<int64_t>(pos) * hidden;
+    const T* b = bias_row<T, kBias>(bias, offsets, num_experts, pos, hidden);  // once per warp, not per chunk
     for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += 32 * V) {
       const Vec<T, V> a = *reinterpret_cast<const Vec<T, V>*>(g + c);
       float row[V];
-      load_biased_row<T, V, kBias>(y, bias, offsets, num_experts, pos, hidden, c, row);
+      load_biased_row<T, V, kBias>(r, b, c, row);
 #pragma unroll
       for (int i = 0; i < V; ++i) acc += to_float(a.v[i]) * row[i];
     }
