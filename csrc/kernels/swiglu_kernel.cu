@@ -166,6 +166,17 @@ __device__ __forceinline__ void add_row_bias(const ClampedSwigluParams& p, int64
   for (int i = 0; i < V; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(b[i]));
 }
 
+// Chunk v of rows r0 .. r0 + kClampedRows - 1 plus each row's expert bias, where the params carry one.
+template <typename T, int V, bool kWide>
+__device__ __forceinline__ void add_rows_bias(const ClampedSwigluParams& p, int64_t r0, int64_t v,
+                                              T (&x)[kClampedRows][V]) {
+  if (p.bias == nullptr) return;
+  int64_t expert[kClampedRows];
+  experts_of_rows(p, r0, expert);
+#pragma unroll
+  for (int k = 0; k < kClampedRows; ++k) add_row_bias<T, V, kWide>(p, expert[k], v, x[k]);
+}
+
 template <typename T, int V, bool kWide>
 __global__ void __launch_bounds__(kThreads) clamped_swiglu_forward_kernel(ClampedSwigluParams p) {
   static_assert(V % 2 == 0, "whole (gate, up) pairs per thread");
@@ -178,12 +189,7 @@ __global__ void __launch_bounds__(kThreads) clamped_swiglu_forward_kernel(Clampe
     for (int k = 0; k < kClampedRows; ++k) {  // every load issued before any is used
       if (r0 + k < p.rows) load_elements<T, V, kWide>(static_cast<const T*>(p.gate_up) + (r0 + k) * 2 * p.inner, v, x[k]);
     }
-    if (p.bias != nullptr) {
-      int64_t expert[kClampedRows];
-      experts_of_rows(p, r0, expert);
-#pragma unroll
-      for (int k = 0; k < kClampedRows; ++k) add_row_bias<T, V, kWide>(p, expert[k], v, x[k]);
-    }
+    add_rows_bias<T, V, kWide>(p, r0, v, x);
 #pragma unroll
     for (int k = 0; k < kClampedRows; ++k) {
       if (r0 + k >= p.rows) break;
@@ -212,12 +218,7 @@ __global__ void __launch_bounds__(kThreads) clamped_swiglu_backward_kernel(Clamp
       load_elements<T, V, kWide>(static_cast<const T*>(p.gate_up) + (r0 + k) * 2 * p.inner, v, x[k]);
       load_elements<T, V / 2, kWide>(static_cast<const T*>(p.grad_act) + (r0 + k) * p.inner, v, d[k]);
     }
-    if (p.bias != nullptr) {
-      int64_t expert[kClampedRows];
-      experts_of_rows(p, r0, expert);
-#pragma unroll
-      for (int k = 0; k < kClampedRows; ++k) add_row_bias<T, V, kWide>(p, expert[k], v, x[k]);
-    }
+    add_rows_bias<T, V, kWide>(p, r0, v, x);
 #pragma unroll
     for (int k = 0; k < kClampedRows; ++k) {
       if (r0 + k >= p.rows) break;
