@@ -17,12 +17,20 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def commit() -> str:
+def commit(root: Path | None = None) -> str:
+    """The commit a row names: HASTEN_COMMIT where set (device runs pass this machine's), else the
+    checkout's HEAD, marked -dirty where its tracked files differ from that commit (the device's
+    copy of the tree can carry a stale .git: a run at 76c41f5 labelled itself 1735314)."""
     if os.environ.get("HASTEN_COMMIT"):
         return os.environ["HASTEN_COMMIT"]
+    root = root or RESULTS.parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.check_output(["git", *args], cwd=root, text=True, stderr=subprocess.DEVNULL).strip()
+
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

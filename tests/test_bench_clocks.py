@@ -1,6 +1,7 @@
 """benchmarks/common.py's GPU clock sampling (rows of W4 and the other training benchmarks carry the
 SM clock and board power of their timed steps): the parser of nvidia-smi's lines, the sampler
-against a stand-in nvidia-smi, and that without one it adds nothing to a row."""
+against a stand-in nvidia-smi, and that without one it adds nothing to a row. And the commit a row
+names."""
 
 import sys
 from pathlib import Path
@@ -41,3 +42,27 @@ def test_without_nvidia_smi_a_row_gets_no_clock_fields(monkeypatch, tmp_path):
     with common.GpuClocks() as clocks:
         pass
     assert clocks.fields() == {}
+
+
+def test_a_row_names_the_commit_and_marks_a_tree_that_differs_from_it(tmp_path, monkeypatch):
+    """A device copy's .git can be stale: its HEAD is then not what was built, and the row says so."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.check_output(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                                       text=True).strip()
+
+    monkeypatch.delenv("HASTEN_COMMIT", raising=False)
+    git("init", "-q")
+    (tmp_path / "kernel.cu").write_text("v1\n")
+    git("add", "kernel.cu")
+    git("commit", "-q", "-m", "v1")
+    head = git("rev-parse", "--short", "HEAD")
+    assert common.commit(tmp_path) == head
+    (tmp_path / "notes.txt").write_text("untracked files do not count\n")
+    assert common.commit(tmp_path) == head
+    (tmp_path / "kernel.cu").write_text("v2\n")
+    assert common.commit(tmp_path) == f"{head}-dirty"
+    assert common.commit(tmp_path / "not-there") == "unknown"
+    monkeypatch.setenv("HASTEN_COMMIT", "abc1234")
+    assert common.commit(tmp_path) == "abc1234"
