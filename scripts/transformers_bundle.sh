@@ -6,7 +6,7 @@
 # hybrids; the whole wheel is 13.5 MB.
 #   bash scripts/transformers_bundle.sh 5.24.0 lfm2 qwen3_next qwen3_5 qwen3_5_moe olmo_hybrid llama4
 # 5.25 imports huggingface-hub >= 2.4, which the GPU image lacks (1.33; 8448fa1's call failed on it):
-# carry 5.24, or the hub's wheel beside it.
+# carry 5.24 this way, or 5.25 with its hub through scripts/transformers_site_bundle.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=$1; shift
