@@ -181,7 +181,10 @@ def test_elastic_restart_after_a_worker_dies_resumes_the_same_losses(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     assert proc.returncode == 0, err[-3000:]
-    assert "resumed from" in err and "closing signal" in err, err[-3000:]  # it did die and come back
+    # it did die and come back: only a restarted worker resumes (the first attempt began in an empty
+    # folder). torchrun's "closing signal" line is not required: when the killed worker's peer fails
+    # on its own before torchrun's next poll, torchrun has no live process to signal (seen once in CI)
+    assert "resumed from" in err, err[-3000:]
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     got = {r["step"]: r["loss"] for r in rows}  # steps trained twice: the restart's value wins
     assert sorted(got) == sorted(want)
