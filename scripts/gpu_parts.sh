@@ -10,12 +10,10 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 # The rows name the commit. The device machine's copy of the tree may carry a stale .git (at
 # 76c41f5 a run labelled itself 1735314 from it), so pass HASTEN_COMMIT from this machine; without
 # it the label is the copy's HEAD, marked -dirty where the tracked files differ from that commit.
-if [[ -z ${HASTEN_COMMIT:-} ]]; then
-  HASTEN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-  if [[ -n $(git status --porcelain --untracked-files=no 2>/dev/null) ]]; then
-    HASTEN_COMMIT="$HASTEN_COMMIT-dirty"
-    echo "WARNING: the tracked files differ from $HASTEN_COMMIT; pass HASTEN_COMMIT=<commit> to label the rows" >&2
-  fi
+if [[ -z ${HASTEN_COMMIT:-} ]]; then  # the benchmarks' own label (benchmarks/common.py commit())
+  HASTEN_COMMIT=$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import common; print(common.commit())' \
+    2>/dev/null || echo unknown)
+  [[ $HASTEN_COMMIT == *-dirty ]] && echo "WARNING: the tracked files differ from ${HASTEN_COMMIT%-dirty}; pass HASTEN_COMMIT=<commit> to label the rows" >&2
 fi
 export HASTEN_COMMIT
 START=$SECONDS

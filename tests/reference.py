@@ -56,14 +56,20 @@ def moe_permute_reference(x, permutation, top_k, valid, slot_scale=None):
     return out
 
 
+def expert_biased_rows(y, offsets, bias):
+    """y (S, H) in expert order plus each row's expert bias (E, H), offsets (E + 1,) the groups'
+    starts, added in y's dtype (the model's `y + bias`); rows past the groups get the last expert's."""
+    rows = torch.arange(y.shape[0], dtype=offsets.dtype)
+    experts = torch.searchsorted(offsets[1:], rows, right=True).clamp_max(bias.shape[0] - 1)
+    return y + bias[experts.long()]
+
+
 def moe_combine_reference(y, inverse, top_k, valid, weights=None, offsets=None, bias=None):
-    """Float64 out[t] = sum_j weights[t, j] * y'[inverse[t * k + j]]; with bias (E, H) and offsets
-    (E + 1,), y'[p] = y[p] + bias[expert of p] added in y's dtype (the model's `y + bias`)."""
+    """Float64 out[t] = sum_j weights[t, j] * y'[inverse[t * k + j]]; y' = y, or with bias (E, H)
+    and offsets (E + 1,) expert_biased_rows(y, offsets, bias)."""
     tokens = inverse.numel() // top_k
     if bias is not None:
-        rows = torch.arange(y.shape[0], dtype=offsets.dtype)
-        experts = torch.searchsorted(offsets[1:], rows, right=True).clamp_max(bias.shape[0] - 1)
-        y = y + bias[experts.long()]
+        y = expert_biased_rows(y, offsets, bias)
     rows = y.double()[inverse.long().clamp_max(max(y.shape[0] - 1, 0))] if y.shape[0] else y.double()
     keep = (inverse.long() < valid).double().unsqueeze(1)
     w = weights.double().reshape(-1, 1) if weights is not None else torch.ones(inverse.numel(), 1, dtype=torch.float64)
