@@ -4,7 +4,9 @@ least, and plain PyTorch's forward + backward of the same op for comparison. Sho
 is off the memory roofline: the same run times a device-to-device copy and an elementwise add (the
 ceilings; an H200 copies about 4.3 TB/s, reads plus writes).
 
-  --shape w1  Qwen3-0.6B (W1): hidden 1024, 16/8 heads of 128 with q/k norms, intermediate 3072
+  --shape w1  Qwen3-0.6B (W1): hidden 1024, 16/8 heads of 128 with q/k norms, intermediate 3072; the
+              q/k norms with the rotary after them also as one kernel (hasten::rms_norm_rope) against
+              the two it replaces
   --shape w4  Llama-8B (W4, LoRA): hidden 4096, 32/8 heads, intermediate 14336; the norms' weights
               are frozen there, so their backward computes no weight gradient
 
@@ -100,6 +102,40 @@ def rope_rows(heads: int, kv_heads: int, head_dim: int) -> list[dict]:
     return rows
 
 
+def norm_rope_rows(heads: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """The head norm and the rotary after it (hasten::rms_norm_rope, kernels.fused_qk_norm_rope) on
+    q and k as Qwen3's attention hands them over, against the two kernels it replaces (rms_norm on
+    the (T, heads, D) projection, then rope on its transposed view), each way."""
+    cos, sin = (torch.randn(1, TOKENS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(head_dim, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for name, n in (("q", heads), ("k", kv_heads)):
+        projection = torch.randn(1, TOKENS, n, head_dim, device="cuda", dtype=torch.bfloat16)
+        x, g = projection.transpose(1, 2), torch.randn_like(projection).transpose(1, 2)
+        size = x.numel() * BF16
+        _, rstd = torch.ops.hasten.rms_norm_rope(x, w, cos, sin, 1e-6, 0.0, False)
+        _, rstd_rows = torch.ops.hasten.rms_norm(projection, w, 1e-6, 0.0)  # (1, T, heads): the norm's own rows
+        fused_fwd = common.time_us(lambda: torch.ops.hasten.rms_norm_rope(x, w, cos, sin, 1e-6, 0.0, False))
+        fused_bwd = common.time_us(
+            lambda: torch.ops.hasten.rms_norm_rope_backward(g, x, w, rstd, cos, sin, 0.0, False, True))
+
+        def separate_forward():
+            y, _ = torch.ops.hasten.rms_norm(projection, w, 1e-6, 0.0)
+            return torch.ops.hasten.rope(y.transpose(1, 2), cos, sin, False, False)
+
+        def separate_backward():
+            grad_y = torch.ops.hasten.rope(g, cos, sin, True, False).transpose(1, 2)
+            return torch.ops.hasten.rms_norm_backward(grad_y, projection, w, rstd_rows, 0.0, True)
+
+        rows += [{"kernel": f"norm+rope {name} ({n} heads) forward", "us": fused_fwd, "min_bytes": 2 * size},
+                 {"kernel": f"norm+rope {name} ({n} heads) backward", "us": fused_bwd, "min_bytes": 3 * size},
+                 {"kernel": f"norm, rope {name} ({n} heads) forward, separate", "us": common.time_us(separate_forward),
+                  "min_bytes": 2 * size},
+                 {"kernel": f"norm, rope {name} ({n} heads) backward, separate",
+                  "us": common.time_us(separate_backward), "min_bytes": 3 * size}]
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="w1")
@@ -110,6 +146,8 @@ def main() -> int:
     if qk_norms:
         rows += rms_rows(f"rms_norm q heads ({TOKENS * heads} x {head_dim})", TOKENS * heads, head_dim)
     rows += swiglu_rows(intermediate) + rope_rows(heads, kv_heads, head_dim)
+    if qk_norms:
+        rows += norm_rope_rows(heads, kv_heads, head_dim)
     workload = f"{args.shape.upper()}_kernels"
     run_id = common.new_run_id()
     for row in rows:

@@ -119,6 +119,15 @@ TORCH_LIBRARY(hasten, m) {
   // (transformers' rotate_half), or with interleaved=true (2j, 2j + 1) (GLM, Cohere).
   // backward=true applies the transpose (the gradient map). Out keeps x's strides.
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward, bool interleaved) -> Tensor");
+  // A head norm and the rotary embedding after it (Qwen3's and Gemma 3's q_norm / k_norm, then
+  // apply_rotary_pos_emb) in one kernel each way (kernels/rms_norm_rope.cuh): out = rope(rms_norm(x))
+  // with x (batch, heads, length, head_dim) normed over head_dim, weight (head_dim,), cos and sin as
+  // for rope and of x's dtype; the values of rms_norm then rope. rstd (batch, heads, length) float32.
+  // Out keeps x's strides. The backward gives rms_norm_backward(rope(grad_out, backward=true)).
+  m.def("rms_norm_rope(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps, float offset, bool interleaved) "
+        "-> (Tensor out, Tensor rstd)");
+  m.def("rms_norm_rope_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd, Tensor cos, Tensor sin, "
+        "float offset, bool interleaved, bool weight_grad=True) -> (Tensor grad_x, Tensor grad_weight)");
 
   // Cross-entropy over rows of LM-head logits (rows, vocab), float accumulation. Returns the
   // per-row loss (rows,) float32: lse - (1 - eps) * z_t - eps / vocab * sum_j z_j with

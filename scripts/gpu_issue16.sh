@@ -3,9 +3,12 @@
 # this order (what matters most first; a part gets at most its cap and never more than is left):
 #   build     pip install -e . (wheels in .whl/ go to /tmp/site first, as in gpu_check.sh)     cap 300 s
 #   gpu       tests/gpu/test_cuda_graphs_cuda.py (GraphedAdamW, the captured MoE block), -s     cap 120 s
+#             (GPU_TESTS: other pytest arguments, e.g. the fused head norm + rotary's tests)
+#   kernels   benchmarks/dense_kernels.py --shape w1 (each dense kernel at W1's shapes, the
+#             fused head norm + rotary against the two kernels it replaces)                  cap 60 s
 #   w3        W3 --steps 10: hf_moe_grouped_mm, hasten_fused, hasten_graphed,
 #             hasten_graphed_callables, hasten_compiled                                      cap 150 s
-#   w1        W1 --steps 10: hasten, hasten_graphed_optimizer, hasten_compiled, liger (last: it
+#   w1        W1 --steps 10: hasten, hasten_graphed_optimizer, hasten_compiled (W1_VARIANTS: others), liger (last: it
 #             patches transformers' Qwen3 for the rest of the process; where liger_kernel imports)
 #   ops       tests/ops, and tests/integrations/test_compile.py when it exists (mostly CPU tests:
 #             last, with the time that is left)                                              cap 90 s
@@ -19,15 +22,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-530}
-PARTS=" ${PARTS:-build gpu w3 w1 ops} "
+PARTS=" ${PARTS:-build gpu w3 w1 ops} "  # kernels: asked for by name
 RUN_NAME=issue16
 source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
 
 if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
-    part gpu 120 python3 -m pytest tests/gpu/test_cuda_graphs_cuda.py -q -rs -s
+    # shellcheck disable=SC2086  # GPU_TESTS holds several pytest arguments
+    part gpu 120 python3 -m pytest ${GPU_TESTS:-tests/gpu/test_cuda_graphs_cuda.py} -q -rs -s
     grep -E "graphed vs eager|replay [0-9]|make_graphed_callables|eager losses|graphed losses|optimizer_graph|passed|failed|skipped|^FAILED|^ERROR" \
       "$LOGS/gpu.log" 2>/dev/null | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" kernels "* ]]; then
+    part kernels 60 python3 benchmarks/dense_kernels.py --shape w1 --out "$LOGS"
+    grep -E "norm|rope|copy|Error" "$LOGS/kernels.log" 2>/dev/null | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w3 "* ]]; then
     part w3 150 python3 benchmarks/moe_block.py --steps 10 --out "$LOGS" \
@@ -35,7 +43,7 @@ if (( built )); then
     grep -E "^ +W3|vs eager hasten_fused|x$|FAILED|Error" "$LOGS/w3.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w1 "* ]]; then
-    W1_VARIANTS=hasten,hasten_graphed_optimizer,hasten_compiled
+    W1_VARIANTS=${W1_VARIANTS:-hasten,hasten_graphed_optimizer,hasten_compiled}
     timeout 60 python3 -c "import liger_kernel" 2>/dev/null && W1_VARIANTS=$W1_VARIANTS,liger
     part w1 330 python3 benchmarks/packed_sft.py --steps 10 --out "$LOGS" --variants "$W1_VARIANTS"
     grep -E "tok/s|FAILED|vs |compiled graphs|optimizer graph|losses vs" "$LOGS/w1.log" 2>/dev/null | tail -14 \

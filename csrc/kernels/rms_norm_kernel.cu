@@ -23,6 +23,7 @@
 // additions changes the result only by float rounding.
 #include "dtype_utils.cuh"
 #include "rms_norm.cuh"
+#include "warp_sums.cuh"
 
 namespace hasten {
 namespace kernels {
@@ -34,13 +35,6 @@ constexpr int kMaxRegisterVectors = 2;  // grad_weight sums in registers up to t
 constexpr int kMaxWarpSumVectors = 8;   // in the warp's shared-memory row up to this many
 constexpr int kMaxCachedVectors = 16;   // forward rows held in registers: 64 registers of x at 16
 constexpr int kMaxCachedBackwardVectors = 16;  // frozen-weight backward: x and grad_y, 128 registers
-
-// Sum over the `group` lanes that share a row; every lane of the group gets it. All 32 lanes of
-// the warp must call it (xor offsets below `group` stay inside the group).
-__device__ __forceinline__ float group_sum(float value, int group) {
-  for (int offset = group / 2; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffff, value, offset);
-  return value;
-}
 
 // x's vector v of a row, with the row's residual added when there is one (round_to_T(x + r):
 // what the separate add gives) and that sum stored for the caller (hasten::add_rms_norm).
@@ -457,13 +451,6 @@ __global__ void __launch_bounds__(kThreads) rms_norm_backward_cached_kernel(RmsN
       store_chunk<T, V>(static_cast<T*>(p.y) + offset, v, xs[k]);
     }
   }
-}
-
-// Lanes per row: enough for one vector each, a power of two, at most a warp.
-int lanes_per_row(int64_t vectors) {
-  int group = 1;
-  while (group < 32 && group < vectors) group *= 2;
-  return group;
 }
 
 template <typename T>

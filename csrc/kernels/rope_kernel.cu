@@ -10,6 +10,7 @@
 // arithmetic happens once per item, not per element.
 #include "dtype_utils.cuh"
 #include "rope.cuh"
+#include "rope_math.cuh"
 
 namespace hasten {
 namespace kernels {
@@ -50,42 +51,6 @@ __device__ __forceinline__ void store_elements(T* row, int64_t k, const T (&e)[N
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) row[k * N + i] = e[i];
-  }
-}
-
-// N consecutive cos (or sin) values from element `start` of a position's row, kept in their own
-// type (bf16 angles: 4 registers for 8): 16-byte loads when kVectors (the host checked that the
-// row and `start` are 16-byte aligned and N values fill whole vectors), else N scalar loads.
-template <typename C, int N, bool kVectors>
-__device__ __forceinline__ void load_angles(const C* row, int64_t start, C (&out)[N]) {
-  if constexpr (kVectors) {
-    constexpr int kPer = 16 / sizeof(C);
-    static_assert(N % kPer == 0, "whole 16-byte vectors");
-#pragma unroll
-    for (int c = 0; c < N / kPer; ++c) {
-      C chunk[kPer];
-      load_chunk<C, kPer>(row + start, c, chunk);
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) out[c * kPer + i] = chunk[i];
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = row[start + i];
-  }
-}
-
-// One pair (x_lo, x_hi) in place, with cos and sin at feature indices lo and hi (rope.cuh).
-template <typename T, typename C>
-__device__ __forceinline__ void rotate_pair(T& x_lo, T& x_hi, C cos_lo, C cos_hi, C sin_lo, C sin_hi,
-                                            bool backward) {
-  const float a = to_float(x_lo), b = to_float(x_hi);
-  const float c_lo = to_float(cos_lo), c_hi = to_float(cos_hi), s_lo = to_float(sin_lo), s_hi = to_float(sin_hi);
-  if (!backward) {
-    x_lo = from_float<T>(a * c_lo - b * s_lo);
-    x_hi = from_float<T>(b * c_hi + a * s_hi);
-  } else {
-    x_lo = from_float<T>(a * c_lo + b * s_hi);
-    x_hi = from_float<T>(b * c_hi - a * s_lo);
   }
 }
 

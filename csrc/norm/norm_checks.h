@@ -4,6 +4,7 @@
 #include <torch/types.h>
 
 #include "hasten/checks.h"
+#include "../rope/rope_checks.h"
 
 namespace hasten {
 
@@ -46,6 +47,33 @@ inline void check_grad_add(const at::Tensor& grad_add, const at::Tensor& x) {
               shape(x.sizes()), ", got ", shape(grad_add.sizes()));
   check_same_dtype(x, grad_add, op, "x", "grad_add");
   check_same_device(x, grad_add, op, "x", "grad_add");
+}
+
+// rms_norm_rope: x (batch, heads, length, head_dim) as rope takes it, weight (head_dim,) as rms_norm
+// takes it, cos and sin of x's dtype (the kernel reads them as x's elements).
+inline void check_rms_norm_rope_args(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                     const at::Tensor& cos, const at::Tensor& sin) {
+  check_rope_args(x, cos, sin, op);
+  check_rms_norm_args(op, x, weight);
+  check_same_dtype(x, cos, op, "x", "cos");
+}
+
+inline void check_rms_norm_rope_backward_args(const at::Tensor& grad_out, const at::Tensor& x,
+                                              const at::Tensor& weight, const at::Tensor& rstd,
+                                              const at::Tensor& cos, const at::Tensor& sin) {
+  const char* op = "rms_norm_rope_backward";
+  check_rms_norm_rope_args(op, x, weight, cos, sin);
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), "hasten::", op, ": `grad_out` must have the shape of `x` ",
+              shape(x.sizes()), ", got ", shape(grad_out.sizes()));
+  TORCH_CHECK(grad_out.stride(3) == 1 || grad_out.size(3) <= 1, "hasten::", op,
+              ": `grad_out` must be contiguous along head_dim");
+  check_same_dtype(x, grad_out, op, "x", "grad_out");
+  check_same_device(x, grad_out, op, "x", "grad_out");
+  check_dtype(rstd, op, "rstd", {at::kFloat});
+  TORCH_CHECK(rstd.dim() == 3 && rstd.size(0) == x.size(0) && rstd.size(1) == x.size(1) && rstd.size(2) == x.size(2),
+              "hasten::", op, ": `rstd` must be (batch, heads, length) = ", shape(x.sizes().slice(0, 3)), ", got ",
+              shape(rstd.sizes()));
+  check_same_device(x, rstd, op, "x", "rstd");
 }
 
 }  // namespace hasten

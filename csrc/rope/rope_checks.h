@@ -9,21 +9,20 @@
 
 namespace hasten {
 
-inline void check_rope_args(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const char* op = "rope";
-  TORCH_CHECK(x.dim() == 4, "hasten::rope: `x` must be (batch, heads, length, head_dim), got shape ", shape(x.sizes()));
-  TORCH_CHECK(x.stride(3) == 1 || x.size(3) <= 1, "hasten::rope: `x` must be contiguous along head_dim");
+inline void check_rope_args(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const char* op = "rope") {
+  TORCH_CHECK(x.dim() == 4, "hasten::", op, ": `x` must be (batch, heads, length, head_dim), got shape ", shape(x.sizes()));
+  TORCH_CHECK(x.stride(3) == 1 || x.size(3) <= 1, "hasten::", op, ": `x` must be contiguous along head_dim");
   // the kernels index cos and sin with one set of strides and one broadcast rule
-  TORCH_CHECK(cos.sizes() == sin.sizes(), "hasten::rope: `cos` and `sin` must have one shape, got ",
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "hasten::", op, ": `cos` and `sin` must have one shape, got ",
               shape(cos.sizes()), " and ", shape(sin.sizes()));
   for (const auto* t : {&cos, &sin}) {
     TORCH_CHECK(t->dim() == 3 && t->size(1) == x.size(2) && (t->size(0) == x.size(0) || t->size(0) == 1),
-                "hasten::rope: `cos` and `sin` must be (batch or 1, length=", num(x.size(2)),
+                "hasten::", op, ": `cos` and `sin` must be (batch or 1, length=", num(x.size(2)),
                 ", rotary_dim), got shape ", shape(t->sizes()));
     TORCH_CHECK(t->size(2) % 2 == 0 && t->size(2) > 0 && t->size(2) <= x.size(3),
-                "hasten::rope: the rotary dim (last dimension of `cos` and `sin`) must be even and in "
+                "hasten::", op, ": the rotary dim (last dimension of `cos` and `sin`) must be even and in "
                 "[2, head_dim=", num(x.size(3)), "], got ", num(t->size(2)));
-    TORCH_CHECK(t->stride(2) == 1 || t->size(2) <= 1, "hasten::rope: `cos` and `sin` must be contiguous along their "
+    TORCH_CHECK(t->stride(2) == 1 || t->size(2) <= 1, "hasten::", op, ": `cos` and `sin` must be contiguous along their "
                 "last dimension");
     check_same_device(x, *t, op, "x", "cos/sin");
   }

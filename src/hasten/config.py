@@ -194,6 +194,11 @@ class KernelsConfig:
     swiglu: bool = True
     # Rotary embedding of q and k in one kernel each (transformers' rotate_half convention).
     rope: bool = True
+    # With rms_norm and rope: a head norm (Qwen3's, Gemma 3's q_norm / k_norm) and the rotary
+    # embedding after it in one kernel each way, the attention's own forward rewritten on those
+    # statements: one read and one write of q and k fewer each way. Off until measured on the GPU
+    # (kernel and parity tests written, not yet run there).
+    fused_qk_norm_rope: bool = False
     # PEFT LoRA layers: the frozen base GEMM and the low-rank update in one op that keeps no
     # float32 copy of the layer input (PEFT's float32 adapters keep one per projection).
     fused_lora: bool = True

@@ -246,3 +246,95 @@ def test_rope_partial_and_interleaved_cuda_equals_cpu(dtype, interleaved, heads,
     upstream = torch.randn(x.shape, generator=gen).to(dtype)
     out = _rope_cuda_equals_cpu(x, cos, sin, upstream, interleaved=interleaved)
     assert torch.equal(out[..., rotary:], x[..., rotary:].float())  # the pass-through is a copy
+
+
+# --- hasten::rms_norm_rope (kernels.fused_qk_norm_rope) --------------------------------------------
+
+def _norm_rope_case(batch, heads, length, dim, rotary, dtype, interleaved, seed=0):
+    """q as the attention hands it over ((B, H, L, D) view of (B, L, H, D)), a weight near 1, cos and
+    sin of x's dtype laid out as the models make them (each angle twice)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(batch, length, heads, dim, generator=gen) * 3 + 0.5).to(dtype).transpose(1, 2)
+    weight = (1 + 0.5 * torch.randn(dim, generator=gen)).to(dtype)
+    angles = 3 * torch.randn(1, length, rotary // 2, generator=gen)
+    emb = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
+    upstream = torch.randn(batch, length, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    return x, weight, emb.cos().to(dtype), emb.sin().to(dtype), upstream
+
+
+def _norm_rope_run(fn, x, weight, upstream, weight_grad):
+    xr, wr = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_(weight_grad)
+    out = fn(xr, wr)
+    out.backward(upstream)
+    return out.detach(), xr.grad, wr.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["trained_weight", "frozen_weight"])
+# W1's q (16 heads of 128), one token, D = 64, Qwen3-Next's partial rotary (64 of 256), a 96-wide
+# head (12 vectors in bf16: lanes of a 16-lane group idle), rows past one grid pass (70,000 rows)
+@pytest.mark.parametrize("batch,heads,length,dim,rotary", [(1, 16, 4099, 128, 128), (1, 1, 1, 128, 128),
+                                                           (2, 8, 77, 64, 64), (1, 4, 333, 256, 64),
+                                                           (3, 2, 50, 96, 96), (1, 8, 8750, 64, 32)])
+def test_rms_norm_rope_cuda_equals_the_two_ops_and_the_cpu(dtype, interleaved, weight_grad, batch, heads, length,
+                                                           dim, rotary):
+    """The fused kernel against hasten::rms_norm then hasten::rope on the GPU (the same sums and
+    roundings: the output bit for bit; d x and d weight within float32 summation order) and against
+    the CPU reference (float tolerance)."""
+    from hasten.ops.dense import rms_norm_rope, rms_norm_rope_covers
+
+    x, weight, cos, sin, upstream = _norm_rope_case(batch, heads, length, dim, rotary, dtype, interleaved)
+    if not rms_norm_rope_covers(x.cuda(), rotary, interleaved):
+        pytest.skip(f"the kernel does not take head_dim {dim} / rotary {rotary} in {dtype} (the integration runs the "
+                    "two ops there)")
+    on = [t.cuda() for t in (x, weight, cos, sin, upstream)]
+    x_c, w_c, cos_c, sin_c, up_c = on
+    fused = _norm_rope_run(lambda a, w: rms_norm_rope(a, w, cos_c, sin_c, 1e-6, 0.0, interleaved), x_c, w_c, up_c,
+                           weight_grad)
+    separate = _norm_rope_run(lambda a, w: rope(rms_norm(a, w, 1e-6), cos_c, sin_c, interleaved), x_c, w_c, up_c,
+                              weight_grad)
+    cpu = _norm_rope_run(lambda a, w: rms_norm_rope(a, w, cos, sin, 1e-6, 0.0, interleaved), x, weight, upstream,
+                         weight_grad)
+    assert fused[0].stride() == x_c.stride()
+    assert torch.equal(fused[0], separate[0]), (fused[0].float() - separate[0].float()).abs().max()
+    torch.testing.assert_close(fused[1], separate[1], **TOL[dtype])
+    torch.testing.assert_close(fused[0].cpu().float(), cpu[0].float(), **TOL[dtype])
+    torch.testing.assert_close(fused[1].cpu().float(), cpu[1].float(), **TOL[dtype])
+    if weight_grad:
+        torch.testing.assert_close(fused[2].float(), separate[2].float(), **TOL[dtype])
+        torch.testing.assert_close(fused[2].cpu().float(), cpu[2].float(), **TOL[dtype])
+    else:
+        assert fused[2] is None
+
+
+def test_rms_norm_rope_cuda_reads_odd_layouts_and_empty_inputs():
+    """A weight that is an unaligned view (FSDP2's flat parameters), a gradient that is not the
+    output's layout, Gemma's weight + 1, and no rows at all."""
+    from hasten.ops.dense import rms_norm_rope
+
+    x, weight, cos, sin, upstream = _norm_rope_case(2, 4, 37, 128, 128, torch.bfloat16, False)
+    flat = torch.zeros(129, dtype=torch.bfloat16)
+    flat[1:].copy_(weight)
+    shifted = flat[1:]  # 2 bytes past a 16-byte boundary
+    args = dict(cos=cos.cuda(), sin=sin.cuda(), eps=1e-6, offset=1.0)
+    got = _norm_rope_run(lambda a, w: rms_norm_rope(a, w, **args), x.cuda(), shifted.cuda(),
+                         upstream.contiguous().cuda(), True)
+    want = _norm_rope_run(lambda a, w: rms_norm_rope(a, w, args["cos"].cpu(), args["sin"].cpu(), 1e-6, 1.0), x,
+                          weight, upstream.contiguous(), True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu().float(), w.float(), **TOL[torch.bfloat16])
+    empty = torch.zeros(1, 4, 0, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = weight.cuda().requires_grad_()
+    out = rms_norm_rope(empty, w, args["cos"][:, :0], args["sin"][:, :0], 1e-6)
+    out.sum().backward()
+    assert out.shape == empty.shape and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_rms_norm_rope_cuda_names_a_shape_it_does_not_take():
+    from hasten.ops.dense import rms_norm_rope
+
+    x = torch.randn(1, 2, 5, 120, device="cuda", dtype=torch.bfloat16)  # rotate_half halves of 60: off vectors
+    cos = torch.randn(1, 5, 120, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="rms_norm_rope_covers"):
+        rms_norm_rope(x, torch.ones(120, device="cuda", dtype=torch.bfloat16), cos, cos, 1e-6)

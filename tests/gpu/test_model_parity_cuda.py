@@ -130,6 +130,20 @@ def test_packed_bf16_within_noise_of_each_sample_alone_or_refused(name):
     check_packed_parity(name, LENGTHS)
 
 
+# The zoo types whose attention takes kernels.fused_qk_norm_rope (its CPU twin lists the ones it
+# must reach: tests/integrations/test_model_parity.py), on the GPU with the switch on.
+HEAD_NORM_ROPE_TYPES = ["apertus", "dots1", "gemma3_text", "hy_v3", "laguna", "lfm2", "lfm3", "mellum", "qwen3",
+                        "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen3_vl", "step3p7"]
+
+
+@pytest.mark.parametrize("name", HEAD_NORM_ROPE_TYPES)
+def test_fused_head_norm_rope_bf16_within_noise_of_each_sample_alone(name):
+    row = check_packed_parity(name, LENGTHS, settings={"kernels": {"fused_qk_norm_rope": True}})
+    if "fallbacks" in row:
+        assert "fused_qk_norm_rope" not in row["fallbacks"], row
+        assert any("head RMSNorm + RoPE" in item for item in row["active"]), row
+
+
 def _skip_if_refused_for_the_environment(name: str, refusal: PackedBatchRefused) -> None:
     """Skips (with the reason) a packed batch refused for what this machine lacks: a transformers
     that passes the boundaries to the layer, or flash-linear-attention's varlen kernels; returns

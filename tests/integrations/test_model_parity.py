@@ -406,6 +406,33 @@ def test_fused_residual_add_equals_each_sample_alone(name, passing):
     assert not any("forward" in m.__dict__ for m in patched.modules())
 
 
+# Types whose attention applies q_norm / k_norm per head right before apply_rotary_pos_emb in the
+# statements qk_norm_rope.py fuses (transformers 5.x): the fused path must be taken on them.
+_HEAD_NORM_ROPE_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
+def test_fused_head_norm_rope_equals_each_sample_alone(name):
+    """kernels.fused_qk_norm_rope on every packed type: attention classes whose forward applies two
+    norms hasten patched to q and k right before apply_rotary_pos_emb get it rewritten onto
+    hasten::rms_norm_rope (Qwen3's `.transpose(1, 2)` after the norm, Gemma 3's norm on the
+    transposed projection); the others keep their forward. Either way the model's loss and
+    gradients, and undo() leaves no instance forward behind."""
+    entry = zoo.ENTRIES[name]
+    batch_samples = zoo.samples()
+    patched, want_loss, want = _reference_and_copy(entry, batch_samples)
+    config = Config.from_dict({"kernels": {"fused_qk_norm_rope": True}})
+    handle, loss, got = zoo.packed_run(patched, batch_samples, config)
+    try:
+        _assert_equal_to_reference(name, loss, got, want_loss, want)
+        fused = any("head RMSNorm + RoPE" in item for item in handle.active)
+        if name in _HEAD_NORM_ROPE_TYPES:
+            assert fused, (handle.active, handle.inactive)
+    finally:
+        handle.undo()
+    assert not any("forward" in m.__dict__ for m in patched.modules())
+
+
 @pytest.mark.parametrize("activations", ["none", "selective"])
 @pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
 def test_peft_lora_on_every_linear_trains_packed_like_peft_alone(name, activations):

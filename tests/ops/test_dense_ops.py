@@ -269,3 +269,74 @@ def test_bad_inputs_are_named():
         rope(torch.randn(2, 1, 3, 4), torch.randn(1, 3, 4), torch.randn(2, 3, 4))
     with pytest.raises(RuntimeError, match="`gate` and `up` must have one shape"):
         gelu_tanh_mul(torch.randn(2, 3), torch.randn(3, 2))
+
+
+# --- hasten::rms_norm_rope: a head norm and the rotary embedding after it -----------------------
+
+# (batch, heads, length, head_dim, rotary, cos batch): a one-token sequence, partial rotary, one head
+NORM_ROPE_CASES = [(1, 1, 1, 8, 8, 1), (2, 3, 7, 16, 16, 2), (2, 4, 5, 16, 8, 1), (1, 2, 9, 24, 8, 1)]
+
+
+def _norm_rope_inputs(batch, heads, length, dim, rotary, cs_batch, interleaved, dtype, transposed, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, heads, dim, generator=gen) * 3 + 0.5
+    x = (x.transpose(1, 2) if transposed else x.permute(0, 2, 1, 3).contiguous()).to(dtype)  # (B, H, L, D)
+    weight = (1 + 0.5 * torch.randn(dim, generator=gen)).to(dtype)
+    cos, sin = _cos_sin(cs_batch, length, rotary, interleaved, gen)
+    return x, weight, cos.to(dtype), sin.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("case", NORM_ROPE_CASES)
+def test_rms_norm_rope_is_the_norm_then_the_rotary(dtype, interleaved, offset, case):
+    """The fused op gives what hasten::rms_norm then hasten::rope give, bit for bit, output and both
+    gradients (the CPU reference is that composition; the CUDA kernel is held to it in tests/gpu),
+    and within float rounding what transformers' RMSNorm then apply_rotary_pos_emb compute."""
+    from hasten.ops.dense import rms_norm_rope
+
+    x, weight, cos, sin = _norm_rope_inputs(*case, interleaved, dtype, transposed=True)
+    fused = _grads(lambda a, w: rms_norm_rope(a, w, cos, sin, 1e-6, offset, interleaved), x, weight)
+    separate = _grads(lambda a, w: rope(rms_norm(a, w, 1e-6, offset), cos, sin, interleaved), x, weight)
+    assert torch.equal(fused[0], separate[0])
+    assert all(torch.equal(a, b) for a, b in zip(fused[1], separate[1]))
+    model = _reference_rope(_reference_rms_norm(x.float(), weight.float() + offset, 1e-6), cos.float(), sin.float(),
+                            interleaved)
+    torch.testing.assert_close(fused[0].float(), model, **({} if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)))
+
+
+def test_rms_norm_rope_keeps_the_input_layout_and_takes_empty_inputs():
+    from hasten.ops.dense import rms_norm_rope
+
+    x, weight, cos, sin = _norm_rope_inputs(2, 3, 5, 8, 8, 1, False, torch.float32, transposed=True)
+    out = rms_norm_rope(x, weight, cos, sin, 1e-6)
+    assert out.stride() == x.stride()  # q and k stay views of (B, L, H, D) for the attention
+    empty = torch.randn(2, 3, 0, 8, requires_grad=True)
+    out = rms_norm_rope(empty, weight.requires_grad_(), cos[:, :0], sin[:, :0], 1e-6)
+    out.sum().backward()
+    assert out.shape == empty.shape and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_rms_norm_rope_with_a_frozen_weight_and_without_a_gradient_for_cos():
+    from hasten.ops.dense import rms_norm_rope
+
+    x, weight, cos, sin = _norm_rope_inputs(1, 2, 4, 8, 8, 1, False, torch.float32, transposed=False)
+    x.requires_grad_()
+    rms_norm_rope(x, weight, cos, sin, 1e-6).sum().backward()  # weight frozen (LoRA): no weight gradient
+    assert x.grad is not None and weight.grad is None
+    with pytest.raises(NotImplementedError, match="no gradient for cos and sin"):
+        rms_norm_rope(x, weight, cos.requires_grad_(), sin, 1e-6)
+
+
+def test_rms_norm_rope_covers_every_cpu_shape_and_the_kernels_cuda_shapes():
+    from hasten.ops.dense import rms_norm_rope_covers
+
+    assert rms_norm_rope_covers(torch.empty(1, 1, 1, 6), 4, False)  # the CPU reference takes any shape
+    meta = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="meta")
+    cuda_like = type("CudaLike", (), {"device": torch.device("cuda"), "shape": meta.shape,
+                                      "element_size": lambda self: 2})()
+    assert rms_norm_rope_covers(cuda_like, 128, False)
+    assert rms_norm_rope_covers(cuda_like, 32, False)  # Qwen3-Next's partial rotary: halves of 16
+    assert not rms_norm_rope_covers(cuda_like, 24, False)  # halves of 12: off the 8-element vectors
+    assert rms_norm_rope_covers(cuda_like, 24, True) and not rms_norm_rope_covers(cuda_like, 12, True)  # pairs in vectors

@@ -19,10 +19,11 @@ from hasten.ops import moe as moe_ops
 from hasten.ops import op_names
 
 ops = torch.ops.hasten
-DIFFERENTIABLE = {"rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "varlen_attention", "linear_cross_entropy",
+DIFFERENTIABLE = {"rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "rms_norm_rope", "varlen_attention",
+                  "linear_cross_entropy",
                   "moe_permute", "moe_combine", "moe_grouped_mm", "swiglu", "clamped_swiglu", "lora_linear",
                   "lora_linear_group", "lora_gated_group"}
-BACKWARD_OPS = {"rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
+BACKWARD_OPS = {"rms_norm_backward", "rms_norm_rope_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
                 "moe_combine_weight_grad", "moe_grouped_mm_weight_grad", "swiglu_backward", "clamped_swiglu_backward",
                 "lora_linear_backward",
                 "lora_linear_group_backward", "lora_gated_group_backward"}
@@ -56,6 +57,8 @@ def _cases(requires_grad: bool):
     tokens, top_k, hidden = 7, 2, 5
     x_rms, w_rms = t(3, 17), t(17)
     _, rstd = ops.rms_norm(x_rms.detach(), w_rms.detach(), 1e-6, 0.0)
+    x_rope, w_rope = t(2, 3, 5, 8), t(8)
+    _, rstd_rope = ops.rms_norm(x_rope.detach(), w_rope.detach(), 1e-6, 0.0)
     hidden_states, lm_head = t(9, 16), t(23, 16)
     targets = torch.randint(0, 23, (9,), generator=g)
     targets[2] = -100
@@ -79,6 +82,16 @@ def _cases(requires_grad: bool):
         ("rope", (t(2, 3, 5, 10), t(1, 5, 4, grad=False), t(1, 5, 4, grad=False), False, False)),
         ("rope", (t(2, 5, 3, 8).transpose(1, 2), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), False, True)),
         ("rope", (t(2, 3, 5, 16), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), True, True)),
+        # a head norm over D = 8 and the rotary after it: q transposed from (B, L, H, D), Gemma's
+        # weight + 1, partial rotary (R = 4 of 8) interleaved, a length-1 sequence
+        ("rms_norm_rope", (t(2, 5, 3, 8).transpose(1, 2), t(8), t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), 1e-6,
+                           0.0, False)),
+        ("rms_norm_rope", (t(2, 3, 5, 8), t(8), t(1, 5, 4, grad=False), t(1, 5, 4, grad=False), 1e-5, 1.0, True)),
+        ("rms_norm_rope", (t(1, 2, 1, 8), t(8), t(1, 1, 8, grad=False), t(1, 1, 8, grad=False), 1e-6, 0.0, False)),
+        ("rms_norm_rope_backward", (t(2, 3, 5, 8, grad=False), x_rope.detach(), w_rope.detach(), rstd_rope,
+                                    t(2, 5, 8, grad=False), t(2, 5, 8, grad=False), 0.0, False)),
+        ("rms_norm_rope_backward", (t(2, 3, 5, 8, grad=False), x_rope.detach(), w_rope.detach(), rstd_rope,
+                                    t(1, 5, 4, grad=False), t(1, 5, 4, grad=False), 1.0, True, False)),
         ("varlen_attention", (q, k, v, cu, 5, 0.3, True, 0, 0.0)),
         ("varlen_attention", (q, k, v, cu, 5, 0.3, False, 0, 0.0)),
         ("varlen_attention", (q, k, v, cu, 5, 0.3, True, 2, 0.0)),  # a sliding window of 2
@@ -246,6 +259,15 @@ def _bad_inputs():
         ("rope", (f(1, 1, 3, 8), f(1, 4, 8), f(1, 4, 8), False, False)),  # another length
         ("rope", (f(1, 1, 3, 8), f(1, 3, 0), f(1, 3, 0), False, False)),  # no rotary dim
         ("rope", (torch.zeros(1, 1, 3, 8, dtype=i32), f(1, 3, 8), f(1, 3, 8), False, False)),
+        ("rms_norm_rope", (f(1, 2, 3, 8), f(7), f(1, 3, 8), f(1, 3, 8), 1e-6, 0.0, False)),  # weight over head_dim
+        ("rms_norm_rope", (f(1, 2, 3, 8), f(8), f(1, 3, 8, dtype=torch.bfloat16), f(1, 3, 8, dtype=torch.bfloat16),
+                           1e-6, 0.0, False)),  # cos and sin of another dtype than x
+        ("rms_norm_rope", (f(1, 2, 3, 8), f(8), f(1, 3, 10), f(1, 3, 10), 1e-6, 0.0, True)),  # rotary dim > head_dim
+        ("rms_norm_rope", (f(2, 8), f(8), f(1, 3, 8), f(1, 3, 8), 1e-6, 0.0, False)),  # not (B, H, L, D)
+        ("rms_norm_rope_backward", (f(1, 2, 3, 8), f(1, 2, 3, 8), f(8), torch.ones(1, 2, 4), f(1, 3, 8), f(1, 3, 8),
+                                    0.0, False)),  # rstd of another length
+        ("rms_norm_rope_backward", (f(1, 2, 4, 8), f(1, 2, 3, 8), f(8), torch.ones(1, 2, 3), f(1, 3, 8), f(1, 3, 8),
+                                    0.0, False)),  # grad_out of another shape
         ("varlen_attention", (f(3, 4, 8), f(3, 3, 8), f(3, 3, 8), cu, 3, 0.3, True, 0, 0.0)),
         ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 8), cu.long(), 3, 0.3, True, 0, 0.0)),
         ("varlen_attention", (f(3, 4, 8), f(3, 2, 8), f(3, 2, 4), cu, 3, 0.3, True, 0, 0.0)),

@@ -47,6 +47,10 @@ _ROPE_PATCHES: dict[str, list] = {}
 # next install or undo, never from the collector itself (see install_fused_rope)
 _DROPPED_ROPE_PATCHES: set[str] = set()
 
+# Set on hasten's apply_rotary_pos_emb replacement (two-tensor form): its kernel_angles, what a
+# fused head norm + rotary call (dense/qk_norm_rope.py) reads to rotate as that function would.
+KERNEL_ANGLES_ATTRIBUTE = "_hasten_kernel_angles"
+
 _LLAMA_NORM = NormSpec()
 _SWIGLU = MlpSpec()
 _HALVES = RotarySpec()
@@ -434,16 +438,29 @@ def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None
         if mismatch is not None:
             return (lambda: None), mismatch
 
-        def covered(x, cos, args, kwargs) -> int | None:
-            """The unsqueeze_dim of a call hasten::rope computes, else None (the call falls back)."""
+        def layout(x, cos, args, kwargs) -> int | None:
+            """The unsqueeze_dim of a call hasten::rope computes, else None."""
             unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
             width = cos.shape[-1] // 2 * 2 if spec.cos_first_half else cos.shape[-1]
             if (len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or unsqueeze_dim not in (1, 2) or x.dim() != 4
                     or cos.dim() != 3 or width > x.shape[-1] or width % 2 or width == 0):
-                record_fallback("fused_rope", "a rotary layout hasten::rope does not cover (another unsqueeze_dim, "
-                                "extra arguments, an odd or too wide rotary dim); transformers' rotary code runs")
                 return None
             return unsqueeze_dim
+
+        def covered(x, cos, args, kwargs) -> int | None:
+            """layout(...), counting a call that falls back."""
+            if (unsqueeze_dim := layout(x, cos, args, kwargs)) is None:
+                record_fallback("fused_rope", "a rotary layout hasten::rope does not cover (another unsqueeze_dim, "
+                                "extra arguments, an odd or too wide rotary dim); transformers' rotary code runs")
+            return unsqueeze_dim
+
+        def kernel_angles(q, cos, sin, args, kwargs):
+            """(cos, sin, interleaved) as hasten::rope takes them for the call
+            apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs) where it would rotate q (B, heads,
+            L, D) with them (unsqueeze_dim 1), else None; counts nothing (dense/qk_norm_rope.py)."""
+            if layout(q, cos, args, kwargs) != 1:
+                return None
+            return (*_kernel_cos_sin(cos, sin, spec), spec.interleaved)
 
         if spec.single_tensor:  # Gemma 4: apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)
             def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
@@ -457,6 +474,8 @@ def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None
                 cos, sin = _kernel_cos_sin(cos, sin, spec)
                 return _hasten_rope(q, cos, sin, spec, unsqueeze_dim), _hasten_rope(k, cos, sin, spec, unsqueeze_dim)
 
+        if not spec.single_tensor:
+            setattr(apply_rotary_pos_emb, KERNEL_ANGLES_ATTRIBUTE, kernel_angles)
         _ROPE_PATCHES[name] = [original, weakref.WeakSet()]
         modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
     _ROPE_PATCHES[name][1].add(model)

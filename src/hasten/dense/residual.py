@@ -39,13 +39,14 @@ outside torch.compile); otherwise they run the statements as written.
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 import types
 
 import torch
 from torch import nn
 
+from hasten.dense.rewrite import name_of as _name
+from hasten.dense.rewrite import rewritten_forward, self_call
+from hasten.dense.rewrite import single_target as _single_target
 from hasten.dense.spec import NormSpec
 from hasten.instance_forward import has_call_hooks, replace_forward, restore_forward, without_hooked
 from hasten.ops.dense import add_rms_norm, rms_norm_passing_input
@@ -89,16 +90,6 @@ def norm_passing(norm: nn.Module, hidden_states: torch.Tensor):
     return norm(hidden_states), hidden_states
 
 
-def _name(node: ast.AST) -> str | None:
-    return node.id if isinstance(node, ast.Name) else None
-
-
-def _single_target(statement: ast.stmt) -> str | None:
-    if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
-        return _name(statement.targets[0])
-    return None
-
-
 def _match(body: list[ast.stmt], i: int, norms: frozenset[str]) -> tuple[str, str, str, str] | None:
     """(hidden, branch, residual, norm attribute) when body[i:i+3] is `h = r + a; r = h;
     h = self.norm(h)` (a: the branch joining the stream, often h itself; Llama 4 names it
@@ -125,11 +116,8 @@ def _norm_call(statement: ast.stmt, hidden: str, norms: frozenset[str]) -> str |
     """The norm attribute when `statement` is `hidden = self.<norm>(hidden)`, `norm` one of `norms`."""
     if _single_target(statement) != hidden:
         return None
-    call = statement.value
-    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords and _name(call.args[0]) == hidden
-            and isinstance(call.func, ast.Attribute) and _name(call.func.value) == "self" and call.func.attr in norms):
-        return None
-    return call.func.attr
+    norm = self_call(statement.value, norms)
+    return norm if norm is not None and _name(statement.value.args[0]) == hidden else None
 
 
 def _changed_in_place(name: str, statements: list[ast.stmt]) -> bool:
@@ -197,33 +185,19 @@ def fused_forward(cls: type, candidates: frozenset[str], passing: bool = True
     pass their input through, None) or (None, [], [], why not); `candidates`: the attribute names
     of the layer's norms hasten patched; `passing`: whether `residual = h; h = self.<norm>(h)`
     pairs are rewritten too."""
-    function = cls.forward
-    try:
-        source_lines, first_line = inspect.getsourcelines(function)
-        filename = inspect.getsourcefile(function) or f"<{cls.__module__}>"
-    except (OSError, TypeError) as exc:
-        return None, [], [], f"{cls.__name__}.forward's source cannot be read ({exc})"
-    if "__class__" in inspect.unwrap(function).__code__.co_freevars:
-        return None, [], [], f"{cls.__name__}.forward uses super() (a closure the rewrite cannot carry)"
-    tree = ast.parse(textwrap.dedent("".join(source_lines)))
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
-        return None, [], [], f"{cls.__name__}.forward is not a plain function definition"
-    definition = tree.body[0]
-    definition.body, norms, passed = _rewrite(definition.body, candidates, passing)
-    if not norms:
-        return None, [], [], (f"{cls.__name__}.forward has no `h = residual + h; residual = h; "
-                              "h = self.<norm>(h)` and no `residual = h; h = self.<norm>(h)` to fuse (its residual "
-                              "stream is written otherwise)")
-    # def _hasten_factory(_hasten_add_norm, _hasten_norm_passing): <the forward, decorators and all>;
-    # return forward
-    module = ast.parse(f"def _hasten_factory({_HELPER}, {_PASSING_HELPER}):\n    pass\n")
-    module.body[0].body = [definition, ast.Return(value=ast.Name(id=definition.name, ctx=ast.Load()))]
-    ast.fix_missing_locations(module)
-    ast.increment_lineno(module, first_line - 1)  # tracebacks point at the modeling file's lines
-    namespace: dict = {}
-    # the namespace the forward was written in (an inherited forward: its parent's module)
-    exec(compile(module, filename, "exec"), inspect.unwrap(function).__globals__, namespace)  # noqa: S102
-    return namespace["_hasten_factory"](add_norm, norm_passing), norms, passed, None
+    def transform(body: list[ast.stmt]):
+        body, norms, passed = _rewrite(body, candidates, passing)
+        if not norms:
+            return None, (f"{cls.__name__}.forward has no `h = residual + h; residual = h; h = self.<norm>(h)` "
+                          "and no `residual = h; h = self.<norm>(h)` to fuse (its residual stream is written "
+                          "otherwise)")
+        return body, (norms, passed)
+
+    forward, report, why = rewritten_forward(cls, transform, {_HELPER: add_norm, _PASSING_HELPER: norm_passing})
+    if forward is None:
+        return None, [], [], why
+    norms, passed = report
+    return forward, norms, passed, None
 
 
 def install_fused_residual(layers: list[nn.Module], fused_norms: set[int], passing: bool = True):

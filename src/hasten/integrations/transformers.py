@@ -1361,11 +1361,28 @@ def _patch_dense_kernels(model: PreTrainedModel, config: Config, handle: Acceler
             layout = ", ".join(x for x in ("interleaved" if spec.rotary.interleaved else "",
                                            "partial" if spec.rotary.partial else "") if x)
             done.append(f"RoPE ({layout})" if layout else "RoPE")
+            if kernels.fused_qk_norm_rope and kernels.rms_norm and spec.norm.kind == "rms":
+                _install_fused_qk_norm_rope(handle, target, done)
         else:
             record_fallback("fused_rope", f"{type(model).__module__}: {refused}; transformers' rotary code runs")
             handle.inactive.append(f"fused RoPE ({refused})")
     if done:
         handle.active.append("fused kernels (" + ", ".join(done) + ")")
+
+
+def _install_fused_qk_norm_rope(handle: AccelerationHandle, model: torch.nn.Module, done: list[str]) -> None:
+    """kernels.fused_qk_norm_rope: each attention's head norms with the rotary embedding after them
+    (hasten/dense/qk_norm_rope.py), where the norms are ones hasten patched."""
+    from hasten.dense.qk_norm_rope import install_fused_qk_norm_rope
+    from hasten.dense.residual import NORM_SPEC_ATTRIBUTE
+
+    fused_norms = {id(m) for m in model.modules() if NORM_SPEC_ATTRIBUTE in m.__dict__}
+    undo, count, refused = install_fused_qk_norm_rope(model, fused_norms)
+    handle._undo_steps.append(undo)
+    if count:
+        done.append(f"head RMSNorm + RoPE x{count}")
+    for reason in refused:
+        handle.inactive.append(f"fused head norm + RoPE ({reason})")
 
 
 def _install_fused_residual(handle: AccelerationHandle, model: torch.nn.Module, done: list[str],

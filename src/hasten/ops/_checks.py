@@ -176,8 +176,7 @@ def check_gated_mul_backward_args(op: str, grad_act, gate, up) -> None:
     check_same_device(gate, grad_act, op, "gate", "grad_act")
 
 
-def check_rope_args(x, cos, sin) -> None:
-    op = "rope"
+def check_rope_args(x, cos, sin, op: str = "rope") -> None:
     check(x.dim() == 4, op, lambda: f"`x` must be (batch, heads, length, head_dim), got shape {shape(x.shape)}")
     check(x.stride(3) == 1 or x.shape[3] <= 1, op, "`x` must be contiguous along head_dim")
     check(cos.shape == sin.shape, op, lambda: f"`cos` and `sin` must have one shape, got {shape(cos.shape)} and "
@@ -196,6 +195,28 @@ def check_rope_args(x, cos, sin) -> None:
     check_dtype(x, op, "x", allowed)
     check_dtype(cos, op, "cos", allowed)
     check_same_dtype(cos, sin, op, "cos", "sin")
+
+
+def check_rms_norm_rope_args(op: str, x, weight, cos, sin) -> None:
+    """csrc/norm/norm_checks.h check_rms_norm_rope_args: rope's x, cos and sin, rms_norm's weight over
+    head_dim, cos and sin of x's dtype."""
+    check_rope_args(x, cos, sin, op)
+    check_rms_norm_args(op, x, weight)
+    check_same_dtype(x, cos, op, "x", "cos")
+
+
+def check_rms_norm_rope_backward_args(grad_out, x, weight, rstd, cos, sin) -> None:
+    op = "rms_norm_rope_backward"
+    check_rms_norm_rope_args(op, x, weight, cos, sin)
+    check(grad_out.shape == x.shape, op, lambda: f"`grad_out` must have the shape of `x` {shape(x.shape)}, got "
+          f"{shape(grad_out.shape)}")
+    check(grad_out.stride(3) == 1 or grad_out.shape[3] <= 1, op, "`grad_out` must be contiguous along head_dim")
+    check_same_dtype(x, grad_out, op, "x", "grad_out")
+    check_same_device(x, grad_out, op, "x", "grad_out")
+    check_dtype(rstd, op, "rstd", (torch.float32,))
+    check(rstd.dim() == 3 and tuple(rstd.shape) == tuple(x.shape[:3]), op,
+          lambda: f"`rstd` must be (batch, heads, length) = {shape(x.shape[:3])}, got {shape(rstd.shape)}")
+    check_same_device(x, rstd, op, "x", "rstd")
 
 
 # --- attention (csrc/attention) -------------------------------------------------------------------

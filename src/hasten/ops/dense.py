@@ -2,8 +2,8 @@
 products on two tensors (silu_mul for SwiGLU, gelu_tanh_mul for GeGLU), rotary embedding.
 
 Shapes: x (..., H) for RMSNorm; gate and up (..., I) for silu_mul and gelu_tanh_mul; q or k
-(B, heads, L, D) with cos, sin (B or 1, L, R), R <= D the rotary dim, for rope. Each is one
-kernel forward and one backward (csrc/).
+(B, heads, L, D) with cos, sin (B or 1, L, R), R <= D the rotary dim, for rope and for
+rms_norm_rope (a head norm over D, then rope). Each is one kernel forward and one backward (csrc/).
 The autograd formulas are registered on the ops themselves (torch.library.register_autograd), so
 torch.compile and AOTAutograd see one op each way, and the saved tensors are what the backward
 needs for the inputs that require a gradient.
@@ -55,6 +55,17 @@ def _gated_mul_backward_fake(op: str):
 def _rope_fake(x, cos, sin, backward, interleaved):
     _checks.check_rope_args(x, cos, sin)
     return torch.empty_like(x)  # the kernel keeps x's strides (q and k arrive transposed)
+
+
+def _rms_norm_rope_fake(x, weight, cos, sin, eps, offset, interleaved):
+    _checks.check_rms_norm_rope_args("rms_norm_rope", x, weight, cos, sin)
+    # out keeps x's strides (q and k arrive transposed); rstd (B, H, L) contiguous
+    return torch.empty_like(x), x.new_empty(x.shape[:3], dtype=torch.float32)
+
+
+def _rms_norm_rope_backward_fake(grad_out, x, weight, rstd, cos, sin, offset, interleaved, weight_grad=True):
+    _checks.check_rms_norm_rope_backward_args(grad_out, x, weight, rstd, cos, sin)
+    return torch.empty_like(x), torch.empty_like(weight) if weight_grad else weight.new_empty((0,))
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -132,6 +143,29 @@ def _rope_backward(ctx, grad):
     return call_in_backward("rope", grad, cos, sin, not ctx.backward, ctx.interleaved), None, None, None, None
 
 
+def _rms_norm_rope_setup(ctx, inputs, output):
+    x, weight, cos, sin, _eps, offset, interleaved = inputs
+    _out, rstd = output
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise NotImplementedError("hasten::rms_norm_rope has no gradient for cos and sin (transformers computes them "
+                                  "without one); detach them, or leave this model's rotary embedding to transformers")
+    ctx.mark_non_differentiable(rstd)
+    ctx.offset = offset
+    ctx.interleaved = interleaved
+    # what rms_norm saves (x, weight, rstd) and what rope saves (cos, sin): no more than the two ops
+    ctx.save_for_backward(x, weight, rstd, cos, sin)
+
+
+def _rms_norm_rope_backward(ctx, grad_out, _grad_rstd):
+    x, weight, rstd, cos, sin = ctx.saved_tensors
+    if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of a sum; the kernel reads rows of head_dim
+        grad_out = grad_out.clone(memory_format=torch.contiguous_format)  # also when empty (contiguous() keeps it)
+    grad_x, grad_weight = call_in_backward("rms_norm_rope_backward", grad_out, x, weight, rstd, cos, sin, ctx.offset,
+                                           ctx.interleaved, ctx.needs_input_grad[1])
+    return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
+            None, None, None, None, None)
+
+
 def _register() -> None:
     """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
     lib = "hasten::"
@@ -146,7 +180,10 @@ def _register() -> None:
     register_autograd("rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
     register_autograd("add_rms_norm", _add_rms_norm_backward, setup_context=_add_rms_norm_setup)
     register_autograd("rope", _rope_backward, setup_context=_rope_setup)
-    for op in ("rms_norm_backward", "silu_mul_backward", "gelu_tanh_mul_backward"):
+    torch.library.register_fake(lib + "rms_norm_rope", _rms_norm_rope_fake)
+    torch.library.register_fake(lib + "rms_norm_rope_backward", _rms_norm_rope_backward_fake)
+    register_autograd("rms_norm_rope", _rms_norm_rope_backward, setup_context=_rms_norm_rope_setup)
+    for op in ("rms_norm_backward", "rms_norm_rope_backward", "silu_mul_backward", "gelu_tanh_mul_backward"):
         no_double_backward(op)
 
 
@@ -216,3 +253,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     x's strides; cos and sin get no gradient."""
     load()
     return call("rope", x, cos, sin, False, bool(interleaved))
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                  offset: float = 0.0, interleaved: bool = False) -> torch.Tensor:
+    """rope(rms_norm(x, weight, eps, offset), cos, sin, interleaved) in one kernel each way: a head
+    norm (x (B, heads, L, D) normed over D, weight (D,)) and the rotary embedding after it, as
+    Qwen3's and Gemma 3's attention apply q_norm / k_norm and then apply_rotary_pos_emb. The values
+    of the two ops one after the other; cos and sin of x's dtype, no gradient for them. The output
+    keeps x's strides. On CUDA only the shapes `rms_norm_rope_covers` accepts."""
+    load()
+    return call("rms_norm_rope", x, weight, cos, sin, float(eps), float(offset), bool(interleaved))[0]
+
+
+def rms_norm_rope_covers(x: torch.Tensor, rotary_dim: int, interleaved: bool) -> bool:
+    """Whether hasten::rms_norm_rope takes x (B, heads, L, D) with this rotary dim on x's device
+    (csrc/kernels/rms_norm_rope.cuh rms_norm_rope_fits; the CPU reference takes every shape rope
+    and rms_norm take)."""
+    if x.device.type != "cuda":
+        return True
+    vector = 16 // x.element_size()
+    dim = x.shape[-1]
+    if dim <= 0 or dim % vector or dim // vector > 32 or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
+        return False
+    return rotary_dim % vector == 0 if interleaved else (rotary_dim // 2) % vector == 0
