@@ -51,9 +51,8 @@ struct RmsNormRopeParams {
 // Whether the kernels take rows of `dim` features of `element_bytes` each, rotary dim `rotary_dim`
 // (pointers and strides are the caller's to align: multiples of 16 bytes).
 bool rms_norm_rope_fits(int64_t dim, int64_t rotary_dim, bool interleaved, int element_bytes);
-// Blocks of the backward launch: the first dim of grad_weight_partial.
-int rms_norm_rope_backward_blocks(int64_t rows, int device);
 cudaError_t launch_rms_norm_rope_forward(const RmsNormRopeParams& params, cudaStream_t stream);
+// `blocks`: rms_norm_backward_blocks(rows, device) (rms_norm.cuh), the partials the caller allocated.
 cudaError_t launch_rms_norm_rope_backward(const RmsNormRopeParams& params, int blocks, cudaStream_t stream);
 
 }  // namespace kernels

@@ -310,13 +310,6 @@ bool rms_norm_rope_fits(int64_t dim, int64_t rotary_dim, bool interleaved, int e
   return interleaved ? rotary_dim % vector == 0 : (rotary_dim / 2) % vector == 0;
 }
 
-int rms_norm_rope_backward_blocks(int64_t rows, int device) {
-  int sms = 132;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int64_t wanted = static_cast<int64_t>(sms) * 4;
-  return static_cast<int>(rows < wanted ? (rows > 0 ? rows : 1) : wanted);
-}
-
 cudaError_t launch_rms_norm_rope_forward(const RmsNormRopeParams& p, cudaStream_t stream) {
   if (p.batch * p.heads * p.length == 0) return cudaSuccess;
   return HASTEN_DISPATCH_ELEMENT(p.type, {

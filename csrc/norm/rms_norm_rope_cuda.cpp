@@ -7,6 +7,7 @@
 
 #include <tuple>
 
+#include "../kernels/rms_norm.cuh"
 #include "../kernels/rms_norm_rope.cuh"
 #include "hasten/cuda_glue.h"
 #include "norm_checks.h"
@@ -98,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_rope_backward_cuda(const at::Tensor&
   const int64_t rows = x.size(0) * x.size(1) * x.size(2), dim = x.size(3);
   auto grad_x = at::empty_like(x_in);
   if (rows == 0) return {grad_x, weight_grad ? at::zeros_like(weight_in) : at::empty({0}, weight_in.options())};
-  const int blocks = kernels::rms_norm_rope_backward_blocks(rows, x.get_device());
+  const int blocks = kernels::rms_norm_backward_blocks(rows, x.get_device());
   auto partial = weight_grad ? at::empty({blocks, dim}, x.options().dtype(at::kFloat)) : at::Tensor();
   auto p = params_for(x, weight, cos, sin, grad_x, rstd, offset, interleaved, op);
   p.grad_out = grad_out.data_ptr();
