@@ -1,5 +1,5 @@
 // CUDA glue of hasten::rms_norm, add_rms_norm and rms_norm_backward: checks, device guard, one launch each
-// (plus one ATen sum of the backward's per-block weight-gradient partials).
+// (plus the column sums of the backward's per-block weight-gradient partials: weight_grad_cuda.h).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -11,6 +11,7 @@
 #include "../kernels/rms_norm.cuh"
 #include "hasten/cuda_glue.h"
 #include "norm_checks.h"
+#include "weight_grad_cuda.h"
 
 namespace hasten {
 namespace {
@@ -86,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   p.type = element_type(x, "rms_norm_backward");
   check_launch(kernels::launch_rms_norm_backward(p, blocks, c10::cuda::getCurrentCUDAStream()), "rms_norm_backward");
   if (!weight_grad) return {grad_x, at::empty({0}, weight.options())};
-  return {grad_x, partial.sum(0).to(weight.scalar_type())};
+  return {grad_x, summed_weight_grad(partial, weight, "rms_norm_backward")};
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // CUDA glue of hasten::rms_norm_rope and its backward: checks, device guard, one launch each (plus
-// one ATen sum of the backward's per-block weight-gradient partials).
+// the column sums of the backward's per-block weight-gradient partials: weight_grad_cuda.h).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -11,6 +11,7 @@
 #include "../kernels/rms_norm_rope.cuh"
 #include "hasten/cuda_glue.h"
 #include "norm_checks.h"
+#include "weight_grad_cuda.h"
 
 namespace hasten {
 namespace {
@@ -107,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_rope_backward_cuda(const at::Tensor&
   p.grad_weight_partial = weight_grad ? partial.data_ptr<float>() : nullptr;
   check_launch(kernels::launch_rms_norm_rope_backward(p, blocks, c10::cuda::getCurrentCUDAStream()), op);
   if (!weight_grad) return {grad_x, at::empty({0}, weight_in.options())};
-  return {grad_x, partial.sum(0).to(weight_in.scalar_type())};
+  return {grad_x, summed_weight_grad(partial, weight_in, op)};
 }
 
 }  // namespace
