@@ -30,6 +30,8 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
                      gradients added in the input norm's backward, not by autograd
   hasten_qk_norm_rope  hasten with kernels.fused_qk_norm_rope on: Qwen3's q/k head norms and the
                      rotary after them in one kernel each way (hasten::rms_norm_rope)
+  hasten_linear_groups  hasten with kernels.fused_linear_groups on: q/k/v and gate/up with one input
+                     gradient their GEMMs accumulate onto (no autograd adds)
   hasten_graphed_optimizer  hasten with the AdamW step captured in a CUDA graph (GraphedAdamW, one eager
                      warm-up step; training.cuda_graphs: optimizer in hasten train)
   liger              hasten's packed attention with every kernels.* switch off, and Liger-Kernel's
@@ -326,7 +328,8 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
                   "hasten_compiled": {}, "hasten_graphed_optimizer": {},
                   "hasten_residual_unfused": {"kernels": {"fused_residual": False}},
                   "hasten_residual_grad_fused": {"kernels": {"fused_residual_grad": True}},
-                  "hasten_qk_norm_rope": {"kernels": {"fused_qk_norm_rope": True}}}
+                  "hasten_qk_norm_rope": {"kernels": {"fused_qk_norm_rope": True}},
+                  "hasten_linear_groups": {"kernels": {"fused_linear_groups": True}}}
     if name in hasten_cfg:
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
         handles.append(handle)
@@ -348,7 +351,7 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), DEVICE)
     if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat",
                 "hasten_fa2", "liger", "hasten_compiled", "hasten_graphed_optimizer", "hasten_residual_unfused",
-                "hasten_residual_grad_fused", "hasten_qk_norm_rope"):
+                "hasten_residual_grad_fused", "hasten_qk_norm_rope", "hasten_linear_groups"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):
         inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")}]
@@ -468,7 +471,7 @@ def main() -> int:
     base = {r["variant"]: r for r in rows if r["step_s"] is not None}
     if "hasten" in base:
         for ref in ("hf_padded", "hf_packed_sdpa", "hasten_unfused", "hasten_residual_unfused",
-                    "hasten_residual_grad_fused", "hasten_qk_norm_rope", "liger"):
+                    "hasten_residual_grad_fused", "hasten_qk_norm_rope", "hasten_linear_groups", "liger"):
             if ref in base:
                 print(f"hasten vs {ref}: {base['hasten']['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
                       f"peak {base['hasten']['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")

@@ -199,6 +199,10 @@ class KernelsConfig:
     # statements: one read and one write of q and k fewer each way. Off until measured on the GPU
     # (kernel and parity tests written, not yet run there).
     fused_qk_norm_rope: bool = False
+    # Full fine-tuning: the plain nn.Linear projections one module feeds the same input (q/k/v,
+    # gate/up) computed together, with one input gradient their GEMMs accumulate onto (addmm, beta
+    # 1) instead of autograd's add per extra member. Off until measured on the GPU.
+    fused_linear_groups: bool = False
     # PEFT LoRA layers: the frozen base GEMM and the low-rank update in one op that keeps no
     # float32 copy of the layer input (PEFT's float32 adapters keep one per projection).
     fused_lora: bool = True

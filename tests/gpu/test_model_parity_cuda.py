@@ -144,6 +144,20 @@ def test_fused_head_norm_rope_bf16_within_noise_of_each_sample_alone(name):
         assert any("head RMSNorm + RoPE" in item for item in row["active"]), row
 
 
+# kernels.fused_linear_groups on the GPU (cuBLAS's addmm with beta 1 in bf16): types with q/k/v and
+# gate/up of several layouts (OLMo's in-place clamp of q, k and v; Gemma's GeGLU; MoE experts beside
+# grouped dense projections)
+LINEAR_GROUP_TYPES = ["gemma3_text", "llama", "olmo", "qwen3", "qwen3_moe", "mistral"]
+
+
+@pytest.mark.parametrize("name", LINEAR_GROUP_TYPES)
+def test_shared_input_projections_bf16_within_noise_of_each_sample_alone(name):
+    row = check_packed_parity(name, LENGTHS, settings={"kernels": {"fused_linear_groups": True}})
+    if "fallbacks" in row:
+        assert "linear_group_off" not in row["fallbacks"], row
+        assert any("shared-input projections" in item for item in row["active"]), row
+
+
 def _skip_if_refused_for_the_environment(name: str, refusal: PackedBatchRefused) -> None:
     """Skips (with the reason) a packed batch refused for what this machine lacks: a transformers
     that passes the boundaries to the layer, or flash-linear-attention's varlen kernels; returns

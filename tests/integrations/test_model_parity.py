@@ -15,7 +15,7 @@ import torch
 import hasten
 from hasten.config import Config
 from hasten.integrations.transformers import PackedBatchRefused
-from hasten.observability import fallback_reasons
+from hasten.observability import fallback_counts, fallback_reasons, reset_fallbacks
 from tests import model_zoo as zoo
 
 # float32, same math, other summation order: errors of 1e-7..1e-6 seen; 100x headroom below what a
@@ -428,6 +428,29 @@ def test_fused_head_norm_rope_equals_each_sample_alone(name):
         fused = any("head RMSNorm + RoPE" in item for item in handle.active)
         if name in _HEAD_NORM_ROPE_TYPES:
             assert fused, (handle.active, handle.inactive)
+    finally:
+        handle.undo()
+    assert not any("forward" in m.__dict__ for m in patched.modules())
+
+
+@pytest.mark.parametrize("activations", ["none", "selective"])
+@pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
+def test_shared_input_projections_equal_each_sample_alone(name, activations):
+    """kernels.fused_linear_groups on every packed type, with and without selective checkpointing
+    (its recompute runs the groups again): q/k/v and gate/up of plain nn.Linear computed together
+    with one input gradient; the model's loss and every gradient, and undo() leaves no forward."""
+    entry = zoo.ENTRIES[name]
+    batch_samples = zoo.samples()
+    patched, want_loss, want = _reference_and_copy(entry, batch_samples)
+    config = Config.from_dict({"kernels": {"fused_linear_groups": True},
+                               "training": {"checkpoint": {"activations": activations}}})
+    reset_fallbacks()
+    handle, loss, got = zoo.packed_run(patched, batch_samples, config)
+    try:
+        _assert_equal_to_reference(name, loss, got, want_loss, want)
+        if name in ("llama", "qwen3", "gemma3_text"):
+            assert any("shared-input projections" in item for item in handle.active), handle.active
+            assert "linear_group_off" not in fallback_counts(), fallback_reasons()
     finally:
         handle.undo()
     assert not any("forward" in m.__dict__ for m in patched.modules())

@@ -1385,6 +1385,21 @@ def _install_fused_qk_norm_rope(handle: AccelerationHandle, model: torch.nn.Modu
         handle.inactive.append(f"fused head norm + RoPE ({reason})")
 
 
+def _patch_linear_groups(model: torch.nn.Module, config: Config, handle: AccelerationHandle) -> None:
+    """kernels.fused_linear_groups: q/k/v and gate/up of full fine-tuning with one input gradient
+    (hasten/dense/linear_group.py)."""
+    if not config.kernels.fused_linear_groups:
+        return
+    from hasten.dense.linear_group import install_linear_groups
+
+    undo, count, refused = install_linear_groups(model)
+    handle._undo_steps.append(undo)
+    if count:
+        handle.active.append(f"shared-input projections with one input gradient (q/k/v, gate/up) x{count}")
+    for reason in refused:
+        handle.inactive.append(f"shared-input projections ({reason})")
+
+
 def _install_fused_residual(handle: AccelerationHandle, model: torch.nn.Module, done: list[str],
                             norms_pass_input: bool) -> None:
     """kernels.fused_residual: each decoder layer's residual add with the RMSNorm after it
@@ -1421,6 +1436,7 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
         _patch_memory(model, config, handle)
         _patch_loss(model, config, handle)
         _patch_dense_kernels(model, config, handle)
+        _patch_linear_groups(model, config, handle)
         patch_lora_layers(model, config, handle)
         _patch_mlp_tiling(model, config, handle)  # wraps the MLP forwards the kernel patches set
         handle._undo_steps.append(keep_over_kernelize(model))  # train()/eval() re-kernelize on 5.25
