@@ -57,6 +57,25 @@ def test_compiled_layers_train_like_eager(tmp_path):
     assert json.loads((tmp_path / "eager_logs" / "summary.json").read_text())["compile"] is None
 
 
+def test_compiled_checkpointed_layers_with_the_off_by_default_kernels_train_like_eager(tmp_path):
+    """kernels.fused_qk_norm_rope (the attention's forward rewritten onto hasten::rms_norm_rope) and
+    kernels.fused_linear_groups (members run one by one under compile) inside compiled, fully
+    checkpointed layers: the eager run's losses, with both in the handle's report."""
+    switches = {"kernels": {"fused_qk_norm_rope": True, "fused_linear_groups": True}}
+    eager = loop.train(Config.from_dict({**_with(), **switches}), tmp_path / "eager", tmp_path / "eager_logs",
+                       progress=False)
+    torch._dynamo.reset()
+    compiled = loop.train(Config.from_dict({**_with(compile=True, checkpoint={"activations": "full",
+                                                                             "interval_steps": 2}), **switches}),
+                          tmp_path / "compiled", tmp_path / "compiled_logs", progress=False)
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-6, abs=1e-6)
+    summary = json.loads((tmp_path / "compiled_logs" / "summary.json").read_text())
+    assert summary["compile"] == {"layers": 2, "failure": None}
+    assert "fused_qk_norm_rope" not in summary["fallbacks"], summary["fallbacks"]
+    active = " | ".join(summary["hasten_active"])
+    assert "head RMSNorm + RoPE" in active and "shared-input projections" in active, active
+
+
 def test_a_layer_that_fails_to_compile_runs_eagerly_said_once(monkeypatch):
     """HASTEN_VERIFY re-derives the metadata on the host inside every layer: the fullgraph compile
     fails, the layers run eagerly (verification included) and the fallback is said once."""
