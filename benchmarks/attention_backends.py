@@ -6,7 +6,9 @@ every call; hasten's op builds its own graphs.)
 
 W1's batch: 16,384 tokens in 61 packed samples (benchmarks/packed_sft.py's lengths), 16 query heads,
 8 K/V heads, head_dim 128, bf16. FlashAttention runs with the 8 K/V heads read natively and
-repeated to 16 (rep); cuDNN reads them natively. Each row: milliseconds per forward + backward of one
+repeated to 16 (rep); cuDNN reads them natively, and repeated (hasten_cudnn_rep: its GQA backward
+keeps dK and dV at the query heads' width in float32 and reduces them in a pass of its own, 2.8 ms
+of W1's step at e09a574). Each row: milliseconds per forward + backward of one
 layer (median of 20) and the largest difference from FlashAttention in out, dq, dk, dv relative
 to each tensor's largest magnitude. hasten_cudnn_softcap: the same with Gemma 2's attention softcap
 of 50 (cuDNN's score modifier, which builds the causal band inside it), against the per-sequence
@@ -53,6 +55,15 @@ def torch_varlen(gqa: str):
 
 def hasten_cudnn(q, k, v, cu, max_len):
     return varlen_attention(q, k, v, cu, max_len, backend="cudnn")
+
+
+def hasten_cudnn_rep(q, k, v, cu, max_len):
+    """cuDNN with K/V repeated to the query heads: its backward then writes dK and dV per query
+    head in bf16 (no float32 query-width workspace and fmha_reduce_head pass), and autograd sums
+    each head group (repeat_interleave's backward) instead. Measures which costs less."""
+    groups = q.shape[1] // k.shape[1]
+    return varlen_attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), cu, max_len,
+                            backend="cudnn")
 
 
 SOFTCAP = 50.0  # Gemma 2's attn_logit_softcapping
@@ -168,7 +179,8 @@ def main() -> int:
     run_id = common.new_run_id()
     rows = []
     variants = (("flash_varlen", torch_varlen("native")), ("flash_varlen_rep", torch_varlen("repeat")),
-                ("hasten_cudnn", hasten_cudnn), ("hasten_cudnn_softcap", hasten_cudnn_softcap))
+                ("hasten_cudnn", hasten_cudnn), ("hasten_cudnn_rep", hasten_cudnn_rep),
+                ("hasten_cudnn_softcap", hasten_cudnn_softcap))
     for name, fn in variants:
         want = capped_reference if name.endswith("softcap") else reference
         reset_fallbacks()

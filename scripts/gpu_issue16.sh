@@ -7,6 +7,8 @@
 #             GPU_CAP: another cap in seconds)
 #   kernels   benchmarks/dense_kernels.py --shape w1 (each dense kernel at W1's shapes, the
 #             fused head norm + rotary against the two kernels it replaces)                  cap 60 s
+#   attention benchmarks/attention_backends.py (W1_attention: cuDNN with native and repeated
+#             K/V heads, FlashAttention-2)                                                   cap 90 s
 #   w3        W3 --steps 10: hf_moe_grouped_mm, hasten_fused, hasten_graphed,
 #             hasten_graphed_callables, hasten_compiled                                      cap 150 s
 #   w1        W1 --steps 10: hasten, hasten_graphed_optimizer, hasten_compiled (W1_VARIANTS: others), liger (last: it
@@ -23,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-530}
-PARTS=" ${PARTS:-build gpu w3 w1 ops} "  # kernels: asked for by name
+PARTS=" ${PARTS:-build gpu w3 w1 ops} "  # kernels, attention: asked for by name
 RUN_NAME=issue16
 source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
 
@@ -37,6 +39,10 @@ if (( built )); then
   if [[ $PARTS == *" kernels "* ]]; then
     part kernels 60 python3 benchmarks/dense_kernels.py --shape w1 --out "$LOGS"
     grep -E "norm|rope|copy|Error" "$LOGS/kernels.log" 2>/dev/null | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" attention "* ]]; then
+    part attention 90 python3 benchmarks/attention_backends.py --out "$LOGS"
+    grep -E "ms fwd\+bwd|fell back|Error" "$LOGS/attention.log" 2>/dev/null | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" w3 "* ]]; then
     part w3 150 python3 benchmarks/moe_block.py --steps 10 --out "$LOGS" \
