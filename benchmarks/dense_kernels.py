@@ -6,7 +6,8 @@ ceilings; an H200 copies about 4.3 TB/s, reads plus writes).
 
   --shape w1  Qwen3-0.6B (W1): hidden 1024, 16/8 heads of 128 with q/k norms, intermediate 3072; the
               q/k norms with the rotary after them also as one kernel (hasten::rms_norm_rope) against
-              the two it replaces
+              the two it replaces, and the loss's row kernel on one chunk of its logits, one block a
+              row against a cluster holding the row (HASTEN_CE_CLUSTER=1)
   --shape w4  Llama-8B (W4, LoRA): hidden 4096, 32/8 heads, intermediate 14336; the norms' weights
               are frozen there, so their backward computes no weight gradient
 
@@ -136,6 +137,28 @@ def norm_rope_rows(heads: int, kv_heads: int, head_dim: int) -> list[dict]:
     return rows
 
 
+def cross_entropy_rows(vocab: int, rows: int = 3533) -> list[dict]:
+    """The fused loss's row kernel on one chunk of W1's LM-head logits (rows x vocab, bf16, the
+    gradient written in place), with the one-block kernel (two reads of the row from memory and a
+    write) and with HASTEN_CE_CLUSTER=1 (the row in a cluster's shared memory: one read and a
+    write; sm_90). Bandwidth against the least traffic, one read and one write."""
+    import os
+
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    scale = torch.tensor([1.0 / rows], device="cuda")
+    size = logits.numel() * BF16
+    out = []
+    for name, cluster in (("one block a row", "0"), ("cluster (HASTEN_CE_CLUSTER=1)", "1")):
+        os.environ["HASTEN_CE_CLUSTER"] = cluster
+        try:
+            us = common.time_us(lambda: torch.ops.hasten.cross_entropy_rows_(logits, targets, scale, -100, 0.0, 0.0))
+        finally:
+            os.environ.pop("HASTEN_CE_CLUSTER", None)
+        out.append({"kernel": f"cross_entropy rows ({rows} x {vocab}), {name}", "us": us, "min_bytes": 2 * size})
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="w1")
@@ -148,6 +171,8 @@ def main() -> int:
     rows += swiglu_rows(intermediate) + rope_rows(heads, kv_heads, head_dim)
     if qk_norms:
         rows += norm_rope_rows(heads, kv_heads, head_dim)
+    if args.shape == "w1":
+        rows += cross_entropy_rows(151936)
     workload = f"{args.shape.upper()}_kernels"
     run_id = common.new_run_id()
     for row in rows:

@@ -32,6 +32,55 @@ def test_rows_kernel_equals_the_cpu_op(vocab, dtype, options):
     torch.testing.assert_close(gpu_logits.cpu().float(), cpu_logits.float(), rtol=rtol, atol=atol)
 
 
+def _kernel_names(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+
+
+# HASTEN_CE_CLUSTER=1 (experimental, sm_90): the row in a thread-block cluster's shared memory, one
+# slice a block: Qwen3's vocab in 2 slices (bf16) or 3 (float32), Gemma's in 3 (bf16) or 6, 4096 in one;
+# 1001 is not whole 16-byte vectors and takes the one-block kernel
+@pytest.mark.parametrize("vocab", [151936, 262144, 4096, 1001])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1}, {"softcap": 30.0}], ids=["plain", "eps", "cap"])
+@pytest.mark.parametrize("with_grad", [True, False], ids=["grad", "loss_only"])
+def test_cluster_rows_kernel_equals_the_cpu_op(monkeypatch, vocab, dtype, options, with_grad):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    monkeypatch.setenv("HASTEN_CE_CLUSTER", "1")
+    gen = torch.Generator().manual_seed(vocab + 1)
+    rows = 37
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[::6] = -100
+    targets[5] = vocab - 1  # the last slice's last element
+    targets[7] = vocab  # invalid: NaN, zero gradient
+    scale = torch.tensor([0.37]) if with_grad else None
+    args = (-100, options.get("label_smoothing", 0.0), options.get("softcap", 0.0))
+    cpu_logits = logits.clone()
+    valid = targets.clone()
+    valid[7] = 0  # the CPU op refuses an invalid target; its row is compared apart
+    want = torch.ops.hasten.cross_entropy_rows_(cpu_logits, valid, scale, *args)
+    gpu_logits = logits.cuda()
+    holder = {}
+    names = _kernel_names(lambda: holder.setdefault("loss", torch.ops.hasten.cross_entropy_rows_(
+        gpu_logits, targets.cuda(), None if scale is None else scale.cuda(), *args)))
+    got = holder["loss"].cpu()
+    clustered = any("cluster_kernel" in name for name in names)
+    assert clustered == (vocab % (16 // logits.element_size()) == 0), names
+    keep = torch.arange(rows) != 7
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
+    assert torch.isnan(got[7])
+    if with_grad:
+        rtol, atol = {torch.float32: (1e-4, 1e-6), torch.bfloat16: (1e-2, 1e-4)}[dtype]
+        torch.testing.assert_close(gpu_logits.cpu().float()[keep], cpu_logits.float()[keep], rtol=rtol, atol=atol)
+        assert torch.equal(gpu_logits[7].cpu(), torch.zeros_like(gpu_logits[7].cpu()))
+    else:
+        assert torch.equal(gpu_logits.cpu(), logits)  # loss only: the logits untouched
+
+
 def test_unaligned_rows_take_the_scalar_path_correctly():
     logits = torch.randn(9, 1025, device="cuda", dtype=torch.bfloat16)[:, 1:]  # 2-byte offset: no 16-byte loads
     targets = torch.randint(0, 1024, (9,), device="cuda")
