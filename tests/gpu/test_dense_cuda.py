@@ -314,19 +314,21 @@ def test_rms_norm_rope_cuda_reads_odd_layouts_and_empty_inputs():
     from hasten.ops.dense import rms_norm_rope
 
     x, weight, cos, sin, upstream = _norm_rope_case(2, 4, 37, 128, 128, torch.bfloat16, False)
-    flat = torch.zeros(129, dtype=torch.bfloat16)
-    flat[1:].copy_(weight)
+    flat = torch.zeros(129, device="cuda", dtype=torch.bfloat16)
+    flat[1:].copy_(weight.cuda())
+    flat.requires_grad_()
     shifted = flat[1:]  # 2 bytes past a 16-byte boundary
-    args = dict(cos=cos.cuda(), sin=sin.cuda(), eps=1e-6, offset=1.0)
-    got = _norm_rope_run(lambda a, w: rms_norm_rope(a, w, **args), x.cuda(), shifted.cuda(),
-                         upstream.contiguous().cuda(), True)
-    want = _norm_rope_run(lambda a, w: rms_norm_rope(a, w, args["cos"].cpu(), args["sin"].cpu(), 1e-6, 1.0), x,
-                          weight, upstream.contiguous(), True)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.cpu().float(), w.float(), **TOL[torch.bfloat16])
+    assert shifted.data_ptr() % 16 != 0
+    x_c = x.cuda().requires_grad_()
+    out = rms_norm_rope(x_c, shifted, cos.cuda(), sin.cuda(), 1e-6, 1.0)
+    out.backward(upstream.contiguous().cuda())  # (B, H, L, D) contiguous: not the output's layout
+    want = _norm_rope_run(lambda a, w: rms_norm_rope(a, w, cos, sin, 1e-6, 1.0), x, weight, upstream.contiguous(),
+                          True)
+    for got, expected in zip((out.detach(), x_c.grad, flat.grad[1:]), want):
+        torch.testing.assert_close(got.cpu().float(), expected.float(), **TOL[torch.bfloat16])
     empty = torch.zeros(1, 4, 0, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = weight.cuda().requires_grad_()
-    out = rms_norm_rope(empty, w, args["cos"][:, :0], args["sin"][:, :0], 1e-6)
+    out = rms_norm_rope(empty, w, cos.cuda()[:, :0], sin.cuda()[:, :0], 1e-6)
     out.sum().backward()
     assert out.shape == empty.shape and torch.equal(w.grad, torch.zeros_like(w))
 
