@@ -196,13 +196,12 @@ class KernelsConfig:
     rope: bool = True
     # With rms_norm and rope: a head norm (Qwen3's, Gemma 3's q_norm / k_norm) and the rotary
     # embedding after it in one kernel each way, the attention's own forward rewritten on those
-    # statements: one read and one write of q and k fewer each way. Off until measured on the GPU
-    # (kernel and parity tests written, not yet run there).
-    fused_qk_norm_rope: bool = False
+    # statements: one read and one write of q and k fewer each way (W1 +1.4% on an H100).
+    fused_qk_norm_rope: bool = True
     # Full fine-tuning: the plain nn.Linear projections one module feeds the same input (q/k/v,
     # gate/up) computed together, with one input gradient their GEMMs accumulate onto (addmm, beta
-    # 1) instead of autograd's add per extra member. Off until measured on the GPU.
-    fused_linear_groups: bool = False
+    # 1) instead of autograd's add per extra member (W1 +1.6% on an H100).
+    fused_linear_groups: bool = True
     # PEFT LoRA layers: the frozen base GEMM and the low-rank update in one op that keeps no
     # float32 copy of the layer input (PEFT's float32 adapters keep one per projection).
     fused_lora: bool = True

@@ -297,7 +297,10 @@ def test_rms_norm_rope_cuda_equals_the_two_ops_and_the_cpu(dtype, interleaved, w
     cpu = _norm_rope_run(lambda a, w: rms_norm_rope(a, w, cos, sin, 1e-6, 0.0, interleaved), x, weight, upstream,
                          weight_grad)
     assert fused[0].stride() == x_c.stride()
-    assert torch.equal(fused[0], separate[0]), (fused[0].float() - separate[0].float()).abs().max()
+    if dtype == torch.float32:  # no rounding to T between the steps: nvcc contracts them its own way
+        torch.testing.assert_close(fused[0], separate[0], rtol=1e-6, atol=1e-6)
+    else:  # the same sums and roundings: bit for bit (H100, db7c036)
+        assert torch.equal(fused[0], separate[0]), (fused[0].float() - separate[0].float()).abs().max()
     torch.testing.assert_close(fused[1], separate[1], **TOL[dtype])
     torch.testing.assert_close(fused[0].cpu().float(), cpu[0].float(), **TOL[dtype])
     torch.testing.assert_close(fused[1].cpu().float(), cpu[1].float(), **TOL[dtype])
