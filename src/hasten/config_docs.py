@@ -166,8 +166,8 @@ ENVIRONMENT = (
     ("HASTEN_NORM_ROPE_ROWS", "run", "`1`: the fused head norm + rotary kernel takes one row a lane at a time instead of "
      "two (a comparison). Read on every call."),
     ("HASTEN_CE_CLUSTER", "run", "`1` (experimental, sm_90): the fused loss's row kernel holds each row of logits "
-     "in a thread-block cluster's shared memory, so the gradient pass does not read it from memory again; not "
-     "yet measured (docs/design.md, loss). Read on every call."),
+     "in a thread-block cluster's shared memory, so the gradient pass does not read it from memory again; no "
+     "faster on an H100 so far (docs/design.md, loss). Read on every call."),
 )
 
 
