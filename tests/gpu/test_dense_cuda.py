@@ -277,7 +277,7 @@ def _norm_rope_run(fn, x, weight, upstream, weight_grad):
 @pytest.mark.parametrize("batch,heads,length,dim,rotary", [(1, 16, 4099, 128, 128), (1, 1, 1, 128, 128),
                                                            (2, 8, 77, 64, 64), (1, 4, 333, 256, 64),
                                                            (3, 2, 50, 96, 96), (1, 8, 8750, 64, 32)])
-@pytest.mark.parametrize("rows_per_lane", ["1", "2"])  # HASTEN_NORM_ROPE_ROWS: the default 2, and 1
+@pytest.mark.parametrize("rows_per_lane", ["1", "2"])  # HASTEN_NORM_ROPE_ROWS: the default 1, and 2
 def test_rms_norm_rope_cuda_equals_the_two_ops_and_the_cpu(monkeypatch, rows_per_lane, dtype, interleaved, weight_grad,
                                                            batch, heads, length, dim, rotary):
     """The fused kernel against hasten::rms_norm then hasten::rope on the GPU (the same sums and
