@@ -163,8 +163,6 @@ ENVIRONMENT = (
      "whose CUDA backward is one pass; slower than the default on the H200 so far (docs/design.md, LoRA)."),
     ("HASTEN_LORA_GATED_KERNEL", "run", "`0`: that op's backward as the activation's kernel, then the thin "
      "products (a comparison)."),
-    ("HASTEN_NORM_ROPE_ROWS", "run", "`2` (experimental, not yet run on a GPU): the fused head norm + rotary kernel "
-     "takes two rows a lane per trip, their loads all issued first, instead of one. Read on every call."),
     ("HASTEN_CE_CLUSTER", "run", "`1` (experimental, sm_90): the fused loss's row kernel holds each row of logits "
      "in a thread-block cluster's shared memory, so the gradient pass does not read it from memory again; no "
      "faster on an H100 so far (docs/design.md, loss). Read on every call."),
