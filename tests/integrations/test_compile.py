@@ -27,18 +27,13 @@ MODELS = {
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(intermediate_size=96, **SMALL)),
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32,
                                                             num_experts=4, num_experts_per_tok=2, **SMALL)),
-    # the switches that are off by default on: the attention's forward rewritten onto
-    # hasten::rms_norm_rope (kernels.fused_qk_norm_rope), the shared-input projections
-    # (kernels.fused_linear_groups, which run one by one under compile)
-    "qwen3_all_kernels": lambda: Qwen3ForCausalLM(Qwen3Config(intermediate_size=96, **SMALL)),
 }
-CONFIGS = {"qwen3_all_kernels": {"kernels": {"fused_qk_norm_rope": True, "fused_linear_groups": True}}}
 # The compiler backend of the parity tests: inductor (training.compile's) for the MoE layer, which
 # holds every kind of hasten op (norms, rotary, experts, the host-loop fallbacks); the dense
 # layers' inductor graph is the embedded Qwen3 that tests/training/test_train_compile.py trains.
 # aot_eager for llama and qwen3: the same dynamo trace, guards and autograd graphs, without the C++
 # builds that take most of a cold compile on two cores (inductor for all three: about 65 s).
-BACKEND = {"llama": "aot_eager", "qwen3": "aot_eager", "qwen3_moe": "inductor", "qwen3_all_kernels": "aot_eager"}
+BACKEND = {"llama": "aot_eager", "qwen3": "aot_eager", "qwen3_moe": "inductor"}
 # packed batches of other token counts, sequence counts and longest sequences; one-token samples
 BATCHES = [(7, 1, 19, 12), (3, 30, 1), (5, 5, 5, 5, 5, 5, 2), (40, 1, 1, 9, 2)]
 
@@ -103,11 +98,13 @@ def _assert_same(got, want, what):
 def patched(request):
     torch.manual_seed(0)
     model = MODELS[request.param]()
-    handle = hasten.accelerate(model, Config.from_dict(CONFIGS.get(request.param, {})))
+    handle = hasten.accelerate(model, Config())
     active = " | ".join(handle.active)
     assert "varlen attention" in active and "RMSNorm" in active and "RoPE" in active, active
-    assert ("head RMSNorm + RoPE" in active) == (request.param in CONFIGS), active
-    assert ("shared-input projections" in active) == (request.param in CONFIGS), active
+    # Qwen3's attention rewritten onto hasten::rms_norm_rope (kernels.fused_qk_norm_rope); the
+    # shared-input projections (kernels.fused_linear_groups) run one by one under compile
+    assert ("head RMSNorm + RoPE" in active) == request.param.startswith("qwen3"), active
+    assert "shared-input projections" in active, active
     assert ("fused MoE experts" if request.param == "qwen3_moe" else "SwiGLU MLP") in active, active
     calls = [_layer_calls(model, lengths) for lengths in BATCHES]  # per batch, per layer
     yield request.param, model, calls

@@ -268,9 +268,11 @@ def test_table_types_run_every_piece_their_entry_declares(name):
     # what stays off is only what the entry says is torch's own kernel already
     # (the fused residual add rewrites a layer's own forward where it has the `h = r + a; r = h;
     # h = norm(h)` form; a layer written otherwise keeps its code and says why: both proven by
-    # test_fused_residual_add_equals_each_sample_alone, on every type)
+    # test_fused_residual_add_equals_each_sample_alone, on every type; so does an attention whose head
+    # norms are not applied right before the rotary, per head (OLMo's over the whole projection,
+    # Hunyuan's after the rotary): test_fused_head_norm_rope_equals_each_sample_alone)
     allowed = ("fused norm (the model's", "fused MLP (an ungated MLP", "fused MLP (the model's own MLP code",
-               "fused RoPE (the model's own", "fused residual add (") + (
+               "fused RoPE (the model's own", "fused residual add (", "fused head norm + RoPE (") + (
         ("fused SwiGLU (no gated MLP modules",) if spec.family == "moe" else ()) + (
         ("fused MoE experts (",) if spec.experts else ())  # declared: the experts stay transformers'
     if spec.experts:  # declared outside transformers' experts interface: said so. A release that moved them
