@@ -9,12 +9,10 @@ forms d x = g_0 W_0 and accumulates each further g_i W_i in the GEMM itself (add
 running sum read in the GEMM's epilogue, rounded once per member instead of twice), and each
 weight's and bias's gradient as nn.Linear's backward does (g_i^T x, the sum of g_i).
 
-The others' outputs wait until they are called with that very tensor, unchanged since (its version
-counter); a member called with anything else while outputs wait means this parent does not feed
-its members one tensor: the group turns off for good, said once (`linear_group_off`), and its
-members run one by one. Members are nominated by name under one parent (the LoRA groups' names,
-lora/peft_layers.py SHARED_INPUT_NAMES) and must be plain nn.Linear of one input size, biased
-alike. A call runs the member alone under torch.compile (no state between calls there), autocast,
+The others' outputs wait until they are called with that very tensor, unchanged since; anything
+else turns the group off for good, said once (`linear_group_off`; hasten/shared_input.py). Members
+are nominated by name under one parent (SHARED_INPUT_NAMES, the LoRA groups' names) and must be
+plain nn.Linear of one input size, biased alike. A call runs the member alone under torch.compile (no state between calls there), autocast,
 without grad mode or any gradient to compute, with hooks on a member, or with weights of another
 dtype or device than x.
 """
@@ -29,8 +27,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from hasten.instance_forward import has_call_hooks, replace_forward, restore_forward, without_hooked
-from hasten.lora.peft_layers import SHARED_INPUT_NAMES
-from hasten.observability import record_fallback
+from hasten.shared_input import SHARED_INPUT_NAMES, WaitingOutputs
 
 _GROUP_ATTRIBUTE = "_hasten_linear_group"  # on each member: (its LinearGroup, its index)
 
@@ -79,32 +76,12 @@ class _SharedInputLinears(torch.autograd.Function):
         return (grad_x, None, *grad_weights, *(grad_biases if ctx.biased else ()))
 
 
-class LinearGroup:
+class LinearGroup(WaitingOutputs):
     """nn.Linear members of one parent that it feeds one tensor, computed together (module docstring)."""
 
     def __init__(self, members: list[nn.Linear], names: list[str]):
-        self.members, self.names = members, names
-        self.waiting: dict[int, torch.Tensor] = {}  # member index -> its output for waiting_for
-        self.waiting_for: torch.Tensor | None = None
-        self.waiting_version = 0
-        self.off = False
-
-    def take(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
-        """The waiting output of member `index` for x, or None (nothing waits for this call)."""
-        if self.waiting_for is None:
-            return None
-        if x is self.waiting_for and index in self.waiting and x._version == self.waiting_version:
-            y = self.waiting.pop(index)
-            if not self.waiting:
-                self.waiting_for = None
-            return y
-        self.off = True
-        unused = ", ".join(self.names[i] for i in sorted(self.waiting))
-        self.waiting, self.waiting_for = {}, None
-        record_fallback("linear_group_off", f"{self.names[index]} was called with another input (or one changed in "
-                        f"place) while the output computed for {unused} from its siblings' input waited: this module "
-                        f"does not feed {', '.join(self.names)} one tensor; they run one by one from now on")
-        return None
+        super().__init__(names, "linear_group_off")
+        self.members = members
 
     def _together(self, x: torch.Tensor) -> bool:
         """Whether this call computes every member (else the member runs alone)."""
@@ -123,10 +100,7 @@ class LinearGroup:
         if not self._together(x):
             return F.linear(x, member.weight, member.bias)
         params = [m.weight for m in self.members] + ([m.bias for m in self.members] if member.bias is not None else [])
-        outputs = _SharedInputLinears.apply(x, len(self.members), *params)
-        self.waiting = {i: y for i, y in enumerate(outputs) if i != index}
-        self.waiting_for, self.waiting_version = (x, x._version) if self.waiting else (None, 0)
-        return outputs[index]
+        return self.keep(index, x, _SharedInputLinears.apply(x, len(self.members), *params))
 
 
 def _grouped_forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's own name

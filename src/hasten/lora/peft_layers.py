@@ -29,6 +29,7 @@ from torch import nn
 from hasten.instance_forward import HOOKED_REASON, has_call_hooks, hooked, replace_forward, restore_forward
 from hasten.observability import record_fallback
 from hasten.ops.lora import lora_gated_group, lora_linear, lora_linear_group, lora_linear_quantized
+from hasten.shared_input import SHARED_INPUT_NAMES, WaitingOutputs
 
 
 # PEFT's LoRA layer classes hasten computes, by (module, name): over a plain nn.Linear, and over
@@ -138,43 +139,15 @@ def _dequantizer(base: nn.Module, dtype: torch.dtype):
 
 # --- projections one module feeds the same tensor: hasten::lora_linear_group ----------------------
 
-# Sibling projection names whose parent's forward passes them one tensor in the model families
-# hasten patches (attention's q/k/v, a gated MLP's gate/up). The names only nominate a group: each
-# call still checks that the members are asked, with that very tensor, for what was computed.
-SHARED_INPUT_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-class SharedInputGroup:
+class SharedInputGroup(WaitingOutputs):
     """LoRA projections (over plain frozen bases) of one parent module, computed together.
 
     The first member called with x computes every member's output in one hasten::lora_linear_group
-    and keeps the others' until they are called with the same tensor x. A member called with
-    another tensor while outputs wait means this parent does not feed its members one tensor (or
-    skips one: layers that reuse another layer's K/V): the group turns off for good, said once,
-    and its members run one by one; the waiting outputs are dropped, never returned."""
+    and keeps the others' until they are called with the same tensor x (hasten/shared_input.py)."""
 
     def __init__(self, members: list[nn.Module], names: list[str]):
-        self.members, self.names = members, names
-        self.waiting: dict[int, torch.Tensor] = {}  # member index -> its output for waiting_for
-        self.waiting_for: torch.Tensor | None = None
-        self.off = False
-
-    def take(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
-        """The waiting output of member `index` for x, or None (nothing waits for this call)."""
-        if self.waiting_for is None:
-            return None
-        if x is self.waiting_for and index in self.waiting:
-            y = self.waiting.pop(index)
-            if not self.waiting:
-                self.waiting_for = None
-            return y
-        self.off = True
-        unused = ", ".join(self.names[i] for i in sorted(self.waiting))
-        self.waiting, self.waiting_for = {}, None
-        record_fallback("lora_group_off", f"{self.names[index]} was called with another input while the output "
-                        f"computed for {unused} from its siblings' input waited: this module does not feed "
-                        f"{', '.join(self.names)} one tensor; they run one by one from now on")
-        return None
+        super().__init__(names, "lora_group_off")
+        self.members = members
 
     def adapter(self, x: torch.Tensor, args, kwargs) -> str | None:
         """The adapter the group computes for this call, or None when a member must run alone."""
@@ -200,9 +173,7 @@ class SharedInputGroup:
                                [m.lora_A[adapter].weight for m in self.members],
                                [m.lora_B[adapter].weight for m in self.members],
                                [m.scaling[adapter] for m in self.members])
-        self.waiting = {i: y for i, y in enumerate(ys) if i != index}
-        self.waiting_for = x if self.waiting else None
-        return ys[index]
+        return self.keep(index, x, ys)
 
 
 def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
