@@ -413,46 +413,38 @@ def test_fused_residual_add_equals_each_sample_alone(name, passing):
 _HEAD_NORM_ROPE_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
 
 
-@pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
-def test_fused_head_norm_rope_equals_each_sample_alone(name):
-    """kernels.fused_qk_norm_rope on every packed type: attention classes whose forward applies two
-    norms hasten patched to q and k right before apply_rotary_pos_emb get it rewritten onto
-    hasten::rms_norm_rope (Qwen3's `.transpose(1, 2)` after the norm, Gemma 3's norm on the
-    transposed projection); the others keep their forward. Either way the model's loss and
-    gradients, and undo() leaves no instance forward behind."""
-    entry = zoo.ENTRIES[name]
-    batch_samples = zoo.samples()
-    patched, want_loss, want = _reference_and_copy(entry, batch_samples)
-    config = Config.from_dict({"kernels": {"fused_qk_norm_rope": True}})
-    handle, loss, got = zoo.packed_run(patched, batch_samples, config)
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "gemma3_text", "llama", "olmo2"])
+def test_the_default_fuses_head_norms_with_the_rotary_and_groups_shared_input_projections(name):
+    """kernels.fused_qk_norm_rope and kernels.fused_linear_groups are on by default, so every
+    parity test of the default settings (above: packed, two rows, selective checkpointing) proves
+    them; here, that they are taken: the head norms with the rotary where the attention applies
+    them per head right before it (Qwen3, Gemma 3; OLMo 2 normalises the whole projection and keeps
+    its code, saying so), the shared-input projections everywhere."""
+    reset_fallbacks()
+    handle = hasten.accelerate(zoo.build(zoo.ENTRIES[name]))
     try:
-        _assert_equal_to_reference(name, loss, got, want_loss, want)
         fused = any("head RMSNorm + RoPE" in item for item in handle.active)
-        if name in _HEAD_NORM_ROPE_TYPES:
-            assert fused, (handle.active, handle.inactive)
+        assert fused == (name in _HEAD_NORM_ROPE_TYPES), handle.report()
+        if name == "olmo2":
+            assert any(item.startswith("fused head norm + RoPE (") for item in handle.inactive), handle.report()
+        assert any("shared-input projections" in item for item in handle.active), handle.report()
     finally:
         handle.undo()
-    assert not any("forward" in m.__dict__ for m in patched.modules())
 
 
-@pytest.mark.parametrize("activations", ["none", "selective"])
 @pytest.mark.parametrize("name", sorted(n for n, e in zoo.ENTRIES.items() if e.attention != "refused"))
-def test_shared_input_projections_equal_each_sample_alone(name, activations):
-    """kernels.fused_linear_groups on every packed type, with and without selective checkpointing
-    (its recompute runs the groups again): q/k/v and gate/up of plain nn.Linear computed together
-    with one input gradient; the model's loss and every gradient, and undo() leaves no forward."""
+def test_without_the_fused_head_norms_and_linear_groups_each_sample_alone(name):
+    """The paths the two default switches replace (the head norm and the rotary as two kernels; the
+    projections one by one, autograd adding their input gradients), still the model's loss and
+    gradients with both off; undo() leaves no instance forward behind."""
     entry = zoo.ENTRIES[name]
     batch_samples = zoo.samples()
     patched, want_loss, want = _reference_and_copy(entry, batch_samples)
-    config = Config.from_dict({"kernels": {"fused_linear_groups": True},
-                               "training": {"checkpoint": {"activations": activations}}})
-    reset_fallbacks()
+    config = Config.from_dict({"kernels": {"fused_qk_norm_rope": False, "fused_linear_groups": False}})
     handle, loss, got = zoo.packed_run(patched, batch_samples, config)
     try:
         _assert_equal_to_reference(name, loss, got, want_loss, want)
-        if name in ("llama", "qwen3", "gemma3_text"):
-            assert any("shared-input projections" in item for item in handle.active), handle.active
-            assert "linear_group_off" not in fallback_counts(), fallback_reasons()
+        assert not any("head RMSNorm + RoPE" in item or "shared-input" in item for item in handle.active)
     finally:
         handle.undo()
     assert not any("forward" in m.__dict__ for m in patched.modules())
