@@ -454,11 +454,12 @@ def install_fused_rope(model: nn.Module, spec: RotarySpec = _HALVES, config=None
                                 "extra arguments, an odd or too wide rotary dim); transformers' rotary code runs")
             return unsqueeze_dim
 
-        def kernel_angles(q, cos, sin, args, kwargs):
+        def kernel_angles(tensors, cos, sin, args, kwargs):
             """(cos, sin, interleaved) as hasten::rope takes them for the call
-            apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs) where it would rotate q (B, heads,
-            L, D) with them (unsqueeze_dim 1), else None; counts nothing (dense/qk_norm_rope.py)."""
-            if layout(q, cos, args, kwargs) != 1:
+            apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs) where it would rotate each of
+            `tensors` (B, heads, L, D) with them (unsqueeze_dim 1), else None; converted once for
+            all of them, counting nothing (dense/qk_norm_rope.py)."""
+            if any(layout(x, cos, args, kwargs) != 1 for x in tensors):
                 return None
             return (*_kernel_cos_sin(cos, sin, spec), spec.interleaved)
 

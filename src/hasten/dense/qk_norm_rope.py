@@ -60,28 +60,26 @@ def _fused(rotary, pairs: tuple, args: tuple, kwargs: dict) -> tuple | None:
         return None
     cos, sin, rest = args[0], args[1], args[2:]
     tensors = [x.transpose(1, 2) if transposed else x for _norm, x, transposed in pairs]
-    outputs = []
-    for (norm, _x, _transposed), x in zip(pairs, tensors):
-        angles = kernel_angles(x, cos, sin, rest, kwargs)
-        spec = _patched_rms(norm, x)
-        why = None
-        if angles is None:
-            why = "a rotary call hasten::rope would not take as (batch, heads, length, head_dim)"
-        elif spec is None or norm.weight.shape != x.shape[-1:]:
-            why = "a head norm that is not hasten's RMSNorm over head_dim on this input (hooks, another dtype)"
-        elif angles[0].dtype != x.dtype:
-            why = f"cos and sin in {angles[0].dtype}, q and k in {x.dtype}"
-        elif not rms_norm_rope_covers(x, angles[0].shape[-1], angles[2]):
-            why = f"head_dim {x.shape[-1]} with rotary dim {angles[0].shape[-1]}, a shape the fused kernel does not take"
-        if why is not None:
-            record_fallback("fused_qk_norm_rope", f"{why}; the head norms and the rotary kernel run one after the "
-                            "other")
-            return None
-        kernel_cos, kernel_sin, interleaved = angles
-        outputs.append((x, norm, spec, kernel_cos, kernel_sin, interleaved))
+    angles = kernel_angles(tensors, cos, sin, rest, kwargs)  # cos and sin converted once for q and k
+    specs = [_patched_rms(norm, x) for (norm, _x, _transposed), x in zip(pairs, tensors)]
+    why = None
+    if angles is None:
+        why = "a rotary call hasten::rope would not take as (batch, heads, length, head_dim)"
+    elif any(spec is None or norm.weight.shape != x.shape[-1:]
+             for spec, (norm, _x, _transposed), x in zip(specs, pairs, tensors)):
+        why = "a head norm that is not hasten's RMSNorm over head_dim on this input (hooks, another dtype)"
+    elif any(angles[0].dtype != x.dtype for x in tensors):
+        why = f"cos and sin in {angles[0].dtype}, q and k in {tensors[0].dtype}"
+    elif not all(rms_norm_rope_covers(x, angles[0].shape[-1], angles[2]) for x in tensors):
+        why = (f"head_dim {tensors[0].shape[-1]} with rotary dim {angles[0].shape[-1]}, a shape the fused kernel "
+               "does not take")
+    if why is not None:
+        record_fallback("fused_qk_norm_rope", f"{why}; the head norms and the rotary kernel run one after the other")
+        return None
+    kernel_cos, kernel_sin, interleaved = angles
     return tuple(rms_norm_rope(x, norm.weight, kernel_cos, kernel_sin, getattr(norm, spec.eps_attribute),
                                spec.weight_offset, interleaved)
-                 for x, norm, spec, kernel_cos, kernel_sin, interleaved in outputs)
+                 for spec, (norm, _x, _transposed), x in zip(specs, pairs, tensors))
 
 
 def norm_rope(rotary, q_norm: nn.Module, q: torch.Tensor, q_transposed: bool, k_norm: nn.Module, k: torch.Tensor,
