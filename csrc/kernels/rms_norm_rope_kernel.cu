@@ -16,6 +16,7 @@
 // it visits, in registers; then each group writes its sums to its own row of shared memory and
 // the block adds those rows in a fixed order into its partial (no atomics: the same partials on
 // every run).
+#include <cstdlib>
 #include <cstring>
 
 #include "dtype_utils.cuh"
@@ -70,16 +71,27 @@ __device__ __forceinline__ LaneRole lane_role(const RmsNormRopeParams& p, int gr
   return role;
 }
 
-// Rows of the whole tensor, walked per warp: a trip covers 32 / group rows per warp, and every lane
-// takes the same trips (the shuffles need the whole warp), also past the last row.
+// Rows of the whole tensor, walked per warp. A trip covers kRows * (32 / group) rows per warp:
+// a lane's rows on a trip are first + k * (32 / group), k < kRows, every load of all of them issued
+// before the first use (with one row a lane at a time the head norms ran at 2.5-2.8 TB/s and this
+// kernel at 1.5, H100 db7c036: too few bytes in flight). Every lane takes the same trips (the
+// shuffles need the whole warp), also past the last row.
+template <int kRows>
 struct RowWalk {
-  uint32_t first, step;
-};
+  uint32_t first;  // the warp's first row on its first trip
+  uint32_t step;   // rows between trips
+  uint32_t apart;  // rows between a lane's rows on one trip: the warp's row groups
+  uint32_t lane_row;
 
-__device__ __forceinline__ RowWalk row_walk(int group) {
-  const uint32_t warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
-  return {warp * (32 / group) + (threadIdx.x % 32) / group, gridDim.x * (kThreads / group)};
-}
+  __device__ __forceinline__ explicit RowWalk(int group) {
+    const uint32_t warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+    apart = 32 / group;
+    first = warp * apart * kRows;
+    step = gridDim.x * (kThreads / 32) * apart * kRows;
+    lane_row = (threadIdx.x % 32) / group;
+  }
+  __device__ __forceinline__ uint32_t row(uint32_t trip_first, int k) const { return trip_first + k * apart + lane_row; }
+};
 
 struct RowIndex {
   uint32_t b, h, l;
@@ -96,69 +108,84 @@ __device__ __forceinline__ const T* row_of(const void* base, const int64_t (&str
   return static_cast<const T*>(base) + r.b * stride[0] + r.h * stride[1] + r.l * stride[2];
 }
 
-template <typename T, bool kInterleaved>
+__device__ __forceinline__ int64_t rstd_index(const RmsNormRopeParams& p, RowIndex r) {
+  return (static_cast<int64_t>(r.b) * p.heads + r.h) * p.length + r.l;
+}
+
+template <typename T, bool kInterleaved, int kRows>
 __global__ void __launch_bounds__(kThreads) rms_norm_rope_forward_kernel(RmsNormRopeParams p, int group) {
   constexpr int V = kVec<T>;
   const LaneRole role = lane_role<V>(p, group);
   T weight[V];
   if (role.holds) load_chunk<T, V>(static_cast<const T*>(p.weight), role.v, weight);
   const uint32_t rows = static_cast<uint32_t>(p.batch * p.heads * p.length);
-  const RowWalk walk = row_walk(group);
-  const uint32_t lane_row = (threadIdx.x % 32) / group;  // row - lane_row: the warp's first row of a trip
-  for (uint32_t row = walk.first; row - lane_row < rows; row += walk.step) {
-    const bool active = row < rows && role.holds;
-    const RowIndex r = row_index(row < rows ? row : 0, p.heads, p.length);
-    T xs[V], c[V], s[V];
-    float squares = 0.f;
-    if (active) {
-      load_chunk<T, V>(row_of<T>(p.x, p.x_stride, r), role.v, xs);
+  const RowWalk<kRows> walk(group);
+  for (uint32_t trip = walk.first; trip < rows; trip += walk.step) {
+    T xs[kRows][V], c[kRows][V], s[kRows][V];
+    RowIndex r[kRows];
+    bool active[kRows];
 #pragma unroll
-      for (int i = 0; i < V; ++i) squares += to_float(xs[i]) * to_float(xs[i]);
-      if (role.rotates) {  // issued before the sum's shuffles wait
-        const int64_t position = r.b * p.cs_stride[0] + r.l * p.cs_stride[1];
-        load_chunk<T, V>(static_cast<const T*>(p.cos) + position, role.v, c);
-        load_chunk<T, V>(static_cast<const T*>(p.sin) + position, role.v, s);
+    for (int k = 0; k < kRows; ++k) {  // every row's loads first
+      const uint32_t row = walk.row(trip, k);
+      active[k] = row < rows && role.holds;
+      r[k] = row_index(row < rows ? row : 0, p.heads, p.length);
+      if (active[k]) {
+        load_chunk<T, V>(row_of<T>(p.x, p.x_stride, r[k]), role.v, xs[k]);
+        if (role.rotates) {
+          const int64_t position = r[k].b * p.cs_stride[0] + r[k].l * p.cs_stride[1];
+          load_chunk<T, V>(static_cast<const T*>(p.cos) + position, role.v, c[k]);
+          load_chunk<T, V>(static_cast<const T*>(p.sin) + position, role.v, s[k]);
+        }
+      } else {
+        fill_zero(xs[k]);
       }
-    } else {
-      fill_zero(xs);
     }
-    const float rstd = rsqrtf(group_sum(squares, group) / static_cast<float>(p.dim) + p.eps);
-    T ys[V];
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float normalised = to_float(from_float<T>(to_float(xs[i]) * rstd));
-      ys[i] = from_float<T>((active ? to_float(weight[i]) + p.offset : 0.f) * normalised);
-    }
-    T other[V];  // rotate_half: the other side of this lane's pairs
-    if constexpr (!kInterleaved) vector_from_lane<T, V>(ys, other, role.partner);
-    if (!active) continue;
-    if (role.v == 0) p.rstd[(static_cast<int64_t>(r.b) * p.heads + r.h) * p.length + r.l] = rstd;
-    T out[V];
-    if (!role.rotates) {
+    for (int k = 0; k < kRows; ++k) {
+      float squares = 0.f;
 #pragma unroll
-      for (int i = 0; i < V; ++i) out[i] = ys[i];
-    } else if constexpr (kInterleaved) {
+      for (int i = 0; i < V; ++i) squares += to_float(xs[k][i]) * to_float(xs[k][i]);
+      const float rstd = rsqrtf(group_sum(squares, group) / static_cast<float>(p.dim) + p.eps);
+      T ys[V];
 #pragma unroll
-      for (int i = 0; i < V; i += 2) {
-        const float a = to_float(ys[i]), b = to_float(ys[i + 1]);
-        out[i] = from_float<T>(rotated_lo(a, b, to_float(c[i]), to_float(s[i]), false));
-        out[i + 1] = from_float<T>(rotated_hi(a, b, to_float(c[i + 1]), to_float(s[i + 1]), false));
+      for (int i = 0; i < V; ++i) {
+        const float normalised = to_float(from_float<T>(to_float(xs[k][i]) * rstd));
+        ys[i] = from_float<T>((active[k] ? to_float(weight[i]) + p.offset : 0.f) * normalised);
       }
-    } else if (role.lo) {
+      T other[V];  // rotate_half: the other side of this lane's pairs
+      if constexpr (!kInterleaved) vector_from_lane<T, V>(ys, other, role.partner);
+      if (!active[k]) continue;
+      if (role.v == 0) p.rstd[rstd_index(p, r[k])] = rstd;
+      T out[V];
+      if (!role.rotates) {
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-        out[i] = from_float<T>(rotated_lo(to_float(ys[i]), to_float(other[i]), to_float(c[i]), to_float(s[i]), false));
-    } else {
+        for (int i = 0; i < V; ++i) out[i] = ys[i];
+      } else if constexpr (kInterleaved) {
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-        out[i] = from_float<T>(rotated_hi(to_float(other[i]), to_float(ys[i]), to_float(c[i]), to_float(s[i]), false));
+        for (int i = 0; i < V; i += 2) {
+          const float a = to_float(ys[i]), b = to_float(ys[i + 1]);
+          out[i] = from_float<T>(rotated_lo(a, b, to_float(c[k][i]), to_float(s[k][i]), false));
+          out[i + 1] = from_float<T>(rotated_hi(a, b, to_float(c[k][i + 1]), to_float(s[k][i + 1]), false));
+        }
+      } else if (role.lo) {
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          out[i] = from_float<T>(
+              rotated_lo(to_float(ys[i]), to_float(other[i]), to_float(c[k][i]), to_float(s[k][i]), false));
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          out[i] = from_float<T>(
+              rotated_hi(to_float(other[i]), to_float(ys[i]), to_float(c[k][i]), to_float(s[k][i]), false));
+      }
+      T* destination =
+          static_cast<T*>(p.out) + r[k].b * p.out_stride[0] + r[k].h * p.out_stride[1] + r[k].l * p.out_stride[2];
+      store_chunk<T, V>(destination, role.v, out);
     }
-    T* destination = static_cast<T*>(p.out) + r.b * p.out_stride[0] + r.h * p.out_stride[1] + r.l * p.out_stride[2];
-    store_chunk<T, V>(destination, role.v, out);
   }
 }
 
-template <typename T, bool kInterleaved, bool kWeightGrad>
+template <typename T, bool kInterleaved, bool kWeightGrad, int kRows>
 __global__ void __launch_bounds__(kThreads) rms_norm_rope_backward_kernel(RmsNormRopeParams p, int group) {
   constexpr int V = kVec<T>;
   // (groups of the block, D): one row of weight-gradient sums per group of lanes; D <= group * V
@@ -170,68 +197,81 @@ __global__ void __launch_bounds__(kThreads) rms_norm_rope_backward_kernel(RmsNor
   for (int i = 0; i < V; ++i) grad_weight[i] = 0.f;
   if (role.holds) load_chunk<T, V>(static_cast<const T*>(p.weight), role.v, weight);
   const uint32_t rows = static_cast<uint32_t>(p.batch * p.heads * p.length);
-  const RowWalk walk = row_walk(group);
-  const uint32_t lane_row = (threadIdx.x % 32) / group;
+  const RowWalk<kRows> walk(group);
   // the sin a lane's pairs need backward is the other side's (rope_math.cuh): its vector index
   const int sin_vector = p.interleaved ? role.v : role.partner - (static_cast<int>(threadIdx.x % 32) - role.v);
-  for (uint32_t row = walk.first; row - lane_row < rows; row += walk.step) {
-    const bool active = row < rows && role.holds;
-    const RowIndex r = row_index(row < rows ? row : 0, p.heads, p.length);
-    T xs[V], ds[V], c[V], s[V];
-    float rstd = 0.f;
-    if (active) {
-      load_chunk<T, V>(row_of<T>(p.grad_out, p.grad_stride, r), role.v, ds);
-      load_chunk<T, V>(row_of<T>(p.x, p.x_stride, r), role.v, xs);
-      rstd = p.rstd[(static_cast<int64_t>(r.b) * p.heads + r.h) * p.length + r.l];
-      if (role.rotates) {
-        const int64_t position = r.b * p.cs_stride[0] + r.l * p.cs_stride[1];
-        load_chunk<T, V>(static_cast<const T*>(p.cos) + position, role.v, c);
-        load_chunk<T, V>(static_cast<const T*>(p.sin) + position, sin_vector, s);
+  for (uint32_t trip = walk.first; trip < rows; trip += walk.step) {
+    T xs[kRows][V], ds[kRows][V], c[kRows][V], s[kRows][V];
+    float rstd[kRows];
+    RowIndex r[kRows];
+    bool active[kRows];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {  // every row's loads first
+      const uint32_t row = walk.row(trip, k);
+      active[k] = row < rows && role.holds;
+      r[k] = row_index(row < rows ? row : 0, p.heads, p.length);
+      rstd[k] = 0.f;
+      if (active[k]) {
+        load_chunk<T, V>(row_of<T>(p.grad_out, p.grad_stride, r[k]), role.v, ds[k]);
+        load_chunk<T, V>(row_of<T>(p.x, p.x_stride, r[k]), role.v, xs[k]);
+        rstd[k] = p.rstd[rstd_index(p, r[k])];
+        if (role.rotates) {
+          const int64_t position = r[k].b * p.cs_stride[0] + r[k].l * p.cs_stride[1];
+          load_chunk<T, V>(static_cast<const T*>(p.cos) + position, role.v, c[k]);
+          load_chunk<T, V>(static_cast<const T*>(p.sin) + position, sin_vector, s[k]);
+        }
+      } else {
+        fill_zero(xs[k]);
+        fill_zero(ds[k]);
       }
-    } else {
-      fill_zero(xs);
-      fill_zero(ds);
     }
-    T other[V];
-    if constexpr (!kInterleaved) vector_from_lane<T, V>(ds, other, role.partner);
-    // g = rope^T(grad_out), rounded as hasten::rope's backward output is
-    T gs[V];
-    if (!active || !role.rotates) {
 #pragma unroll
-      for (int i = 0; i < V; ++i) gs[i] = ds[i];
-    } else if constexpr (kInterleaved) {
+    for (int k = 0; k < kRows; ++k) {
+      T other[V];
+      if constexpr (!kInterleaved) vector_from_lane<T, V>(ds[k], other, role.partner);
+      // g = rope^T(grad_out), rounded as hasten::rope's backward output is
+      T gs[V];
+      if (!active[k] || !role.rotates) {
 #pragma unroll
-      for (int i = 0; i < V; i += 2) {
-        const float a = to_float(ds[i]), b = to_float(ds[i + 1]);
-        gs[i] = from_float<T>(rotated_lo(a, b, to_float(c[i]), to_float(s[i + 1]), true));
-        gs[i + 1] = from_float<T>(rotated_hi(a, b, to_float(c[i + 1]), to_float(s[i]), true));
+        for (int i = 0; i < V; ++i) gs[i] = ds[k][i];
+      } else if constexpr (kInterleaved) {
+#pragma unroll
+        for (int i = 0; i < V; i += 2) {
+          const float a = to_float(ds[k][i]), b = to_float(ds[k][i + 1]);
+          gs[i] = from_float<T>(rotated_lo(a, b, to_float(c[k][i]), to_float(s[k][i + 1]), true));
+          gs[i + 1] = from_float<T>(rotated_hi(a, b, to_float(c[k][i + 1]), to_float(s[k][i]), true));
+        }
+      } else if (role.lo) {
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          gs[i] = from_float<T>(
+              rotated_lo(to_float(ds[k][i]), to_float(other[i]), to_float(c[k][i]), to_float(s[k][i]), true));
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          gs[i] = from_float<T>(
+              rotated_hi(to_float(other[i]), to_float(ds[k][i]), to_float(c[k][i]), to_float(s[k][i]), true));
       }
-    } else if (role.lo) {
+      float dot = 0.f;
+      if (active[k]) {
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-        gs[i] = from_float<T>(rotated_lo(to_float(ds[i]), to_float(other[i]), to_float(c[i]), to_float(s[i]), true));
-    } else {
+        for (int i = 0; i < V; ++i)
+          dot += (to_float(weight[i]) + p.offset) * to_float(gs[i]) * (to_float(xs[k][i]) * rstd[k]);
+      }
+      const float mean_dot = group_sum(dot, group) / static_cast<float>(p.dim);
+      if (!active[k]) continue;
+      T grad_x[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-        gs[i] = from_float<T>(rotated_hi(to_float(other[i]), to_float(ds[i]), to_float(c[i]), to_float(s[i]), true));
+      for (int i = 0; i < V; ++i) {
+        const float n = to_float(xs[k][i]) * rstd[k];
+        const float gy = to_float(gs[i]);
+        if constexpr (kWeightGrad) grad_weight[i] += gy * to_float(from_float<T>(n));
+        grad_x[i] = from_float<T>(rstd[k] * ((to_float(weight[i]) + p.offset) * gy - n * mean_dot));
+      }
+      T* destination =
+          static_cast<T*>(p.out) + r[k].b * p.out_stride[0] + r[k].h * p.out_stride[1] + r[k].l * p.out_stride[2];
+      store_chunk<T, V>(destination, role.v, grad_x);
     }
-    float dot = 0.f;
-    if (active) {
-#pragma unroll
-      for (int i = 0; i < V; ++i)
-        dot += (to_float(weight[i]) + p.offset) * to_float(gs[i]) * (to_float(xs[i]) * rstd);
-    }
-    const float mean_dot = group_sum(dot, group) / static_cast<float>(p.dim);
-    if (!active) continue;
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float n = to_float(xs[i]) * rstd;
-      const float gy = to_float(gs[i]);
-      if constexpr (kWeightGrad) grad_weight[i] += gy * to_float(from_float<T>(n));
-      xs[i] = from_float<T>(rstd * ((to_float(weight[i]) + p.offset) * gy - n * mean_dot));
-    }
-    T* destination = static_cast<T*>(p.out) + r.b * p.out_stride[0] + r.h * p.out_stride[1] + r.l * p.out_stride[2];
-    store_chunk<T, V>(destination, role.v, xs);
   }
   if constexpr (kWeightGrad) {
     const int group_of_block = threadIdx.x / group;
@@ -265,39 +305,58 @@ bool params_fit(const RmsNormRopeParams& p, int element_bytes, bool backward) {
   return fits;
 }
 
-unsigned forward_blocks(int64_t rows, int group) {
-  const int64_t rows_per_block = kThreads / group;
+// Rows a lane handles per trip: 1 (the variant measured and tested on the GPU, db7c036), or 2 where
+// HASTEN_NORM_ROPE_ROWS=2 asks (written for the 1.5 TB/s the one-row kernel moved; not yet run on a
+// GPU). Read at every launch.
+int rows_per_lane() {
+  const char* asked = std::getenv("HASTEN_NORM_ROPE_ROWS");
+  return asked != nullptr && std::strcmp(asked, "2") == 0 ? 2 : 1;
+}
+
+unsigned forward_blocks(int64_t rows, int group, int rows_per_lane) {
+  const int64_t rows_per_block = static_cast<int64_t>(kThreads / group) * rows_per_lane;
   const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   return static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20));  // the kernel loops past this
 }
 
-template <typename T>
-cudaError_t launch_forward(const RmsNormRopeParams& p, cudaStream_t stream) {
+template <typename T, int kRows>
+cudaError_t launch_forward_rows(const RmsNormRopeParams& p, cudaStream_t stream) {
   const int group = lanes_per_row(p.dim / kVec<T>);
-  const unsigned blocks = forward_blocks(p.batch * p.heads * p.length, group);
+  const unsigned blocks = forward_blocks(p.batch * p.heads * p.length, group, kRows);
   if (p.interleaved) {
-    rms_norm_rope_forward_kernel<T, true><<<blocks, kThreads, 0, stream>>>(p, group);
+    rms_norm_rope_forward_kernel<T, true, kRows><<<blocks, kThreads, 0, stream>>>(p, group);
   } else {
-    rms_norm_rope_forward_kernel<T, false><<<blocks, kThreads, 0, stream>>>(p, group);
+    rms_norm_rope_forward_kernel<T, false, kRows><<<blocks, kThreads, 0, stream>>>(p, group);
   }
   return cudaGetLastError();
 }
 
-template <typename T, bool kInterleaved>
+template <typename T>
+cudaError_t launch_forward(const RmsNormRopeParams& p, cudaStream_t stream) {
+  return rows_per_lane() == 1 ? launch_forward_rows<T, 1>(p, stream) : launch_forward_rows<T, 2>(p, stream);
+}
+
+template <typename T, bool kInterleaved, int kRows>
 cudaError_t launch_backward_layout(const RmsNormRopeParams& p, int blocks, int group, cudaStream_t stream) {
   if (p.grad_weight_partial != nullptr) {
-    rms_norm_rope_backward_kernel<T, kInterleaved, true><<<blocks, kThreads, 0, stream>>>(p, group);
+    rms_norm_rope_backward_kernel<T, kInterleaved, true, kRows><<<blocks, kThreads, 0, stream>>>(p, group);
   } else {
-    rms_norm_rope_backward_kernel<T, kInterleaved, false><<<blocks, kThreads, 0, stream>>>(p, group);
+    rms_norm_rope_backward_kernel<T, kInterleaved, false, kRows><<<blocks, kThreads, 0, stream>>>(p, group);
   }
   return cudaGetLastError();
+}
+
+template <typename T, int kRows>
+cudaError_t launch_backward_rows(const RmsNormRopeParams& p, int blocks, cudaStream_t stream) {
+  const int group = lanes_per_row(p.dim / kVec<T>);
+  return p.interleaved ? launch_backward_layout<T, true, kRows>(p, blocks, group, stream)
+                       : launch_backward_layout<T, false, kRows>(p, blocks, group, stream);
 }
 
 template <typename T>
 cudaError_t launch_backward(const RmsNormRopeParams& p, int blocks, cudaStream_t stream) {
-  const int group = lanes_per_row(p.dim / kVec<T>);
-  return p.interleaved ? launch_backward_layout<T, true>(p, blocks, group, stream)
-                       : launch_backward_layout<T, false>(p, blocks, group, stream);
+  return rows_per_lane() == 1 ? launch_backward_rows<T, 1>(p, blocks, stream)
+                              : launch_backward_rows<T, 2>(p, blocks, stream);
 }
 
 }  // namespace
