@@ -131,14 +131,15 @@ def test_packed_bf16_within_noise_of_each_sample_alone_or_refused(name):
 
 
 # The zoo types whose attention takes kernels.fused_qk_norm_rope (its CPU twin lists the ones it
-# must reach: tests/integrations/test_model_parity.py), on the GPU with the switch on.
+# must reach: tests/integrations/test_model_parity.py). The switch is on by default, so the zoo test
+# above proves its numbers; this one proves it is taken there.
 HEAD_NORM_ROPE_TYPES = ["apertus", "dots1", "gemma3_text", "hy_v3", "laguna", "lfm2", "lfm3", "mellum", "qwen3",
                         "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen3_vl", "step3p7"]
 
 
 @pytest.mark.parametrize("name", HEAD_NORM_ROPE_TYPES)
-def test_fused_head_norm_rope_bf16_within_noise_of_each_sample_alone(name):
-    row = check_packed_parity(name, LENGTHS, settings={"kernels": {"fused_qk_norm_rope": True}})
+def test_the_default_fuses_head_norm_rope_bf16_within_noise_of_each_sample_alone(name):
+    row = check_packed_parity(name, LENGTHS)
     if "fallbacks" in row:
         assert any("head RMSNorm + RoPE" in item for item in row["active"]), row
         # a head or rotary size the kernel does not take (the zoo's partial rotary of Laguna and
@@ -147,18 +148,26 @@ def test_fused_head_norm_rope_bf16_within_noise_of_each_sample_alone(name):
         assert "fused_qk_norm_rope" not in row["fallbacks"] or "does not take" in reason, (reason, row)
 
 
-# kernels.fused_linear_groups on the GPU (cuBLAS's addmm with beta 1 in bf16): types with q/k/v and
-# gate/up of several layouts (OLMo's in-place clamp of q, k and v; Gemma's GeGLU; MoE experts beside
-# grouped dense projections)
+# kernels.fused_linear_groups (on by default; cuBLAS's addmm with beta 1 in bf16): types with q/k/v
+# and gate/up of several layouts (OLMo's in-place clamp of q, k and v; Gemma's GeGLU; MoE experts
+# beside grouped dense projections)
 LINEAR_GROUP_TYPES = ["gemma3_text", "llama", "olmo", "qwen3", "qwen3_moe", "mistral"]
 
 
 @pytest.mark.parametrize("name", LINEAR_GROUP_TYPES)
-def test_shared_input_projections_bf16_within_noise_of_each_sample_alone(name):
-    row = check_packed_parity(name, LENGTHS, settings={"kernels": {"fused_linear_groups": True}})
+def test_the_default_groups_shared_input_projections_bf16_within_noise_of_each_sample_alone(name):
+    row = check_packed_parity(name, LENGTHS)
     if "fallbacks" in row:
         assert "linear_group_off" not in row["fallbacks"], row
         assert any("shared-input projections" in item for item in row["active"]), row
+
+
+# The paths the two switches replace (the separate head norm and rotary kernels, each projection's
+# own input gradient), which a user gets by switching them off
+@pytest.mark.parametrize("name", sorted(set(HEAD_NORM_ROPE_TYPES) | set(LINEAR_GROUP_TYPES)))
+def test_without_fused_head_norms_and_linear_groups_bf16_within_noise_of_each_sample_alone(name):
+    check_packed_parity(name, LENGTHS, settings={"kernels": {"fused_qk_norm_rope": False,
+                                                             "fused_linear_groups": False}})
 
 
 def _skip_if_refused_for_the_environment(name: str, refusal: PackedBatchRefused) -> None:
