@@ -11,7 +11,8 @@
 #             K/V heads, FlashAttention-2)                                                   cap 90 s
 #   w3        W3 --steps 10: hf_moe_grouped_mm, hasten_fused, hasten_graphed,
 #             hasten_graphed_callables, hasten_compiled                                      cap 150 s
-#   w1        W1 --steps 10: hasten, hasten_graphed_optimizer, hasten_compiled (W1_VARIANTS: others), liger (last: it
+#   w1        W1 --steps 10: hasten, hasten_graphed_optimizer, hasten_compiled (W1_VARIANTS: others; W1_ARGS: more
+#             arguments, e.g. --profile hasten), liger (last: it
 #             patches transformers' Qwen3 for the rest of the process; where liger_kernel imports)
 #   ops       tests/ops, and tests/integrations/test_compile.py when it exists (mostly CPU tests:
 #             last, with the time that is left)                                              cap 90 s
@@ -52,8 +53,9 @@ if (( built )); then
   if [[ $PARTS == *" w1 "* ]]; then
     W1_VARIANTS=${W1_VARIANTS:-hasten,hasten_graphed_optimizer,hasten_compiled}
     timeout 60 python3 -c "import liger_kernel" 2>/dev/null && W1_VARIANTS=$W1_VARIANTS,liger
-    part w1 330 python3 benchmarks/packed_sft.py --steps 10 --out "$LOGS" --variants "$W1_VARIANTS"
-    grep -E "tok/s|FAILED|vs |compiled graphs|optimizer graph|losses vs" "$LOGS/w1.log" 2>/dev/null | tail -14 \
+    # shellcheck disable=SC2086  # W1_ARGS: further arguments, e.g. --profile hasten
+    part w1 330 python3 benchmarks/packed_sft.py --steps 10 --out "$LOGS" --variants "$W1_VARIANTS" ${W1_ARGS:-}
+    grep -E "tok/s|FAILED|vs |compiled graphs|optimizer graph|losses vs|by group|^profile" "$LOGS/w1.log" 2>/dev/null | tail -16 \
       | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" ops "* ]]; then
