@@ -48,6 +48,26 @@ __device__ __forceinline__ void accumulate(MaxSum& ms, float z) {
 
 __device__ __forceinline__ float capped(float x, float cap) { return cap > 0.f ? cap * tanhf(x / cap) : x; }
 
+// A row's loss from its log-sum-exp, its (capped) target logit and the sum of its (capped) logits:
+// -(1 - eps) z_t - (eps / V) sum_j z_j + lse; NaN for a target outside the vocabulary, 0 ignored.
+__device__ __forceinline__ float row_loss(float lse, float target_logit, float row_total, float eps, float smooth,
+                                          bool ignored, bool invalid) {
+  if (invalid) return NAN;
+  if (ignored) return 0.f;
+  return lse - (1.f - eps) * target_logit - smooth * row_total;
+}
+
+// d loss / d x_j for the raw logit x_j (before the cap), times the row's scale (0 for an ignored or
+// invalid row): softmax_j - eps / V - (1 - eps) [j == target], through the cap's 1 - tanh^2.
+__device__ __forceinline__ float logit_grad(float x, int64_t j, int64_t target, float lse, float eps, float smooth,
+                                            float cap, float scale) {
+  if (scale == 0.f) return 0.f;
+  const float z = capped(x, cap);
+  float g = __expf(z - lse) - smooth - (j == target ? 1.f - eps : 0.f);
+  if (cap > 0.f) g *= 1.f - (z / cap) * (z / cap);
+  return g * scale;
+}
+
 // Block-wide reduction of (max, sum) and a plain float sum over kBlockThreads threads; every
 // thread gets the results.
 template <int kBlockThreads>
@@ -117,25 +137,13 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_rows_kernel(CrossEntro
   const float eps = p.label_smoothing;
   const float smooth = eps / static_cast<float>(p.vocab);
   if (threadIdx.x == 0) {
-    float loss = 0.f;
-    if (invalid) {
-      loss = NAN;
-    } else if (!ignored) {
-      const float zt = capped(to_float(logits[target]), cap);
-      loss = lse - (1.f - eps) * zt - smooth * total;
-    }
-    p.loss[row] = loss;
+    const float zt = ignored || invalid ? 0.f : capped(to_float(logits[target]), cap);
+    p.loss[row] = row_loss(lse, zt, total, eps, smooth, ignored, invalid);
   }
   if (p.grad_scale == nullptr) return;
   __syncthreads();  // thread 0 has read logits[target] before anyone overwrites it
   const float scale = (ignored || invalid) ? 0.f : *p.grad_scale;
-  auto grad_of = [&](float x, int64_t j) -> float {
-    if (scale == 0.f) return 0.f;
-    const float z = capped(x, cap);
-    float g = __expf(z - lse) - smooth - (j == target ? 1.f - eps : 0.f);
-    if (cap > 0.f) g *= 1.f - (z / cap) * (z / cap);
-    return g * scale;
-  };
+  auto grad_of = [&](float x, int64_t j) -> float { return logit_grad(x, j, target, lse, eps, smooth, cap, scale); };
   for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
     T chunk[V];
     load_chunk<T, V>(logits, v, chunk);
@@ -229,15 +237,7 @@ __global__ void __launch_bounds__(kClusterThreads, 1)
   const float lse = row_ms.max + __logf(row_ms.sum);
   const float eps = p.label_smoothing;
   const float smooth = eps / static_cast<float>(p.vocab);
-  if (rank == 0 && threadIdx.x == 0) {
-    float loss = 0.f;
-    if (invalid) {
-      loss = NAN;
-    } else if (!ignored) {
-      loss = lse - (1.f - eps) * target_logit - smooth * row_total;
-    }
-    p.loss[row] = loss;
-  }
+  if (rank == 0 && threadIdx.x == 0) p.loss[row] = row_loss(lse, target_logit, row_total, eps, smooth, ignored, invalid);
   if (p.grad_scale == nullptr) return;
   const float scale = (ignored || invalid) ? 0.f : *p.grad_scale;
   for (int64_t v = threadIdx.x; v < count; v += kClusterThreads) {
@@ -248,13 +248,8 @@ __global__ void __launch_bounds__(kClusterThreads, 1)
     } else {
       load_chunk<T, V>(slice, v, chunk);
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const int64_t j = (first + v) * V + i;
-        const float z = capped(to_float(chunk[i]), cap);
-        float g = __expf(z - lse) - smooth - (j == target ? 1.f - eps : 0.f);
-        if (cap > 0.f) g *= 1.f - (z / cap) * (z / cap);
-        chunk[i] = from_float<T>(g * scale);
-      }
+      for (int i = 0; i < V; ++i)
+        chunk[i] = from_float<T>(logit_grad(to_float(chunk[i]), (first + v) * V + i, target, lse, eps, smooth, cap, scale));
     }
     store_chunk<T, V>(logits, first + v, chunk);
   }
