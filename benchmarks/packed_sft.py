@@ -34,6 +34,10 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
                      gradient their GEMMs accumulate onto (no autograd adds)
   hasten_graphed_optimizer  hasten with the AdamW step captured in a CUDA graph (GraphedAdamW, one eager
                      warm-up step; training.cuda_graphs: optimizer in hasten train)
+  hasten_graphed_step  hasten with the whole step (forward, loss, backward, fused capturable AdamW) captured
+                     in one CUDA graph after 3 eager steps, the batch's tensors its static inputs, replayed
+                     per step: how much of hasten's step is launch and host time (an experiment: hasten
+                     train does not graph the step)
   liger              hasten's packed attention with every kernels.* switch off, and Liger-Kernel's
                      RMSNorm, SwiGLU, RoPE and fused linear cross-entropy instead (needs liger_kernel;
                      it patches transformers' Qwen3 module for the rest of the process, so run it last)
@@ -325,7 +329,7 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
                   "hasten_posids": {}, "hasten_gqa_repeat": {"attention": {"gqa": "repeat"}},
                   "hasten_fa2": {"attention": {"backend": "torch_varlen"}},
                   "hasten_no_cache": {"training": {"metadata_cache": False}},
-                  "hasten_compiled": {}, "hasten_graphed_optimizer": {},
+                  "hasten_compiled": {}, "hasten_graphed_optimizer": {}, "hasten_graphed_step": {},
                   "hasten_residual_unfused": {"kernels": {"fused_residual": False}},
                   "hasten_residual_grad_fused": {"kernels": {"fused_residual_grad": True}},
                   "hasten_qk_norm_rope": {"kernels": {"fused_qk_norm_rope": True}},
@@ -350,7 +354,8 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
         handles.append(compiled)
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), DEVICE)
     if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat",
-                "hasten_fa2", "liger", "hasten_compiled", "hasten_graphed_optimizer", "hasten_residual_unfused",
+                "hasten_fa2", "liger", "hasten_compiled", "hasten_graphed_optimizer", "hasten_graphed_step",
+                "hasten_residual_unfused",
                 "hasten_residual_grad_fused", "hasten_qk_norm_rope", "hasten_linear_groups"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):
@@ -363,12 +368,17 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
         raise ValueError(name)
     if name == "hasten_graphed_optimizer":
         optimizer = GraphedAdamW(model.parameters(), lr=1e-5, warmup_steps=1)  # captured in the 2nd warm-up step
+    elif name == "hasten_graphed_step":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=True)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     losses = []
 
-    step = common.training_step(model, inputs, optimizer, losses)
+    if name == "hasten_graphed_step":
+        step = graphed_training_step(model, inputs[0], optimizer, losses, extra_notes)
+    else:
+        step = common.training_step(model, inputs, optimizer, losses)
 
     # Isolation first, on the untrained seed-0 weights that the references were computed with.
     err = 0.0 if name == "hf_padded" else isolation_error(model, lambda: model(**inputs[0]), samples, isolation.refs)
@@ -409,10 +419,51 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
            "notes": f"isolation rel err {err:.2e} (against {isolation.basis}, tolerance {isolation.tolerance:.2e}); first loss {float(losses[0]):.4f}; "
                     f"steps {[round(t, 4) for t in times]}; "
                     f"fallbacks {fallback_counts()}" + "".join(f"; {n}" for n in extra_notes)}
-    if name == "hasten_compiled" or isinstance(optimizer, GraphedAdamW):
+    if name in ("hasten_compiled", "hasten_graphed_step") or isinstance(optimizer, GraphedAdamW):
         print(f"{name}: {'; '.join(extra_notes)}", flush=True)
     del model, optimizer, inputs, packed
     return row
+
+
+def graphed_training_step(model, batch: dict, optimizer, losses: list, notes: list):
+    """A step whose first call runs 3 eager steps on a side stream (cuDNN's graphs built, AdamW's
+    state made, every allocation seen), then captures forward, loss, backward and the optimizer step
+    in one CUDA graph, then replays it; later calls replay. The gradients are None when the capture
+    starts, so backward allocates them in the graph's pool and each replay writes them afresh (no
+    zero_grad). Every optimizer step, eager or replayed, appends its loss once, so the losses line
+    up with `common.training_step`'s step by step. Possible because hasten's packed step syncs
+    nothing; the batch's tensors are the graph's static inputs (the same batch every step here)."""
+    state: dict = {}
+
+    def eager() -> torch.Tensor:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def capture() -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                losses.append(eager())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+        state.update(graph=graph, loss=loss.detach())
+        notes.append("whole step in one CUDA graph after 3 eager steps")
+
+    def step() -> None:
+        if "graph" not in state:
+            capture()
+        state["graph"].replay()
+        losses.append(state["loss"].clone())
+
+    return step
 
 
 def workload() -> str:
@@ -455,7 +506,8 @@ def main() -> int:
         rows.append(row)
         done = {r["variant"]: r for r in rows if r["step_s"] is not None}
         # compiled layers and the graphed optimizer must train as hasten does: the same losses, step by step
-        if name in ("hasten_compiled", "hasten_graphed_optimizer") and name in done and "hasten" in done:
+        if name in ("hasten_compiled", "hasten_graphed_optimizer", "hasten_graphed_step") and name in done \
+                and "hasten" in done:
             mine, want = row["losses"], done["hasten"]["losses"]
             worst = max(abs(a - b) for a, b in zip(mine, want))
             row["correct"] = row["correct"] and worst <= LOSS_TOLERANCE
@@ -475,7 +527,7 @@ def main() -> int:
             if ref in base:
                 print(f"hasten vs {ref}: {base['hasten']['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
                       f"peak {base['hasten']['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")
-        for mine in ("hasten_compiled", "hasten_graphed_optimizer"):
+        for mine in ("hasten_compiled", "hasten_graphed_optimizer", "hasten_graphed_step"):
             if mine in base:
                 print(f"{mine} vs hasten: {base[mine]['tokens_per_s'] / base['hasten']['tokens_per_s']:.3f}x tokens/s, "
                       f"peak {base[mine]['peak_gib']:.1f} vs {base['hasten']['peak_gib']:.1f} GiB")
