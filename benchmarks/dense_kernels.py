@@ -129,19 +129,8 @@ def norm_rope_rows(heads: int, kv_heads: int, head_dim: int) -> list[dict]:
             grad_y = torch.ops.hasten.rope(g, cos, sin, True, False).transpose(1, 2)
             return torch.ops.hasten.rms_norm_backward(grad_y, projection, w, rstd_rows, 0.0, True)
 
-        os.environ["HASTEN_NORM_ROPE_ROWS"] = "2"  # two rows a lane a trip (the default is one)
-        try:
-            two_fwd = common.time_us(lambda: torch.ops.hasten.rms_norm_rope(x, w, cos, sin, 1e-6, 0.0, False))
-            two_bwd = common.time_us(
-                lambda: torch.ops.hasten.rms_norm_rope_backward(g, x, w, rstd, cos, sin, 0.0, False, True))
-        finally:
-            os.environ.pop("HASTEN_NORM_ROPE_ROWS", None)
         rows += [{"kernel": f"norm+rope {name} ({n} heads) forward", "us": fused_fwd, "min_bytes": 2 * size},
                  {"kernel": f"norm+rope {name} ({n} heads) backward", "us": fused_bwd, "min_bytes": 3 * size},
-                 {"kernel": f"norm+rope {name} ({n} heads) forward, two rows a lane", "us": two_fwd,
-                  "min_bytes": 2 * size},
-                 {"kernel": f"norm+rope {name} ({n} heads) backward, two rows a lane", "us": two_bwd,
-                  "min_bytes": 3 * size},
                  {"kernel": f"norm, rope {name} ({n} heads) forward, separate", "us": common.time_us(separate_forward),
                   "min_bytes": 2 * size},
                  {"kernel": f"norm, rope {name} ({n} heads) backward, separate",

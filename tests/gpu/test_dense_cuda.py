@@ -277,15 +277,12 @@ def _norm_rope_run(fn, x, weight, upstream, weight_grad):
 @pytest.mark.parametrize("batch,heads,length,dim,rotary", [(1, 16, 4099, 128, 128), (1, 1, 1, 128, 128),
                                                            (2, 8, 77, 64, 64), (1, 4, 333, 256, 64),
                                                            (3, 2, 50, 96, 96), (1, 8, 8750, 64, 32)])
-@pytest.mark.parametrize("rows_per_lane", ["1", "2"])  # HASTEN_NORM_ROPE_ROWS: the default 1, and 2
-def test_rms_norm_rope_cuda_equals_the_two_ops_and_the_cpu(monkeypatch, rows_per_lane, dtype, interleaved, weight_grad,
+def test_rms_norm_rope_cuda_equals_the_two_ops_and_the_cpu(dtype, interleaved, weight_grad,
                                                            batch, heads, length, dim, rotary):
     """The fused kernel against hasten::rms_norm then hasten::rope on the GPU (the same sums and
     roundings: the output bit for bit; d x and d weight within float32 summation order) and against
     the CPU reference (float tolerance)."""
     from hasten.ops.dense import rms_norm_rope, rms_norm_rope_covers
-
-    monkeypatch.setenv("HASTEN_NORM_ROPE_ROWS", rows_per_lane)
 
     x, weight, cos, sin, upstream = _norm_rope_case(batch, heads, length, dim, rotary, dtype, interleaved)
     if not rms_norm_rope_covers(x.cuda(), rotary, interleaved):
