@@ -291,3 +291,68 @@ def _graphed_callables_moe_block_accumulates_gradients_like_eager():
     assert max(diffs) <= 1e-3
     with torch.no_grad():
         assert _rel(outs[1], ref(data[1])) <= 1e-3
+
+
+# --- the whole packed dense step captured (W1's hasten_graphed_step at a tiny size) -----------------
+
+def test_the_whole_packed_step_in_one_graph_follows_the_eager_step():
+    """benchmarks/packed_sft.py's `graphed_training_step` on a tiny Qwen3 with hasten's default
+    settings (cuDNN varlen attention, the fused kernels and loss): forward, loss, backward and a
+    capturable fused AdamW captured in one CUDA graph and replayed follow the same model trained
+    eagerly, loss by loss (bf16 noise; cuDNN's backward sums dQ in a float32 workspace in any
+    order) and parameter by parameter after 7 steps; a replay syncs nothing, nothing falls back."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import hasten
+    from hasten.observability import reset_fallbacks
+    from hasten.packing import move_batch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import common
+    from packed_sft import graphed_training_step
+
+    config = Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    eager_model = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16)
+    graphed_model = copy.deepcopy(eager_model)
+    generator = torch.Generator().manual_seed(1)
+    lengths = [1, 37, 5, 200, 64, 1, 129]  # one-token samples and a long one, off block multiples
+    samples = [{"input_ids": torch.randint(0, 1000, (n,), generator=generator).tolist()} for n in lengths]
+    batch = move_batch(hasten.PackingCollator(max_tokens=sum(lengths))(samples), "cuda")
+    reset_fallbacks()
+    handles = [hasten.accelerate(m) for m in (eager_model, graphed_model)]
+    try:
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True)
+                      for m in (eager_model, graphed_model)]
+        eager_losses, graphed_losses, notes = [], [], []
+        eager_step = common.training_step(eager_model, [batch], optimizers[0], eager_losses)
+        graphed_step = graphed_training_step(graphed_model, batch, optimizers[1], graphed_losses, notes)
+        graphed_step()  # 3 eager steps, the capture, one replay: 4 optimizer steps
+        assert len(graphed_losses) == 4 and notes
+        for _ in range(4):
+            eager_step()
+        for _ in range(2):
+            graphed_step()
+            eager_step()
+        with count_host_syncs() as syncs:
+            graphed_step()
+        eager_step()
+        torch.cuda.synchronize()
+        assert syncs.count == 0
+        assert fallback_counts() == {}, fallback_counts()
+        want = [float(v) for v in eager_losses]
+        got = [float(v) for v in graphed_losses]
+        print(f"\neager losses   {[round(v, 5) for v in want]}\ngraphed losses {[round(v, 5) for v in got]}")
+        assert len(got) == len(want) == 7 and got[0] > got[-1]  # it trains
+        for step, (a, b) in enumerate(zip(want, got), start=1):
+            assert b == pytest.approx(a, rel=2e-2, abs=2e-2), f"step {step}: eager {a} graphed {b}"
+        for (name, a), b in zip(eager_model.named_parameters(), graphed_model.parameters()):
+            assert _rel(b.float(), a.float()) <= 2e-2, name
+    finally:
+        for handle in reversed(handles):
+            handle.undo()
