@@ -279,3 +279,130 @@ def row_experts_one_hot(group_ends: torch.Tensor, rows: int, dtype: torch.dtype)
     experts = group_ends.shape[0]
     ids.clamp_(max=experts - 1)
     return (ids[:, None] == torch.arange(experts, device=ids.device, dtype=ids.dtype)).to(dtype)
+
+
+# ---- float32 router logits from bfloat16 tensor-core products ------------------------------------
+# DeepSeek-V2/V3's, GLM-4.5's and two dozen more routers compute their logits in float32:
+#   router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+# cuBLAS runs that on FFMA and the casts copy the tokens' hidden states to float32 and back in the
+# backward (W3's DeepSeek-V2-Lite block: 0.34 ms of FFMA GEMMs and 0.19 of copies of 13.5 on an H100).
+# With x in bfloat16 the same numbers come from tensor cores: a float32 W is the exact sum of three
+# bfloat16 parts (each the rounding of what the earlier left: 8 + 8 + 8 of float32's 24 significant
+# bits), each product x_i * part_i is exact in float32, and the GEMM sums in float32. The result
+# differs from the FFMA GEMM's only in the order of its float32 sums. Backward (g = d logits, float32):
+#   d x = g @ W rounded to x's dtype (the cast's backward): g and W split in three parts each, the
+#         six products of parts whose ranks add to at most 2 (the rest are below 2^-24 of the sum),
+#         one bfloat16 GEMM over the concatenated parts (K = 6E), float32 sums, one rounding
+#   d W = g^T @ x in float32 (x exact in bfloat16): g's three parts stacked, one GEMM, float32 out
+# `mm` below is the float32-output GEMM of bfloat16 operands: torch.mm(a, b, out_dtype=float32) on
+# CUDA; the CPU tests pass a.float() @ b.float(), the same exact products.
+
+def bfloat16_parts(t: torch.Tensor, parts: int = 3) -> list[torch.Tensor]:
+    """`parts` bfloat16 tensors whose float32 sum is t (float32: exact with three); a bfloat16 t is
+    its own one part."""
+    if t.dtype == torch.bfloat16:
+        return [t]
+    rest = t.float()
+    out = []
+    for i in range(parts):
+        part = rest.to(torch.bfloat16)
+        out.append(part)
+        if i + 1 < parts:
+            rest = rest - part.float()  # exact: what the rounding left
+    return out
+
+
+def router_logits_forward(x: torch.Tensor, weight: torch.Tensor, mm) -> torch.Tensor:
+    """x (T, H) bfloat16, weight (E, H) float32 or bfloat16 -> (T, E) float32 x @ weight^T."""
+    parts = bfloat16_parts(weight)
+    experts = weight.shape[0]
+    out = mm(x, torch.cat(parts, 0).t())  # (T, P E): x @ part_p^T side by side
+    logits = out[:, :experts]
+    for p in range(1, len(parts)):
+        logits = logits + out[:, p * experts:(p + 1) * experts]
+    return logits.contiguous()
+
+
+def router_logits_grad_x(grad: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype, mm_low) -> torch.Tensor:
+    """(T, H) in x's dtype: grad (T, E) float32 @ weight (E, H), float32 sums, one rounding. `mm_low`
+    is the bfloat16 GEMM with float32 accumulation and a bfloat16 output (torch.mm on CUDA)."""
+    g = bfloat16_parts(grad)
+    w = bfloat16_parts(weight)
+    pairs = [(i, j) for i in range(len(g)) for j in range(len(w)) if i + j <= 2]
+    a = torch.cat([g[i] for i, _ in pairs], 1)  # (T, n E)
+    b = torch.cat([w[j] for _, j in pairs], 0)  # (n E, H)
+    return mm_low(a, b).to(x_dtype)
+
+
+def router_logits_grad_weight(grad: torch.Tensor, x: torch.Tensor, weight_dtype: torch.dtype, mm) -> torch.Tensor:
+    """(E, H) in the weight's dtype: grad^T (E, T) @ x (T, H), float32 sums."""
+    g = bfloat16_parts(grad)
+    experts = grad.shape[1]
+    out = mm(torch.cat([part.t() for part in g], 0), x)  # (P E, H)
+    total = out[:experts]
+    for p in range(1, len(g)):
+        total = total + out[p * experts:(p + 1) * experts]
+    return total.to(weight_dtype)
+
+
+def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+@torch.library.custom_op("hasten_py::router_logits", mutates_args=())
+def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return router_logits_forward(x, weight, _mm_float32_out)
+
+
+@_router_logits.register_fake
+def _router_logits_fake(x, weight):
+    torch._check(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1],
+                 lambda: f"router_logits: x (T, H) and weight (E, H), got {tuple(x.shape)} and {tuple(weight.shape)}")
+    torch._check(x.dtype == torch.bfloat16, lambda: f"router_logits: x in bfloat16, got {x.dtype}")
+    torch._check(weight.dtype in (torch.float32, torch.bfloat16),
+                 lambda: f"router_logits: weight in float32 or bfloat16, got {weight.dtype}")
+    torch._check(x.device == weight.device, lambda: "router_logits: x and weight on one device")
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def _router_logits_setup(ctx, inputs, output):
+    x, weight = inputs
+    # x's gradient needs the weight; the weight's needs x
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+    ctx.dtypes = (x.dtype, weight.dtype)
+
+
+def _router_logits_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad = grad.float().contiguous()
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_x = router_logits_grad_x(grad, weight, ctx.dtypes[0], torch.mm)
+    if ctx.needs_input_grad[1]:
+        grad_weight = router_logits_grad_weight(grad, x, ctx.dtypes[1], _mm_float32_out)
+    return grad_x, grad_weight
+
+
+_router_logits.register_autograd(_router_logits_backward, setup_context=_router_logits_setup)
+
+
+def router_logits_applies(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """None where router_logits computes F.linear(x.float(), weight.float()) on tensor cores; else why not."""
+    if x.device.type != "cuda" or weight.device != x.device:
+        return "router logits on tensor cores need x and the router weight on one CUDA device"
+    if x.dtype != torch.bfloat16:
+        return f"router logits on tensor cores need bfloat16 hidden states, got {x.dtype}"
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
+        return f"a router weight of {weight.dtype} with {weight.dim()} dims (float32 or bfloat16 (E, H) is taken)"
+    if x.shape[-1] != weight.shape[1] or x.shape[-1] % 8 or weight.shape[0] % 8:
+        return (f"hidden size {x.shape[-1]} against the weight's {weight.shape[1]}, or sizes that are not multiples "
+                "of 8")
+    return None
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (..., H) bfloat16 on CUDA, weight (E, H) float32 or bfloat16 -> (..., E) float32, the
+    values of F.linear(x.float(), weight.float()) up to the order of the float32 sums (see above);
+    callers check router_logits_applies first."""
+    logits = _router_logits(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+    return logits.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,108 @@
+"""Float32 router logits on tensor cores (hasten.moe.router, hasten.ops.moe.router_logits*), CPU.
+
+The arithmetic: a float32 weight is the exact sum of its three bfloat16 parts; the logits, the
+input's gradient and the weight's from the parts equal the float64 products within float32 sums
+(the GEMMs emulated here by float64 products of the same bfloat16 operands, as tensor cores form
+them exactly). The rewrite: the routers written as `F.linear(x.type(torch.float32),
+self.weight.type(torch.float32))` get it (DeepSeek-V2/V3, GLM-4.5, dots.llm1), others keep their
+forward, undo restores it; on the CPU the statement runs as written, said once, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hasten
+from hasten.config import Config
+from hasten.moe.router import FALLBACK, install_float32_router_logits
+from hasten.observability import fallback_counts, reset_fallbacks
+from hasten.ops.moe import (bfloat16_parts, router_logits_applies, router_logits_forward, router_logits_grad_weight,
+                            router_logits_grad_x)
+from tests import model_zoo as zoo
+
+
+def _mm_float32(a, b):  # the GEMM of bfloat16 operands with float32 output, its products exact
+    return (a.double() @ b.double()).float()
+
+
+def _mm_bfloat16(a, b):
+    return (a.double() @ b.double()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.02, 3e-30])
+def test_a_float32_tensor_is_the_exact_sum_of_its_three_bfloat16_parts(scale):
+    t = torch.randn(64, 300, generator=torch.Generator().manual_seed(0)) * scale
+    parts = bfloat16_parts(t)
+    assert len(parts) == 3 and all(p.dtype == torch.bfloat16 for p in parts)
+    assert torch.equal(sum(p.double() for p in parts), t.double())
+    bf16 = t.to(torch.bfloat16)
+    assert bfloat16_parts(bf16) == [bf16]
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 333])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_the_logits_and_both_gradients_from_the_parts_equal_the_float32_linear(tokens, weight_dtype):
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, experts = 264, 24
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(experts, hidden, generator=gen) * 0.02).to(weight_dtype)
+    grad = torch.randn(tokens, experts, generator=gen) * 1e-3
+
+    logits = router_logits_forward(x, weight, _mm_float32)
+    want = x.double() @ weight.double().t()
+    assert logits.dtype == torch.float32 and logits.shape == (tokens, experts)
+    assert (logits.double() - want).abs().max() <= 4e-7 * want.abs().max()
+
+    grad_x = router_logits_grad_x(grad, weight, torch.bfloat16, _mm_bfloat16)
+    want_x = grad.double() @ weight.double()
+    assert grad_x.dtype == torch.bfloat16
+    # one rounding to bfloat16 of a value within float32 sums of the exact one: at most an ulp apart
+    ulp = want_x.abs().to(torch.bfloat16).double() * 2.0 ** -7
+    assert ((grad_x.double() - want_x).abs() <= ulp + 1e-30).all()
+    assert (grad_x != want_x.to(torch.bfloat16)).float().mean() < 1e-3
+
+    grad_w = router_logits_grad_weight(grad, x, weight_dtype, _mm_float32)
+    want_w = grad.double().t() @ x.double()
+    assert grad_w.dtype == weight_dtype
+    tolerance = 4e-7 if weight_dtype == torch.float32 else 2.0 ** -8
+    assert (grad_w.double() - want_w).abs().max() <= tolerance * want_w.abs().max()
+
+
+def test_on_the_cpu_or_in_float32_the_op_does_not_apply():
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    assert "CUDA" in router_logits_applies(x, torch.randn(8, 16))
+
+
+ROUTED = ["deepseek_v2", "deepseek_v3", "glm4_moe", "dots1"]
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_the_routers_that_write_float32_logits_get_the_rewrite_and_the_cpu_runs_them_as_written(name):
+    model = zoo.build(zoo.ENTRIES[name])
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+    assert routers, name
+    batch = zoo.packed_batch(zoo.samples())
+    want = model(**batch).loss
+    reset_fallbacks()
+    handle = hasten.accelerate(model, Config.from_dict({"kernels": {"router_logits": True}}))
+    try:
+        assert any(item.startswith("float32 router logits on tensor cores x") for item in handle.active), handle.active
+        assert all("forward" in m.__dict__ for m in routers)
+        got = model(**batch).loss
+        assert FALLBACK in fallback_counts()  # the CPU runs the statement as written, and says so
+    finally:
+        handle.undo()
+    assert all("forward" not in m.__dict__ for m in routers)
+    hasten_default = hasten.accelerate(model)  # without the switch: the same loss, bit for bit
+    try:
+        assert torch.equal(got, model(**batch).loss)
+    finally:
+        hasten_default.undo()
+    assert torch.isfinite(want)
+
+
+def test_a_router_written_otherwise_keeps_its_forward():
+    model = zoo.build(zoo.ENTRIES["qwen3_moe"])
+    undo, count, refused = install_float32_router_logits(model)
+    undo()
+    assert count == 0 and refused == []
