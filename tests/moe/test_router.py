@@ -106,3 +106,87 @@ def test_a_router_written_otherwise_keeps_its_forward():
     undo, count, refused = install_float32_router_logits(model)
     undo()
     assert count == 0 and refused == []
+
+
+@pytest.fixture
+def emulated_gemm(monkeypatch):
+    """The op's float32-output GEMM of bfloat16 operands (torch.mm with out_dtype, CUDA only) as
+    float64 products rounded to float32, and the applicability check passed, so the CPU runs the
+    op's own autograd wiring (setup_context, backward) instead of the statement as written."""
+    import hasten.ops.moe as moe_ops
+
+    monkeypatch.setattr(moe_ops, "_mm_float32_out", _mm_float32)
+    monkeypatch.setattr("hasten.moe.router.router_logits_applies", lambda x, weight: None)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_autograd_gives_both_gradients_of_the_float32_linear(emulated_gemm, weight_dtype):
+    from hasten.ops.moe import router_logits
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 19, 64, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(16, 64, generator=gen) * 0.02).to(weight_dtype)
+    grad = torch.randn(2, 19, 16, generator=gen)
+
+    def run(fn):
+        xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fn(xr, wr)
+        out.backward(grad)
+        return out.detach(), xr.grad, wr.grad
+
+    got = run(router_logits)
+    want = [t.double() for t in run(lambda a, w: torch.nn.functional.linear(a.double(), w.double()))]
+    assert got[0].shape == (2, 19, 16) and got[0].dtype == torch.float32
+    assert torch.allclose(got[0].double(), want[0], rtol=0, atol=1e-6 * want[0].abs().max().item())
+    assert got[1].dtype == torch.bfloat16 and torch.allclose(got[1].double(), want[1], rtol=2.0 ** -7, atol=1e-30)
+    assert got[2].dtype == weight_dtype
+    tolerance = 1e-6 if weight_dtype == torch.float32 else 2.0 ** -7
+    assert torch.allclose(got[2].double(), want[2], rtol=0, atol=tolerance * want[2].abs().max().item())
+    # only what is asked for: a frozen router weight gets no gradient, a detached input none
+    xr, wr = x.clone().requires_grad_(), weight.clone()
+    router_logits(xr, wr).backward(grad)
+    assert xr.grad is not None and wr.grad is None
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_a_bf16_model_with_the_ops_router_trains_as_with_the_statement(emulated_gemm, name):
+    """The routers on the op (float32 router weight as from_pretrained keeps it): loss and every
+    gradient of a bf16 packed batch equal the same model's with the statement as written, within
+    float32 sums (the routing the same: the zoo's routers have top-k margins)."""
+    model = zoo.cast_as_loaded(zoo.build(zoo.ENTRIES[name]), torch.bfloat16)
+    assert any(p.dtype == torch.float32 for n, p in model.named_parameters() if n.endswith("gate.weight"))
+    batch = zoo.packed_batch(zoo.samples())
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = hasten.accelerate(model)
+    try:
+        want_loss, want = loss_and_grads()
+    finally:
+        plain.undo()
+    reset_fallbacks()
+    handle = hasten.accelerate(model, Config.from_dict({"kernels": {"router_logits": True}}))
+    try:
+        got_loss, got = loss_and_grads()
+        assert FALLBACK not in fallback_counts()
+    finally:
+        handle.undo()
+    assert abs(got_loss - want_loss) <= 1e-3 * abs(want_loss)
+    assert got.keys() == want.keys()
+    for key in want:
+        error = (got[key] - want[key]).norm() / want[key].norm().clamp_min(1e-30)
+        assert error <= 2e-2, (key, error.item())
+
+
+def test_the_op_passes_opcheck_with_and_without_gradients(emulated_gemm):
+    from hasten.ops.moe import _router_logits
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(13, 32, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(8, 32, generator=gen) * 0.02
+    torch.library.opcheck(_router_logits, (x.requires_grad_(), weight.requires_grad_()))
+    torch.library.opcheck(_router_logits, (x.detach(), weight.detach()))
