@@ -34,15 +34,13 @@ from __future__ import annotations
 
 import ast
 import inspect
-import types
 
 import torch
 from torch import nn
 
 from hasten.dense.patch import KERNEL_ANGLES_ATTRIBUTE
 from hasten.dense.residual import _patched_rms
-from hasten.dense.rewrite import name_of, rewritten_forward, self_call, single_target
-from hasten.instance_forward import replace_forward, restore_forward, without_hooked
+from hasten.dense.rewrite import install_rewritten_forwards, name_of, rewritten_forward, self_call, single_target
 from hasten.observability import record_fallback
 from hasten.ops.dense import rms_norm_rope, rms_norm_rope_covers
 
@@ -180,29 +178,17 @@ def install_fused_qk_norm_rope(model: nn.Module, fused_norms: set[int]):
     """Give each module of `model` whose forward applies two of its own patched norms (ids in
     `fused_norms`) to q and k right before `apply_rotary_pos_emb` its class's forward rewritten on
     them. Returns (undo, number of modules, reasons classes with such a rotary call were left alone)."""
-    rewritten: dict[tuple, tuple] = {}
     # modules whose forward calls the rotary function and holds two norms hasten patched
     candidates = [m for m in model.modules() if _calls_rotary(type(m))
                   and sum(id(child) in fused_norms for child in m.children()) >= 2]
-    candidates, hooked = without_hooked(candidates)
-    reasons: set[str] = set(hooked)
-    patched = []
-    for module in candidates:
-        norms = frozenset(name for name, child in module.named_children() if id(child) in fused_norms)
-        key = (type(module), norms)
-        if key not in rewritten:
-            rewritten[key] = rewritten_forward(type(module), lambda body, n=norms, c=type(module).__name__:
-                                               _rewrite(body, n, c), {_HELPER: norm_rope})
-        forward, _norm_names, why = rewritten[key]
-        if forward is None:
-            if why is not None:
-                reasons.add(why)
-            continue
-        replace_forward(module, types.MethodType(forward, module))
-        patched.append(module)
 
-    def undo() -> None:
-        for module in patched:
-            restore_forward(module)
+    def norms_of(module: nn.Module) -> frozenset[str]:
+        return frozenset(name for name, child in module.named_children() if id(child) in fused_norms)
 
-    return undo, len(patched), sorted(reasons)
+    def build(module: nn.Module):
+        norms = norms_of(module)
+        return rewritten_forward(type(module), lambda body, n=norms, c=type(module).__name__: _rewrite(body, n, c),
+                                 {_HELPER: norm_rope})
+
+    undo, patched, reasons = install_rewritten_forwards(candidates, lambda m: (type(m), norms_of(m)), build)
+    return undo, len(patched), reasons

@@ -45,10 +45,10 @@ import torch
 from torch import nn
 
 from hasten.dense.rewrite import name_of as _name
-from hasten.dense.rewrite import rewritten_forward, self_call
+from hasten.dense.rewrite import install_rewritten_forwards, rewritten_forward, self_call
 from hasten.dense.rewrite import single_target as _single_target
 from hasten.dense.spec import NormSpec
-from hasten.instance_forward import has_call_hooks, replace_forward, restore_forward, without_hooked
+from hasten.instance_forward import has_call_hooks
 from hasten.ops.dense import add_rms_norm, rms_norm_passing_input
 
 # The names the rewritten forward calls <add_norm> and <norm_passing> by (closure variables: the
@@ -205,26 +205,13 @@ def install_fused_residual(layers: list[nn.Module], fused_norms: set[int], passi
     children that are `fused_norms` (ids of the norms hasten patched), the input norms' pairs too
     where `passing`. Returns (undo, number of layers, how many of them pass an input norm's input
     through, reasons classes were left alone)."""
-    rewritten: dict[tuple, tuple] = {}
-    layers, hooked = without_hooked(layers)
-    reasons: set[str] = set(hooked)
-    patched, passing_layers = [], 0
-    for layer in layers:
+    def norms_of(layer: nn.Module) -> frozenset[str]:
         # the layer's own norms hasten patched, by attribute name (one rewrite per class and set)
-        candidates = frozenset(name for name, child in layer.named_children() if id(child) in fused_norms)
-        key = (type(layer), candidates)
-        if key not in rewritten:
-            rewritten[key] = fused_forward(type(layer), candidates, passing)
-        forward, _norms, passed, why = rewritten[key]
-        if forward is None:
-            reasons.add(why)
-            continue
-        replace_forward(layer, types.MethodType(forward, layer))
-        patched.append(layer)
-        passing_layers += bool(passed)
+        return frozenset(name for name, child in layer.named_children() if id(child) in fused_norms)
 
-    def undo() -> None:
-        for layer in patched:
-            restore_forward(layer)
+    def build(layer: nn.Module):
+        forward, _norms, passed, why = fused_forward(type(layer), norms_of(layer), passing)
+        return forward, passed, why
 
-    return undo, len(patched), passing_layers, sorted(reasons)
+    undo, passed, reasons = install_rewritten_forwards(layers, lambda m: (type(m), norms_of(m)), build)
+    return undo, len(passed), sum(bool(p) for p in passed), reasons

@@ -16,6 +16,10 @@ import textwrap
 import types
 from typing import Callable
 
+from torch import nn
+
+from hasten.instance_forward import replace_forward, restore_forward, without_hooked
+
 
 def rewritten_forward(cls: type, transform: Callable[[list[ast.stmt]], tuple[list[ast.stmt], object]],
                       helpers: dict[str, object]) -> tuple[types.FunctionType | None, object, str | None]:
@@ -47,6 +51,36 @@ def rewritten_forward(cls: type, transform: Callable[[list[ast.stmt]], tuple[lis
     # the namespace the forward was written in (an inherited forward: its parent's module)
     exec(compile(module, filename, "exec"), inspect.unwrap(function).__globals__, namespace)  # noqa: S102
     return namespace["_hasten_factory"](*helpers.values()), report, None
+
+
+def install_rewritten_forwards(modules: list[nn.Module], key_of: Callable[[nn.Module], object],
+                               build: Callable[[nn.Module], tuple]) -> tuple[Callable[[], None], list, list[str]]:
+    """Give each of `modules` that accelerate's hooks do not wrap the forward `build(module)` returns
+    for its key (one build per `key_of(module)`: (forward or None, report, why not), forward a
+    function of self). Returns (undo, the reports of the modules given one, the sorted reasons
+    modules were left alone)."""
+    built: dict = {}
+    modules, hooked = without_hooked(modules)
+    reasons: set[str] = set(hooked)
+    patched, reports = [], []
+    for module in modules:
+        key = key_of(module)
+        if key not in built:
+            built[key] = build(module)
+        forward, report, why = built[key]
+        if forward is None:
+            if why is not None:
+                reasons.add(why)
+            continue
+        replace_forward(module, types.MethodType(forward, module))
+        patched.append(module)
+        reports.append(report)
+
+    def undo() -> None:
+        for module in patched:
+            restore_forward(module)
+
+    return undo, reports, sorted(reasons)
 
 
 def name_of(node: ast.AST) -> str | None:

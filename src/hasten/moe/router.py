@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import ast
 import inspect
-import types
 
 import torch
 from torch import nn
 
-from hasten.dense.rewrite import name_of, rewritten_forward, single_target
-from hasten.instance_forward import replace_forward, restore_forward, without_hooked
+from hasten.dense.rewrite import install_rewritten_forwards, name_of, rewritten_forward, single_target
 from hasten.observability import record_fallback
 from hasten.ops.moe import router_logits, router_logits_applies
 
@@ -98,26 +96,8 @@ def install_float32_router_logits(model: nn.Module):
     """Give each module of `model` whose class's forward computes its router logits as the module
     docstring shows, and that holds a 2-D `weight`, its class's forward rewritten on that statement.
     Returns (undo, number of modules, reasons modules were left alone)."""
-    rewritten: dict[type, tuple] = {}
     candidates = [m for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                   and m.weight.dim() == 2 and _may_have_the_statement(type(m))]
-    candidates, reasons = without_hooked(candidates)
-    reasons = set(reasons)
-    patched = []
-    for module in candidates:
-        cls = type(module)
-        if cls not in rewritten:
-            rewritten[cls] = rewritten_forward(cls, _rewrite, {_HELPER: float32_router_logits})
-        forward, _count, why = rewritten[cls]
-        if forward is None:
-            if why is not None:
-                reasons.add(why)
-            continue
-        replace_forward(module, types.MethodType(forward, module))
-        patched.append(module)
-
-    def undo() -> None:
-        for module in patched:
-            restore_forward(module)
-
-    return undo, len(patched), sorted(reasons)
+    undo, patched, reasons = install_rewritten_forwards(
+        candidates, type, lambda m: rewritten_forward(type(m), _rewrite, {_HELPER: float32_router_logits}))
+    return undo, len(patched), reasons
