@@ -10,6 +10,7 @@ from hasten.config import Config
 from hasten.integrations.transformers import registered
 from hasten.observability import count_host_syncs, fallback_counts
 from hasten.ops import moe as moe_ops
+from tests.moe.test_router import outputs_and_gradients
 from tests.ops.test_moe_ops import check_grouping
 from tests.reference import grouped_mm_reference
 
@@ -338,10 +339,7 @@ def test_router_logits_cuda_equal_the_float32_linear(tokens, hidden, experts, we
     assert router_logits_applies(x, weight) is None
 
     def run(fn):
-        xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fn(xr, wr)
-        out.backward(grad)
-        return out.detach(), xr.grad, wr.grad
+        return outputs_and_gradients(fn, x, weight, grad)
 
     got = run(router_logits)
     want = run(lambda a, w: torch.nn.functional.linear(a.type(torch.float32), w.type(torch.float32)))

@@ -25,8 +25,12 @@ def _mm_float32(a, b):  # the GEMM of bfloat16 operands with float32 output, its
     return (a.double() @ b.double()).float()
 
 
-def _mm_bfloat16(a, b):
-    return (a.double() @ b.double()).to(torch.bfloat16)
+def outputs_and_gradients(fn, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor):
+    """(fn(x, weight), d x, d weight) for the upstream gradient `grad`, on fresh leaves."""
+    xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fn(xr, wr)
+    out.backward(grad)
+    return out.detach(), xr.grad, wr.grad
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.02, 3e-30])
@@ -53,7 +57,7 @@ def test_the_logits_and_both_gradients_from_the_parts_equal_the_float32_linear(t
     assert logits.dtype == torch.float32 and logits.shape == (tokens, experts)
     assert (logits.double() - want).abs().max() <= 4e-7 * want.abs().max()
 
-    grad_x = router_logits_grad_x(grad, weight, torch.bfloat16, _mm_bfloat16)
+    grad_x = router_logits_grad_x(grad, weight, torch.bfloat16, _mm_float32)
     want_x = grad.double() @ weight.double()
     assert grad_x.dtype == torch.bfloat16
     # one rounding to bfloat16 of a value within float32 sums of the exact one: at most an ulp apart
@@ -82,7 +86,6 @@ def test_the_routers_that_write_float32_logits_get_the_rewrite_and_the_cpu_runs_
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
     assert routers, name
     batch = zoo.packed_batch(zoo.samples())
-    want = model(**batch).loss
     reset_fallbacks()
     handle = hasten.accelerate(model, Config.from_dict({"kernels": {"router_logits": True}}))
     try:
@@ -98,7 +101,6 @@ def test_the_routers_that_write_float32_logits_get_the_rewrite_and_the_cpu_runs_
         assert torch.equal(got, model(**batch).loss)
     finally:
         hasten_default.undo()
-    assert torch.isfinite(want)
 
 
 def test_a_router_written_otherwise_keeps_its_forward():
@@ -128,14 +130,9 @@ def test_the_ops_autograd_gives_both_gradients_of_the_float32_linear(emulated_ge
     weight = (torch.randn(16, 64, generator=gen) * 0.02).to(weight_dtype)
     grad = torch.randn(2, 19, 16, generator=gen)
 
-    def run(fn):
-        xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fn(xr, wr)
-        out.backward(grad)
-        return out.detach(), xr.grad, wr.grad
-
-    got = run(router_logits)
-    want = [t.double() for t in run(lambda a, w: torch.nn.functional.linear(a.double(), w.double()))]
+    got = outputs_and_gradients(router_logits, x, weight, grad)
+    want = [t.double() for t in outputs_and_gradients(lambda a, w: torch.nn.functional.linear(a.double(), w.double()),
+                                                      x, weight, grad)]
     assert got[0].shape == (2, 19, 16) and got[0].dtype == torch.float32
     assert torch.allclose(got[0].double(), want[0], rtol=0, atol=1e-6 * want[0].abs().max().item())
     assert got[1].dtype == torch.bfloat16 and torch.allclose(got[1].double(), want[1], rtol=2.0 ** -7, atol=1e-30)

@@ -292,7 +292,7 @@ def row_experts_one_hot(group_ends: torch.Tensor, rows: int, dtype: torch.dtype)
 # differs from the FFMA GEMM's only in the order of its float32 sums. Backward (g = d logits, float32):
 #   d x = g @ W rounded to x's dtype (the cast's backward): g and W split in three parts each, the
 #         six products of parts whose ranks add to at most 2 (the rest are below 2^-24 of the sum),
-#         one bfloat16 GEMM over the concatenated parts (K = 6E), float32 sums, one rounding
+#         one GEMM over the concatenated parts (K = 6E), float32 sums and output, one rounding
 #   d W = g^T @ x in float32 (x exact in bfloat16): g's three parts stacked, one GEMM, float32 out
 # `mm` below is the float32-output GEMM of bfloat16 operands: torch.mm(a, b, out_dtype=float32) on
 # CUDA; the CPU tests pass a.float() @ b.float(), the same exact products.
@@ -315,34 +315,36 @@ def bfloat16_parts(t: torch.Tensor, parts: int = 3) -> list[torch.Tensor]:
 def router_logits_forward(x: torch.Tensor, weight: torch.Tensor, mm) -> torch.Tensor:
     """x (T, H) bfloat16, weight (E, H) float32 or bfloat16 -> (T, E) float32 x @ weight^T."""
     parts = bfloat16_parts(weight)
-    experts = weight.shape[0]
     out = mm(x, torch.cat(parts, 0).t())  # (T, P E): x @ part_p^T side by side
-    logits = out[:, :experts]
-    for p in range(1, len(parts)):
-        logits = logits + out[:, p * experts:(p + 1) * experts]
-    return logits.contiguous()
+    return _sum_of_blocks(out, len(parts), dim=1)
 
 
-def router_logits_grad_x(grad: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype, mm_low) -> torch.Tensor:
-    """(T, H) in x's dtype: grad (T, E) float32 @ weight (E, H), float32 sums, one rounding. `mm_low`
-    is the bfloat16 GEMM with float32 accumulation and a bfloat16 output (torch.mm on CUDA)."""
+def _sum_of_blocks(out: torch.Tensor, parts: int, dim: int) -> torch.Tensor:
+    """`out` cut into `parts` equal blocks along `dim`, added in order (the largest part's first)."""
+    blocks = out.chunk(parts, dim)
+    total = blocks[0]
+    for block in blocks[1:]:
+        total = total + block
+    return total.contiguous()
+
+
+def router_logits_grad_x(grad: torch.Tensor, weight: torch.Tensor, x_dtype: torch.dtype, mm) -> torch.Tensor:
+    """(T, H) in x's dtype: grad (T, E) float32 @ weight (E, H), float32 sums, one rounding (the
+    float32 output cast, as the reference's cast backward does: a bfloat16-output GEMM may reduce
+    split K in bfloat16 where torch allows reduced-precision reductions)."""
     g = bfloat16_parts(grad)
     w = bfloat16_parts(weight)
     pairs = [(i, j) for i in range(len(g)) for j in range(len(w)) if i + j <= 2]
     a = torch.cat([g[i] for i, _ in pairs], 1)  # (T, n E)
     b = torch.cat([w[j] for _, j in pairs], 0)  # (n E, H)
-    return mm_low(a, b).to(x_dtype)
+    return mm(a, b).to(x_dtype)
 
 
 def router_logits_grad_weight(grad: torch.Tensor, x: torch.Tensor, weight_dtype: torch.dtype, mm) -> torch.Tensor:
     """(E, H) in the weight's dtype: grad^T (E, T) @ x (T, H), float32 sums."""
     g = bfloat16_parts(grad)
-    experts = grad.shape[1]
     out = mm(torch.cat([part.t() for part in g], 0), x)  # (P E, H)
-    total = out[:experts]
-    for p in range(1, len(g)):
-        total = total + out[p * experts:(p + 1) * experts]
-    return total.to(weight_dtype)
+    return _sum_of_blocks(out, len(g), dim=0).to(weight_dtype)
 
 
 def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -377,7 +379,7 @@ def _router_logits_backward(ctx, grad):
     grad = grad.float().contiguous()
     grad_x = grad_weight = None
     if ctx.needs_input_grad[0]:
-        grad_x = router_logits_grad_x(grad, weight, ctx.dtypes[0], torch.mm)
+        grad_x = router_logits_grad_x(grad, weight, ctx.dtypes[0], _mm_float32_out)
     if ctx.needs_input_grad[1]:
         grad_weight = router_logits_grad_weight(grad, x, ctx.dtypes[1], _mm_float32_out)
     return grad_x, grad_weight
