@@ -22,8 +22,8 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
                       patch in one run (DeepSeek-V2-Lite, Llama 4; elsewhere equal to hasten_fused)
   hasten_router_logits  hasten_fused with kernels.router_logits' router (DeepSeek-V2-Lite: float32
                       logits from bfloat16 tensor-core products instead of FFMA and float32 copies);
-                      W3 builds every parameter in bfloat16, the router's weight too (from_pretrained
-                      keeps DeepSeek's in float32: three bfloat16 parts then, one here)
+                      DeepSeek's router weight stays float32, as from_pretrained keeps it (three
+                      bfloat16 parts), every other parameter is bfloat16
   hasten_graphed      hasten_fused with forward + backward captured once in a CUDA graph (after 3
                       warm-up iterations on a side stream) and replayed per step; parameter gradients
                       are None before capture, so each replay writes them afresh (= zero_grad + step)
@@ -133,6 +133,10 @@ def build_block():
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
     block = block.to(torch.bfloat16)
+    if BLOCK == "deepseek_v2_lite":
+        # from_pretrained keeps DeepSeek's router weight in float32 (the class's
+        # _keep_in_fp32_modules_strict = ["gate.weight"]): every variant runs it as loaded
+        block.gate.float()
     decide_gates(block)
     return block, config
 
