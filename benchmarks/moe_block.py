@@ -22,8 +22,8 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
                       patch in one run (DeepSeek-V2-Lite, Llama 4; elsewhere equal to hasten_fused)
   hasten_router_logits  hasten_fused with kernels.router_logits' router (DeepSeek-V2-Lite: float32
                       logits from bfloat16 tensor-core products instead of FFMA and float32 copies);
-                      DeepSeek's router weight stays float32, as from_pretrained keeps it (three
-                      bfloat16 parts), every other parameter is bfloat16
+                      DeepSeek's router weight in the dtype from_pretrained gives it (float32 from
+                      transformers 5.25: three bfloat16 parts; bfloat16 before), the rest bfloat16
   hasten_graphed      hasten_fused with forward + backward captured once in a CUDA graph (after 3
                       warm-up iterations on a side stream) and replayed per step; parameter gradients
                       are None before capture, so each replay writes them afresh (= zero_grad + step)
@@ -134,9 +134,12 @@ def build_block():
             torch.nn.init.normal_(p, std=0.02)
     block = block.to(torch.bfloat16)
     if BLOCK == "deepseek_v2_lite":
-        # from_pretrained keeps DeepSeek's router weight in float32 (the class's
-        # _keep_in_fp32_modules_strict = ["gate.weight"]): every variant runs it as loaded
-        block.gate.float()
+        # the router weight's dtype as from_pretrained loads it: float32 where the model class keeps
+        # it so (_keep_in_fp32_modules_strict = ["gate.weight"], transformers 5.25), bfloat16 before
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2PreTrainedModel
+
+        if "gate.weight" in (getattr(DeepseekV2PreTrainedModel, "_keep_in_fp32_modules_strict", None) or ()):
+            block.gate.float()
     decide_gates(block)
     return block, config
 
@@ -244,6 +247,13 @@ def capture_forward_backward(block, x, grad, warmup: int = 3):
     return graph, out
 
 
+def allocator_counts() -> dict:
+    """The caching allocator's device calls so far: cudaMalloc, cudaFree and the retries that
+    free cached blocks first (each cudaFree synchronizes the device)."""
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
 def eager_step(call, module, x, grad):
     """(step, result): one zero_grad + call(x).backward(grad), and what it left (output, x.grad,
     the module's parameter gradients); `call` is the module itself, compiled or graphed."""
@@ -296,6 +306,7 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
 
     before = dynamo_counts() if name == "hasten_compiled" else None
     iters = 3 if name == "hf_moe_eager" else iters
+    allocator_before = allocator_counts()
     times = common.time_steps(step, warmup=2, iters=iters) if name != "hasten_compiled" else None
     if name == "hasten_compiled":
         for _ in range(2):  # warm-up: compiles forward and backward, outside the timing
@@ -305,6 +316,9 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
         after = dynamo_counts()
         notes.append(f"compiled graphs {warm['graphs'] - before['graphs']} in warm-up, recompiles in the timed steps "
                      f"{after['graphs'] - warm['graphs']}, graph breaks {after['graph_breaks'] - before['graph_breaks']}")
+    allocator_after = allocator_counts()  # cudaMalloc / cudaFree inside the timed steps stall the GPU
+    notes.append("allocator in the timed steps: " + ", ".join(
+        f"{key} {allocator_after[key] - allocator_before[key]}" for key in allocator_after))
     if profile:  # where one forward + backward's GPU time goes, by kernel and by operator
         from packed_sft import print_profile
 
