@@ -20,10 +20,6 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
   hasten_fused_class_shared  hasten_fused with the shared experts' MLP left to its class (torch's
                       SiLU and product), beside hasten_fused's fused SwiGLU on them: the A/B of that
                       patch in one run (DeepSeek-V2-Lite, Llama 4; elsewhere equal to hasten_fused)
-  hasten_router_logits  hasten_fused with kernels.router_logits' router (DeepSeek-V2-Lite: float32
-                      logits from bfloat16 tensor-core products instead of FFMA and float32 copies);
-                      DeepSeek's router weight in the dtype from_pretrained gives it (float32 from
-                      transformers 5.25: three bfloat16 parts; bfloat16 before), the rest bfloat16
   hasten_graphed      hasten_fused with forward + backward captured once in a CUDA graph (after 3
                       warm-up iterations on a side stream) and replayed per step; parameter gradients
                       are None before capture, so each replay writes them afresh (= zero_grad + step)
@@ -62,7 +58,7 @@ from hasten.ops import moe as moe_ops  # noqa: E402
 IMPL = {"hf_moe_eager": "eager", "hf_moe_grouped_mm": "grouped_mm", "hasten_fused": "hasten_fused",
         "hasten_graphed": "hasten_fused", "hasten_graphed_callables": "hasten_fused",
         "hasten_compiled": "hasten_fused", "hasten_fused_class_shared": "hasten_fused",
-        "hasten_fused_torch_gemm": "hasten_fused", "hasten_router_logits": "hasten_fused"}
+        "hasten_fused_torch_gemm": "hasten_fused"}
 # variants run with HASTEN_GROUPED_GEMM set (read by hasten's grouped GEMM on every call)
 GROUPED_GEMM = {"hasten_fused_torch_gemm": "torch"}
 # variants whose shared experts (DeepSeek's, Llama 4's) stay the class's own MLP under hasten's experts
@@ -70,8 +66,7 @@ CLASS_SHARED_MLPS = {"hasten_fused_class_shared"}
 # graphed replays must equal eager hasten (same kernels, same inputs); compiled may reorder float math
 DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and a small block)
 GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2,
-                  "hasten_fused_torch_gemm": 2e-2,  # another GEMM kernel: bf16 outputs rounded apart
-                  "hasten_router_logits": 2e-2}  # the router's float32 sums in another order
+                  "hasten_fused_torch_gemm": 2e-2}  # another GEMM kernel: bf16 outputs rounded apart
 
 
 BLOCK = "qwen3_30b_a3b"  # set by --block
@@ -278,12 +273,6 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     use_implementation(block, config, IMPL[name], class_shared_mlps=name in CLASS_SHARED_MLPS)
     notes, check = [], None
     cleanup = []
-    if name == "hasten_router_logits":
-        from hasten.moe.router import install_float32_router_logits
-
-        undo_router, routers, refused = install_float32_router_logits(block)
-        cleanup.append(undo_router)
-        notes.append(f"routers rewritten {routers}{f' (left: {refused})' if refused else ''}")
     if name == "hasten_graphed":
         graph, static_out = capture_forward_backward(block, x, grad)
         cleanup.append(lambda: block.zero_grad(set_to_none=True))
@@ -455,8 +444,7 @@ def run(args, variants: list[str]) -> int:
               f"  correct {r['correct']}  {r.get('error') or r['notes'][:110]}")
     by = {r["variant"]: r["step_s"] for r in rows if r["step_s"]}
     for a, b in (("hf_moe_grouped_mm", "hasten_fused"), ("hf_moe_eager", "hasten_fused"),
-                 ("hasten_fused_torch_gemm", "hasten_fused"), ("hasten_fused", "hasten_router_logits"),
-                 ("hf_moe_grouped_mm", "hasten_router_logits"),
+                 ("hasten_fused_torch_gemm", "hasten_fused"),
                  ("hasten_fused", "hasten_graphed"), ("hasten_fused", "hasten_graphed_callables"),
                  ("hasten_fused", "hasten_compiled"), ("torch_sort_histc_cumsum", "hasten_moe_group")):
         if a in by and b in by:

@@ -209,11 +209,6 @@ class KernelsConfig:
     # one op: one thin GEMM and one read of the input for all their adapters, and one input
     # gradient their base GEMMs accumulate onto (no separate adds).
     fused_lora_groups: bool = True
-    # MoE routers that compute float32 logits as F.linear(x.float(), W.float()) (DeepSeek-V2/V3,
-    # GLM-4.5, dots.llm1, Kimi and more): the same float32 logits from bfloat16 tensor-core
-    # products (W split in three exact bfloat16 parts, float32 sums) instead of FFMA and float32
-    # copies of the hidden states. Off until its GPU measurement.
-    router_logits: bool = False
 
 
 @dataclass

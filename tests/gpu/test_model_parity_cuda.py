@@ -170,19 +170,6 @@ def test_without_fused_head_norms_and_linear_groups_bf16_within_noise_of_each_sa
                                                              "fused_linear_groups": False}})
 
 
-# kernels.router_logits (off by default until measured): the routers that write float32 logits as
-# F.linear of float32 casts, on tensor cores; the router weights scaled for top-k margins as elsewhere
-ROUTER_LOGITS_TYPES = ["deepseek_v2", "deepseek_v3", "glm4_moe", "dots1"]
-
-
-@pytest.mark.parametrize("name", ROUTER_LOGITS_TYPES)
-def test_float32_router_logits_on_tensor_cores_bf16_within_noise_of_each_sample_alone(name):
-    row = check_packed_parity(name, LENGTHS, settings={"kernels": {"router_logits": True}})
-    if "fallbacks" in row:
-        assert any(item.startswith("float32 router logits on tensor cores x") for item in row["active"]), row
-        assert "router_logits" not in row["fallbacks"], row
-
-
 def _skip_if_refused_for_the_environment(name: str, refusal: PackedBatchRefused) -> None:
     """Skips (with the reason) a packed batch refused for what this machine lacks: a transformers
     that passes the boundaries to the layer, or flash-linear-attention's varlen kernels; returns

@@ -10,7 +10,6 @@ from hasten.config import Config
 from hasten.integrations.transformers import registered
 from hasten.observability import count_host_syncs, fallback_counts
 from hasten.ops import moe as moe_ops
-from tests.moe.test_router import outputs_and_gradients
 from tests.ops.test_moe_ops import check_grouping
 from tests.reference import grouped_mm_reference
 
@@ -320,46 +319,3 @@ def test_qwen3_moe_trains_like_eager_experts_for_20_steps():
         assert abs(a - b) <= 0.03 * abs(a) + 0.03, f"step {step}: eager {a:.4f} fused {b:.4f}"
     assert fused[-1] < fused[0] - 0.5
 
-
-# --- float32 router logits on tensor cores (kernels.router_logits) ---------------------------------
-
-@pytest.mark.parametrize("tokens,hidden,experts", [(1, 2048, 64), (333, 2048, 64), (16384, 2048, 64),
-                                                   (4099, 7168, 256), (77, 264, 160)])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_router_logits_cuda_equal_the_float32_linear(tokens, hidden, experts, weight_dtype):
-    """hasten_py::router_logits against F.linear(x.float(), w.float()) (cuBLAS, FFMA) on the same
-    inputs: the logits and the weight's gradient within float32 sums, the input's gradient (rounded
-    to bfloat16 by the cast's backward) within an ulp, almost all bit for bit."""
-    from hasten.ops.moe import router_logits, router_logits_applies
-
-    gen = torch.Generator().manual_seed(tokens + experts)
-    x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
-    weight = (torch.randn(experts, hidden, generator=gen) * 0.02).to("cuda", weight_dtype)
-    grad = (torch.randn(tokens, experts, generator=gen) * 1e-3).cuda()
-    assert router_logits_applies(x, weight) is None
-
-    def run(fn):
-        return outputs_and_gradients(fn, x, weight, grad)
-
-    got = run(router_logits)
-    want = run(lambda a, w: torch.nn.functional.linear(a.type(torch.float32), w.type(torch.float32)))
-    exact = run(lambda a, w: torch.nn.functional.linear(a.double(), w.double()))  # float64: the exact logits
-    assert got[0].dtype == torch.float32 and got[1].dtype == torch.bfloat16 and got[2].dtype == weight_dtype
-    scale = exact[0].abs().max()
-    assert (got[0].double() - exact[0]).abs().max() <= 1e-6 * scale
-    assert (want[0].double() - exact[0]).abs().max() <= 1e-6 * scale  # cuBLAS's own is as far
-    differ = (got[1] != want[1])
-    assert differ.float().mean() <= 1e-3, differ.float().mean()
-    ulp = want[1].float().abs() * 2.0 ** -7 + 1e-30
-    assert ((got[1].float() - want[1].float()).abs() <= ulp).all()
-    tolerance = 1e-5 if weight_dtype == torch.float32 else 1e-2
-    assert (got[2].double() - exact[2]).abs().max() <= tolerance * exact[2].abs().max()
-
-
-def test_router_logits_opcheck_cuda():
-    from hasten.ops.moe import _router_logits
-
-    x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(16, 256, device="cuda", requires_grad=True)
-    torch.library.opcheck(_router_logits, (x, weight))
-    torch.library.opcheck(_router_logits, (x.detach(), weight.detach()))

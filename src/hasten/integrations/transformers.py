@@ -1087,21 +1087,6 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     handle.active.append(f"fused MoE experts ({len(experts)} layers: {describe(experts[0])})")
 
 
-def _patch_router_logits(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
-    """kernels.router_logits: float32 router logits from bfloat16 tensor-core products
-    (hasten/moe/router.py), in the routers whose forward writes them as F.linear of float32 casts."""
-    if not config.kernels.router_logits:
-        return
-    from hasten.moe.router import install_float32_router_logits
-
-    undo, count, refused = install_float32_router_logits(model)
-    handle._undo_steps.append(undo)
-    if count:
-        handle.active.append(f"float32 router logits on tensor cores x{count}")
-    for reason in refused:
-        handle.inactive.append(f"float32 router logits on tensor cores ({reason})")
-
-
 def _patch_moe_blocks(model: PreTrainedModel, kind: str, handle: AccelerationHandle) -> None:
     """The table's MoE block adapter (`ArchSpec.moe_block`), for experts outside transformers'
     experts interface: each block's forward on hasten's grouping path, checked first."""
@@ -1448,7 +1433,6 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     try:
         _patch_attention(model, config, handle)
         _patch_moe(model, config, handle)
-        _patch_router_logits(model, config, handle)
         _patch_memory(model, config, handle)
         _patch_loss(model, config, handle)
         _patch_dense_kernels(model, config, handle)
