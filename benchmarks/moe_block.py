@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -249,6 +250,19 @@ def allocator_counts() -> dict:
     return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
+def host_launch_ms(step, iters: int = 3) -> float:
+    """Median host milliseconds until step() returns, the device idle before each: the time the
+    host takes to issue one step's work, which bounds the step from below when the host is slower."""
+    times = []
+    for _ in range(iters):
+        common.sync()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+        common.sync()
+    return common.median(times)
+
+
 def eager_step(call, module, x, grad):
     """(step, result): one zero_grad + call(x).backward(grad), and what it left (output, x.grad,
     the module's parameter gradients); `call` is the module itself, compiled or graphed."""
@@ -308,6 +322,7 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     allocator_after = allocator_counts()  # cudaMalloc / cudaFree inside the timed steps stall the GPU
     notes.append("allocator in the timed steps: " + ", ".join(
         f"{key} {allocator_after[key] - allocator_before[key]}" for key in allocator_after))
+    notes.append(f"host ms to launch a step {host_launch_ms(step):.2f} (near the step's time: host-bound)")
     if profile:  # where one forward + backward's GPU time goes, by kernel and by operator
         from packed_sft import print_profile
 
