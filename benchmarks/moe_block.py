@@ -161,8 +161,11 @@ def use_shared_mlps(block, config, fused: bool) -> int:
     gated MLPs) as each side runs them: hasten's fused SwiGLU for hasten's variants, after the same
     check accelerate() makes on every gated MLP of a model (`install_fused_mlp`); the class's own
     for transformers'. W3's DeepSeek-V2-Lite rows up to bfa7b90 ran the class's own shared MLP under
-    hasten too (torch's SiLU, product and their backward: about 0.4 ms of 12.75). Returns the
-    number of MLPs on hasten's kernel."""
+    hasten too (torch's SiLU, product and their backward: about 0.4 ms of 12.75). Their gate/up
+    then take one input gradient (`install_linear_groups`), as accelerate() gives every gated MLP
+    in full fine-tuning (kernels.fused_linear_groups, on by default): rows up to ccbc92e ran them
+    with a d x each and an add. Returns the number of MLPs on hasten's kernel."""
+    from hasten.dense.linear_group import install_linear_groups
     from hasten.dense.patch import install_fused_mlp
 
     undo = block.__dict__.pop("_w3_shared_mlp_undo", None)
@@ -170,8 +173,14 @@ def use_shared_mlps(block, config, fused: bool) -> int:
         undo()
     if not fused:
         return 0
-    undo, patched, _refused = install_fused_mlp(block, config=getattr(config, "text_config", None) or config)
-    block.__dict__["_w3_shared_mlp_undo"] = undo
+    undo_mlps, patched, _refused = install_fused_mlp(block, config=getattr(config, "text_config", None) or config)
+    undo_groups, _groups, _refused = install_linear_groups(block)
+
+    def undo_both() -> None:
+        undo_groups()
+        undo_mlps()
+
+    block.__dict__["_w3_shared_mlp_undo"] = undo_both
     return patched
 
 
