@@ -331,7 +331,9 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     allocator_after = allocator_counts()  # cudaMalloc / cudaFree inside the timed steps stall the GPU
     notes.append("allocator in the timed steps: " + ", ".join(
         f"{key} {allocator_after[key] - allocator_before[key]}" for key in allocator_after))
-    notes.append(f"host ms to launch a step {host_launch_ms(step):.2f} (near the step's time: host-bound)")
+    launch_ms = host_launch_ms(step)
+    bound = "host-bound" if launch_ms >= 0.9 * common.median(times) * 1e3 else "the device is the bound"
+    notes.append(f"host ms to issue a step {launch_ms:.2f} ({bound})")
     if profile:  # where one forward + backward's GPU time goes, by kernel and by operator
         from packed_sft import print_profile
 
