@@ -318,13 +318,13 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
 
     before = dynamo_counts() if name == "hasten_compiled" else None
     iters = 3 if name == "hf_moe_eager" else iters
-    allocator_before = allocator_counts()
-    times = common.time_steps(step, warmup=2, iters=iters) if name != "hasten_compiled" else None
+    for _ in range(2):  # warm-up, outside the timing (compiled: compiles forward and backward)
+        step()
+    common.sync()
+    warm = dynamo_counts() if name == "hasten_compiled" else None
+    allocator_before = allocator_counts()  # after the warm-up: its first-use segments are not counted
+    times = common.time_steps(step, warmup=0, iters=iters)
     if name == "hasten_compiled":
-        for _ in range(2):  # warm-up: compiles forward and backward, outside the timing
-            step()
-        warm = dynamo_counts()
-        times = common.time_steps(step, warmup=0, iters=iters)
         after = dynamo_counts()
         notes.append(f"compiled graphs {warm['graphs'] - before['graphs']} in warm-up, recompiles in the timed steps "
                      f"{after['graphs'] - warm['graphs']}, graph breaks {after['graph_breaks'] - before['graph_breaks']}")
