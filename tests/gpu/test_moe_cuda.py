@@ -318,4 +318,3 @@ def test_qwen3_moe_trains_like_eager_experts_for_20_steps():
     for step, (a, b) in enumerate(zip(eager, fused)):
         assert abs(a - b) <= 0.03 * abs(a) + 0.03, f"step {step}: eager {a:.4f} fused {b:.4f}"
     assert fused[-1] < fused[0] - 0.5
-

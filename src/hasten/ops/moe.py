@@ -279,4 +279,3 @@ def row_experts_one_hot(group_ends: torch.Tensor, rows: int, dtype: torch.dtype)
     experts = group_ends.shape[0]
     ids.clamp_(max=experts - 1)
     return (ids[:, None] == torch.arange(experts, device=ids.device, dtype=ids.dtype)).to(dtype)
-
