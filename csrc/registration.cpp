@@ -57,6 +57,24 @@ TORCH_LIBRARY(hasten, m) {
   // Router-weight gradient of moe_combine: (T, k), dot(grad_out[t], y'[inverse[t*k + j]]).
   m.def("moe_combine_weight_grad(Tensor grad_out, Tensor y, Tensor inverse, Tensor offsets, int top_k, "
         "Tensor? bias=None) -> Tensor");
+  // The router's choice from its logits (T, E), one kernel each way (a model's softmax / sigmoid,
+  // top-k, renormalise, scale; no host sync):
+  //   scores = softmax(logits) ("softmax"), sigmoid(logits) ("sigmoid"), or the logits
+  //     ("topk_softmax": the weights are the softmax of the k chosen logits), in float;
+  //   choice = scores + selection_bias (E,) where given (in the choice only, no gradient), and
+  //     with num_groups > 1 set to masked_choice (the model's masked_fill value, 0.0 or -inf)
+  //     outside the top_groups best of num_groups contiguous groups (a group's score: "max", or
+  //     "top2_sum" of its two largest choice values);
+  //   ids (T, k) int64 = top-k of choice, descending, ties to the lower expert;
+  //   weights (T, k) float32 (float64 for float64 logits, CPU): the chosen scores (with a selection bias) or choice values, then
+  //     / (their sum + renorm_epsilon) where renormalize, then * scale.
+  m.def("moe_route(Tensor logits, int top_k, str scoring, bool renormalize, float renorm_epsilon, float scale, "
+        "int num_groups, int top_groups, str group_score, float masked_choice, Tensor? selection_bias) -> "
+        "(Tensor weights, Tensor ids)");
+  // d logits (T, E), the logits' dtype, from d weights (T, k) and the forward's ids.
+  m.def("moe_route_backward(Tensor grad_weights, Tensor logits, Tensor ids, int top_k, str scoring, "
+        "bool renormalize, float renorm_epsilon, float scale, int num_groups, int top_groups, str group_score, "
+        "float masked_choice, Tensor? selection_bias) -> Tensor");
   // The experts' grouped GEMM: x (S, in) rows in expert order, expert g owning rows
   // [group_ends[g-1], group_ends[g]); weight (E, out, in), or (E, in, out) when transposed (as
   // transformers' is_transposed experts store it) -> (S, out) = x[rows of g] @ W_g^T. Rows past

@@ -79,5 +79,65 @@ struct MoeCombineWeightGradParams {
 // (0 for dropped slots)
 cudaError_t launch_moe_combine_weight_grad(const MoeCombineWeightGradParams& params, cudaStream_t stream);
 
+// The router's choice after its logits (hasten::moe_route): one warp per token.
+enum class RouteScoring {
+  kSoftmax,      // scores = softmax(logits) over the experts, in float
+  kSigmoid,      // scores = sigmoid(logits)
+  kTopkSoftmax,  // choose on the logits; the weights are the softmax of the k chosen logits
+};
+enum class GroupScore { kMax, kTop2Sum };  // a group's score: its largest choice value, or its two largest summed
+
+constexpr int kMoeRouteMaxExperts = 512;  // 16 values per lane
+constexpr int kMoeRouteMaxTopK = 32;      // one chosen expert per lane
+constexpr int kMoeRouteMaxGroups = 32;    // one group per lane
+
+struct MoeRouteSpec {
+  int num_experts, top_k;
+  RouteScoring scoring;
+  // group-limited top-k: the experts in num_groups contiguous groups; the choice is kept to the
+  // top_groups best groups, the others' choice values set to masked_choice (the model's
+  // masked_fill value: DeepSeek-V2 0.0, DeepSeek-V3 -inf); num_groups 1: off
+  int num_groups, top_groups;
+  GroupScore group_score;
+  float masked_choice;
+  bool renormalize;      // weights /= (sum of the k weights + renorm_epsilon)
+  float renorm_epsilon;
+  float scale;           // then weights *= scale
+};
+
+// choice value c[e] = score[e] + selection_bias[e] (bias: optional, in the choice only), set to
+// masked_choice outside the top groups; ids = top-k of c (descending, ties to the lower expert).
+// Weight before renormalising: with a selection bias the chosen expert's score, else its choice
+// value (a chosen but masked expert weighs masked_choice, without gradient, as topk over the
+// masked scores gives); kTopkSoftmax: softmax over the k chosen values.
+struct MoeRouteParams {
+  const void* logits;          // (T, E) element type `type`, rows of `logits_stride`
+  ElementType type;
+  int64_t logits_stride;
+  const void* selection_bias;  // (E,) element type `bias_type`, or nullptr
+  ElementType bias_type;
+  int64_t num_tokens;
+  MoeRouteSpec spec;
+  float* weights;              // (T, k) float32
+  int64_t* ids;                // (T, k)
+};
+cudaError_t launch_moe_route(const MoeRouteParams& params, cudaStream_t stream);
+
+// d logits (T, E) in the logits' type from d weights (T, k) float32, the forward's logits and ids
+// (its scores and group mask are recomputed from the logits)
+struct MoeRouteBackwardParams {
+  const float* grad_weights;   // (T, k)
+  const void* logits;          // (T, E), rows of `logits_stride`
+  ElementType type;
+  int64_t logits_stride;
+  const void* selection_bias;  // as the forward's
+  ElementType bias_type;
+  const int64_t* ids;          // (T, k) from the forward
+  void* grad_logits;           // (T, E) contiguous, element type `type`
+  int64_t num_tokens;
+  MoeRouteSpec spec;
+};
+cudaError_t launch_moe_route_backward(const MoeRouteBackwardParams& params, cudaStream_t stream);
+
 }  // namespace kernels
 }  // namespace hasten

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "hasten/checks.h"
 
@@ -82,6 +83,70 @@ inline void check_weight_grad_args(const at::Tensor& grad_out, const at::Tensor&
   check_size(grad_out, 0, inverse.numel() / top_k, "moe_combine_weight_grad", "grad_out", "tokens");
   check_size(grad_out, 1, y.size(1), "moe_combine_weight_grad", "grad_out", "hidden of y");
   check_size(y, 0, inverse.numel(), "moe_combine_weight_grad", "y", "slots = tokens * top_k");
+}
+
+// The router's choice (moe_route): logits (T, E), selection_bias (E,) or none, and the spec.
+constexpr int64_t kRouteMaxExperts = 512, kRouteMaxTopK = 32, kRouteMaxGroups = 32;
+
+inline void check_route_args(const char* op, const at::Tensor& logits, int64_t top_k, const std::string& scoring,
+                             int64_t num_groups, int64_t top_groups, const std::string& group_score,
+                             const std::optional<at::Tensor>& selection_bias) {
+  check_dim(logits, 2, op, "logits", "2-D (tokens, experts)");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kHalf ||
+                  logits.scalar_type() == at::kBFloat16 || (logits.scalar_type() == at::kDouble && logits.is_cpu()),
+              "hasten::", op, ": `logits` must be float32, float16 or bfloat16 (float64 on the CPU), got ",
+              logits.scalar_type());
+  const int64_t experts = logits.size(1);
+  TORCH_CHECK(experts >= 1 && experts <= kRouteMaxExperts, "hasten::", op, ": the router's experts must be 1 to ",
+              num(kRouteMaxExperts), ", got ", num(experts));
+  TORCH_CHECK(top_k >= 1 && top_k <= kRouteMaxTopK && top_k <= experts, "hasten::", op, ": top_k must be 1 to ",
+              num(kRouteMaxTopK), " and at most the experts (", num(experts), "), got ", num(top_k));
+  TORCH_CHECK(scoring == "softmax" || scoring == "sigmoid" || scoring == "topk_softmax", "hasten::", op,
+              ": scoring must be \"softmax\", \"sigmoid\" or \"topk_softmax\", got \"", scoring, "\"");
+  TORCH_CHECK(group_score == "max" || group_score == "top2_sum", "hasten::", op,
+              ": group_score must be \"max\" or \"top2_sum\", got \"", group_score, "\"");
+  TORCH_CHECK(num_groups >= 1 && num_groups <= kRouteMaxGroups && experts % num_groups == 0, "hasten::", op,
+              ": num_groups must be 1 to ", num(kRouteMaxGroups), " and divide the experts (", num(experts), "), got ",
+              num(num_groups));
+  if (num_groups > 1) {
+    const int64_t group_size = experts / num_groups;
+    TORCH_CHECK(top_groups >= 1 && top_groups <= num_groups && top_groups * group_size >= top_k, "hasten::", op,
+                ": top_groups must be 1 to num_groups (", num(num_groups), ") and its groups must hold top_k (",
+                num(top_k), ") experts, got ", num(top_groups));
+    TORCH_CHECK(group_score != "top2_sum" || group_size >= 2, "hasten::", op,
+                ": group_score \"top2_sum\" needs groups of at least 2 experts, got ", num(group_size));
+  }
+  TORCH_CHECK(scoring != "topk_softmax" || (num_groups == 1 && !selection_bias.has_value()), "hasten::", op,
+              ": scoring \"topk_softmax\" takes no groups and no selection_bias");
+  if (selection_bias.has_value()) {
+    check_dim(*selection_bias, 1, op, "selection_bias", "1-D (experts,)");
+    check_size(*selection_bias, 0, experts, op, "selection_bias", "the experts of logits");
+    TORCH_CHECK(selection_bias->scalar_type() == at::kFloat || selection_bias->scalar_type() == at::kHalf ||
+                    selection_bias->scalar_type() == at::kBFloat16 ||
+                    (selection_bias->scalar_type() == at::kDouble && selection_bias->is_cpu()),
+                "hasten::", op, ": `selection_bias` must be float32, float16 or bfloat16, got ",
+                selection_bias->scalar_type());
+    check_same_device(logits, *selection_bias, op, "logits", "selection_bias");
+  }
+}
+
+// grad_weights (T, k) and ids (T, k) int64 of the forward on these logits
+inline void check_route_backward_args(const at::Tensor& grad_weights, const at::Tensor& logits, const at::Tensor& ids,
+                                      int64_t top_k) {
+  const char* op = "moe_route_backward";
+  // the forward's weights: float32, float64 for float64 logits (CPU)
+  if (logits.scalar_type() == at::kDouble) {
+    check_dtype(grad_weights, op, "grad_weights", {at::kDouble});
+  } else {
+    check_dtype(grad_weights, op, "grad_weights", {at::kFloat});
+  }
+  check_dtype(ids, op, "ids", {at::kLong});
+  for (const auto* t : {&grad_weights, &ids}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == logits.size(0) && t->size(1) == top_k, "hasten::", op,
+                ": `grad_weights` and `ids` must be (tokens, top_k) = (", num(logits.size(0)), ", ", num(top_k),
+                "), got ", shape(t->sizes()));
+    check_same_device(logits, *t, op, "logits", "grad_weights/ids");
+  }
 }
 
 // The experts' grouped GEMM: x (S, in) rows in expert order, weight (E, out, in), or (E, in, out)

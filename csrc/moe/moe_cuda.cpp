@@ -6,6 +6,7 @@
 #include <torch/types.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "../kernels/moe.cuh"
@@ -120,6 +121,82 @@ at::Tensor moe_combine_weight_grad_cuda(const at::Tensor& grad_out, const at::Te
   return out;
 }
 
+kernels::MoeRouteSpec route_spec(int64_t experts, int64_t top_k, const std::string& scoring, bool renormalize,
+                                 double renorm_epsilon, double scale, int64_t num_groups, int64_t top_groups,
+                                 const std::string& group_score, double masked_choice) {
+  kernels::MoeRouteSpec s;
+  s.num_experts = static_cast<int>(experts);
+  s.top_k = static_cast<int>(top_k);
+  s.scoring = scoring == "softmax"   ? kernels::RouteScoring::kSoftmax
+              : scoring == "sigmoid" ? kernels::RouteScoring::kSigmoid
+                                     : kernels::RouteScoring::kTopkSoftmax;
+  s.num_groups = static_cast<int>(num_groups);
+  s.top_groups = static_cast<int>(num_groups > 1 ? top_groups : 1);
+  s.group_score = group_score == "max" ? kernels::GroupScore::kMax : kernels::GroupScore::kTop2Sum;
+  s.masked_choice = static_cast<float>(masked_choice);
+  s.renormalize = renormalize;
+  s.renorm_epsilon = static_cast<float>(renorm_epsilon);
+  s.scale = static_cast<float>(scale);
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, int64_t top_k, c10::string_view scoring,
+                                                  bool renormalize, double renorm_epsilon, double scale,
+                                                  int64_t num_groups, int64_t top_groups,
+                                                  c10::string_view group_score, double masked_choice,
+                                                  const std::optional<at::Tensor>& selection_bias) {
+  const std::string scoring_name(scoring), group_name(group_score);
+  check_device(logits, "moe_route", "logits", c10::DeviceType::CUDA);
+  check_route_args("moe_route", logits, top_k, scoring_name, num_groups, top_groups, group_name, selection_bias);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto lc = logits.contiguous();
+  const auto bias = selection_bias ? std::optional<at::Tensor>(selection_bias->contiguous()) : std::nullopt;
+  auto weights = at::empty({lc.size(0), top_k}, lc.options().dtype(at::kFloat));
+  auto ids = at::empty({lc.size(0), top_k}, lc.options().dtype(at::kLong));
+  kernels::MoeRouteParams p;
+  p.logits = lc.data_ptr();
+  p.type = element_type(lc, "moe_route");
+  p.logits_stride = lc.size(1);
+  p.selection_bias = bias ? bias->data_ptr() : nullptr;
+  p.bias_type = bias ? element_type(*bias, "moe_route") : kernels::ElementType::kFloat32;
+  p.num_tokens = lc.size(0);
+  p.spec = route_spec(lc.size(1), top_k, scoring_name, renormalize, renorm_epsilon, scale, num_groups, top_groups,
+                      group_name, masked_choice);
+  p.weights = weights.data_ptr<float>();
+  p.ids = ids.data_ptr<int64_t>();
+  check_launch(kernels::launch_moe_route(p, c10::cuda::getCurrentCUDAStream()), "moe_route");
+  return {weights, ids};
+}
+
+at::Tensor moe_route_backward_cuda(const at::Tensor& grad_weights, const at::Tensor& logits, const at::Tensor& ids,
+                                   int64_t top_k, c10::string_view scoring, bool renormalize, double renorm_epsilon,
+                                   double scale, int64_t num_groups, int64_t top_groups, c10::string_view group_score,
+                                   double masked_choice, const std::optional<at::Tensor>& selection_bias) {
+  const std::string scoring_name(scoring), group_name(group_score);
+  check_device(logits, "moe_route_backward", "logits", c10::DeviceType::CUDA);
+  check_route_args("moe_route_backward", logits, top_k, scoring_name, num_groups, top_groups, group_name,
+                   selection_bias);
+  check_route_backward_args(grad_weights, logits, ids, top_k);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto lc = logits.contiguous(), g = grad_weights.contiguous(), idc = ids.contiguous();
+  const auto bias = selection_bias ? std::optional<at::Tensor>(selection_bias->contiguous()) : std::nullopt;
+  auto grad_logits = at::empty_like(lc);
+  kernels::MoeRouteBackwardParams p;
+  p.grad_weights = g.data_ptr<float>();
+  p.logits = lc.data_ptr();
+  p.type = element_type(lc, "moe_route_backward");
+  p.logits_stride = lc.size(1);
+  p.selection_bias = bias ? bias->data_ptr() : nullptr;
+  p.bias_type = bias ? element_type(*bias, "moe_route_backward") : kernels::ElementType::kFloat32;
+  p.ids = idc.data_ptr<int64_t>();
+  p.grad_logits = grad_logits.data_ptr();
+  p.num_tokens = lc.size(0);
+  p.spec = route_spec(lc.size(1), top_k, scoring_name, renormalize, renorm_epsilon, scale, num_groups, top_groups,
+                      group_name, masked_choice);
+  check_launch(kernels::launch_moe_route_backward(p, c10::cuda::getCurrentCUDAStream()), "moe_route_backward");
+  return grad_logits;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
@@ -127,6 +204,8 @@ TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
   m.impl("moe_permute", &moe_permute_cuda);
   m.impl("moe_combine", &moe_combine_cuda);
   m.impl("moe_combine_weight_grad", &moe_combine_weight_grad_cuda);
+  m.impl("moe_route", &moe_route_cuda);
+  m.impl("moe_route_backward", &moe_route_backward_cuda);
 }
 
 }  // namespace hasten

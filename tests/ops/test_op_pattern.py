@@ -21,10 +21,11 @@ from hasten.ops import op_names
 ops = torch.ops.hasten
 DIFFERENTIABLE = {"rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "rms_norm_rope", "varlen_attention",
                   "linear_cross_entropy",
-                  "moe_permute", "moe_combine", "moe_grouped_mm", "swiglu", "clamped_swiglu", "lora_linear",
+                  "moe_permute", "moe_combine", "moe_grouped_mm", "moe_route", "swiglu", "clamped_swiglu", "lora_linear",
                   "lora_linear_group", "lora_gated_group"}
 BACKWARD_OPS = {"rms_norm_backward", "rms_norm_rope_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
-                "moe_combine_weight_grad", "moe_grouped_mm_weight_grad", "swiglu_backward", "clamped_swiglu_backward",
+                "moe_combine_weight_grad", "moe_grouped_mm_weight_grad", "moe_route_backward", "swiglu_backward",
+                "clamped_swiglu_backward",
                 "lora_linear_backward",
                 "lora_linear_group_backward", "lora_gated_group_backward"}
 # integer-valued or in-place ops, with no derivative to define
@@ -122,6 +123,14 @@ def _cases(requires_grad: bool):
         ("moe_grouped_mm", (t(7, 5), t(3, 5, 4), torch.tensor([2, 2, 6], dtype=torch.int32), True)),
         ("moe_grouped_mm_weight_grad", (t(7, 4, grad=False), t(7, 5, grad=False),
                                         torch.tensor([2, 2, 6], dtype=torch.int32))),
+        # the router's choice: Qwen3's softmax with renormalisation; DeepSeek-V3's sigmoid with a
+        # selection bias and 4 groups of 3 keeping 2 (-inf outside); gpt-oss's softmax of the top-k
+        ("moe_route", (t(9, 12), 3, "softmax", True, 0.0, 1.0, 1, 1, "max", 0.0, None)),
+        ("moe_route", (t(9, 12), 3, "sigmoid", True, 1e-20, 2.5, 4, 2, "top2_sum", float("-inf"), t(12, grad=False))),
+        ("moe_route", (t(9, 12), 2, "topk_softmax", False, 0.0, 1.0, 1, 1, "max", 0.0, None)),
+        ("moe_route_backward", (t(9, 3, grad=False), t(9, 12, grad=False),
+                                torch.stack([torch.randperm(12, generator=g)[:3] for _ in range(9)]), 3, "softmax",
+                                False, 0.0, 16.0, 4, 2, "max", 0.0, None)),
         ("swiglu", (t(4, 10),)),
         ("swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False))),
         ("clamped_swiglu", (t(4, 10), 1.702, 0.8)),
@@ -293,6 +302,18 @@ def _bad_inputs():
         ("moe_combine_weight_grad", (f(6, 5), f(14, 5), g.inverse, g.offsets, 2)),
         ("moe_combine", (f(14, 5), g.inverse, g.offsets, 2, None, f(g.offsets.numel(), 5))),  # bias: experts
         ("moe_combine", (f(14, 5), g.inverse, g.offsets, 2, None, f(g.offsets.numel() - 1, 5, dtype=torch.float64))),
+        ("moe_route", (f(4, 8), 9, "softmax", False, 0.0, 1.0, 1, 1, "max", 0.0, None)),  # top_k > experts
+        ("moe_route", (f(4, 8), 2, "softplus", False, 0.0, 1.0, 1, 1, "max", 0.0, None)),
+        ("moe_route", (f(4, 8), 2, "softmax", False, 0.0, 1.0, 3, 1, "max", 0.0, None)),  # 3 groups of 8
+        ("moe_route", (f(4, 8), 3, "softmax", False, 0.0, 1.0, 4, 1, "max", 0.0, None)),  # 1 group of 2 < top_k
+        ("moe_route", (f(4, 8), 2, "sigmoid", False, 0.0, 1.0, 8, 2, "top2_sum", 0.0, None)),  # groups of 1
+        ("moe_route", (f(4, 8), 2, "topk_softmax", False, 0.0, 1.0, 1, 1, "max", 0.0, f(8))),
+        ("moe_route", (f(4, 8), 2, "sigmoid", False, 0.0, 1.0, 1, 1, "max", 0.0, f(7))),  # bias of 7 experts
+        ("moe_route", (f(4, 8), 2, "softmax", False, 0.0, 1.0, 1, 1, "mean", 0.0, None)),
+        ("moe_route_backward", (f(4, 2, dtype=torch.float64), f(4, 8), torch.zeros(4, 2, dtype=torch.long), 2,
+                                "softmax", False, 0.0, 1.0, 1, 1, "max", 0.0, None)),  # float64 grad, float32 logits
+        ("moe_route_backward", (f(4, 2), f(4, 8), torch.zeros(4, 3, dtype=torch.long), 2, "softmax", False, 0.0,
+                                1.0, 1, 1, "max", 0.0, None)),  # ids of another top_k
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 6), torch.tensor([2, 4], dtype=i32), False)),  # in
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 4], dtype=i32), True)),  # in, transposed
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 2, 4], dtype=i32), False)),  # experts

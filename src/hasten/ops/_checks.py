@@ -394,6 +394,54 @@ def check_weight_grad_args(grad_out, y, inverse, offsets, top_k, bias=None) -> N
     check_size(y, 0, inverse.numel(), op, "y", "slots = tokens * top_k")
 
 
+ROUTE_MAX_EXPERTS, ROUTE_MAX_TOP_K, ROUTE_MAX_GROUPS = 512, 32, 32
+
+
+def check_route_args(op: str, logits, top_k, scoring, num_groups, top_groups, group_score, selection_bias) -> None:
+    """The router's choice (moe_route): logits (T, E), selection_bias (E,) or None, and the spec."""
+    check_dim(logits, 2, op, "logits", "2-D (tokens, experts)")
+    check(logits.dtype in FLOATS or (logits.dtype == torch.float64 and logits.device.type == "cpu"), op,
+          lambda: f"`logits` must be float32, float16 or bfloat16 (float64 on the CPU), got {dtype_name(logits.dtype)}")
+    experts = logits.shape[1]
+    check(1 <= experts <= ROUTE_MAX_EXPERTS, op,
+          lambda: f"the router's experts must be 1 to {ROUTE_MAX_EXPERTS}, got {experts}")
+    check(1 <= top_k <= ROUTE_MAX_TOP_K and top_k <= experts, op,
+          lambda: f"top_k must be 1 to {ROUTE_MAX_TOP_K} and at most the experts ({experts}), got {top_k}")
+    check(scoring in ("softmax", "sigmoid", "topk_softmax"), op,
+          lambda: f'scoring must be "softmax", "sigmoid" or "topk_softmax", got "{scoring}"')
+    check(group_score in ("max", "top2_sum"), op, lambda: f'group_score must be "max" or "top2_sum", got "{group_score}"')
+    check(1 <= num_groups <= ROUTE_MAX_GROUPS and experts % num_groups == 0, op,
+          lambda: f"num_groups must be 1 to {ROUTE_MAX_GROUPS} and divide the experts ({experts}), got {num_groups}")
+    if num_groups > 1:
+        group_size = experts // num_groups
+        check(1 <= top_groups <= num_groups and top_groups * group_size >= top_k, op,
+              lambda: f"top_groups must be 1 to num_groups ({num_groups}) and its groups must hold top_k ({top_k}) "
+              f"experts, got {top_groups}")
+        check(group_score != "top2_sum" or group_size >= 2, op,
+              lambda: f'group_score "top2_sum" needs groups of at least 2 experts, got {group_size}')
+    check(scoring != "topk_softmax" or (num_groups == 1 and selection_bias is None), op,
+          'scoring "topk_softmax" takes no groups and no selection_bias')
+    if selection_bias is not None:
+        check_dim(selection_bias, 1, op, "selection_bias", "1-D (experts,)")
+        check_size(selection_bias, 0, experts, op, "selection_bias", "the experts of logits")
+        check(selection_bias.dtype in FLOATS or (selection_bias.dtype == torch.float64
+                                                 and selection_bias.device.type == "cpu"), op,
+              lambda: f"`selection_bias` must be float32, float16 or bfloat16, got {dtype_name(selection_bias.dtype)}")
+        check_same_device(logits, selection_bias, op, "logits", "selection_bias")
+
+
+def check_route_backward_args(grad_weights, logits, ids, top_k) -> None:
+    op = "moe_route_backward"
+    # the forward's weights: float32, float64 for float64 logits (CPU)
+    check_dtype(grad_weights, op, "grad_weights", (torch.float64,) if logits.dtype == torch.float64 else (torch.float32,))
+    check_dtype(ids, op, "ids", (torch.int64,))
+    for t in (grad_weights, ids):
+        check(t.dim() == 2 and t.shape[0] == logits.shape[0] and t.shape[1] == top_k, op,
+              lambda t=t: f"`grad_weights` and `ids` must be (tokens, top_k) = ({logits.shape[0]}, {top_k}), got "
+              f"{shape(t.shape)}")
+        check_same_device(logits, t, op, "logits", "grad_weights/ids")
+
+
 def _check_group_ends(op: str, rows_arg: str, rows, group_ends) -> None:
     check_dtype(group_ends, op, "group_ends", (torch.int32,))
     check_dim(group_ends, 1, op, "group_ends", "1-D (experts,)")

@@ -37,6 +37,22 @@ def _moe_combine_weight_grad_fake(grad_out, y, inverse, offsets, top_k, bias=Non
     return y.new_empty((inverse.numel() // top_k, top_k))
 
 
+def _moe_route_fake(logits, top_k, scoring, renormalize, renorm_epsilon, scale, num_groups, top_groups, group_score,
+                    masked_choice, selection_bias=None):
+    _checks.check_route_args("moe_route", logits, top_k, scoring, num_groups, top_groups, group_score, selection_bias)
+    weight_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return (logits.new_empty((logits.shape[0], top_k), dtype=weight_dtype),
+            logits.new_empty((logits.shape[0], top_k), dtype=torch.int64))
+
+
+def _moe_route_backward_fake(grad_weights, logits, ids, top_k, scoring, renormalize, renorm_epsilon, scale, num_groups,
+                             top_groups, group_score, masked_choice, selection_bias=None):
+    _checks.check_route_args("moe_route_backward", logits, top_k, scoring, num_groups, top_groups, group_score,
+                             selection_bias)
+    _checks.check_route_backward_args(grad_weights, logits, ids, top_k)
+    return torch.empty_like(logits)
+
+
 def _swiglu_fake(gate_up):
     _checks.check_swiglu_args("swiglu", gate_up)
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
@@ -184,12 +200,33 @@ def _clamped_swiglu_backward(ctx, grad_act):
     return grad_gate_up, None, None, grad_bias, None
 
 
+# route: ids, weights = the router's choice from logits (T, E); only the weights have a gradient
+def _route_setup(ctx, inputs, output):
+    ctx.spec = inputs[1:10]  # top_k .. masked_choice
+    # the logits' gradient recomputes the choice from the logits, the ids and the selection bias
+    needed = ctx.needs_input_grad[0]
+    ctx.save_for_backward(inputs[0] if needed else None, output[1] if needed else None,
+                          inputs[10] if needed else None)
+
+
+def _route_backward(ctx, grad_weights, grad_ids):
+    """d logits from d weights: the scores and the group choice recomputed from the logits
+    (T x E, cheap) rather than saved; the selection bias has no gradient (it only ranks)."""
+    logits, ids, selection_bias = ctx.saved_tensors
+    if grad_weights is None or not ctx.needs_input_grad[0]:
+        return (None,) * 11
+    grad_logits = call_in_backward("moe_route_backward", grad_weights.contiguous(), logits, ids, *ctx.spec,
+                                   selection_bias)
+    return (grad_logits,) + (None,) * 10
+
+
 def _register() -> None:
     """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
     lib = "hasten::"
     for name, fake in (("moe_group", _moe_group_fake), ("moe_permute", _moe_permute_fake),
                        ("moe_combine", _moe_combine_fake), ("moe_combine_weight_grad", _moe_combine_weight_grad_fake),
                        ("swiglu", _swiglu_fake), ("swiglu_backward", _swiglu_backward_fake),
+                       ("moe_route", _moe_route_fake), ("moe_route_backward", _moe_route_backward_fake),
                        ("clamped_swiglu", _clamped_swiglu_fake),
                        ("clamped_swiglu_backward", _clamped_swiglu_backward_fake),
                        ("moe_grouped_mm", _grouped_mm_fake), ("moe_grouped_mm_weight_grad", _grouped_mm_weight_grad_fake)):
@@ -197,9 +234,10 @@ def _register() -> None:
     register_autograd("moe_permute", _permute_backward, setup_context=_permute_setup)
     register_autograd("moe_combine", _combine_backward, setup_context=_combine_setup)
     register_autograd("moe_grouped_mm", _grouped_mm_backward, setup_context=_grouped_mm_setup)
+    register_autograd("moe_route", _route_backward, setup_context=_route_setup)
     register_autograd("swiglu", _swiglu_backward, setup_context=_swiglu_setup)
     register_autograd("clamped_swiglu", _clamped_swiglu_backward, setup_context=_clamped_swiglu_setup)
-    for op in ("moe_combine_weight_grad", "swiglu_backward", "clamped_swiglu_backward", "moe_grouped_mm_weight_grad"):
+    for op in ("moe_combine_weight_grad", "moe_route_backward", "swiglu_backward", "clamped_swiglu_backward", "moe_grouped_mm_weight_grad"):
         no_double_backward(op)
 
 
@@ -224,6 +262,22 @@ def group(expert_ids: torch.Tensor, num_experts: int) -> Grouping:
     load()
     counts, offsets, permutation, inverse = torch.ops.hasten.moe_group(expert_ids, num_experts)
     return Grouping(counts, offsets, permutation, inverse, expert_ids.shape[-1])
+
+
+def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
+          renorm_epsilon: float = 0.0, scale: float = 1.0, num_groups: int = 1, top_groups: int = 1,
+          group_score: str = "max", masked_choice: float = 0.0,
+          selection_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice from its logits (T, E) in one kernel each way, no host sync ->
+    (weights (T, k) float32, ids (T, k) int64). scores: softmax (torch's own softmax, bit for
+    bit on CUDA), sigmoid, or the logits ("topk_softmax": the weights are the softmax of the k
+    chosen logits); the choice ranks scores + selection_bias (no gradient), kept to the
+    `top_groups` best of `num_groups` contiguous expert groups (the others' choice set to
+    `masked_choice`, the model's masked_fill value); weights are the chosen scores (with a selection bias) or choice values, then
+    / (sum + renorm_epsilon) where `renormalize`, then * scale. csrc/registration.cpp has it all."""
+    load()
+    return call("moe_route", logits, int(top_k), scoring, bool(renormalize), float(renorm_epsilon), float(scale),
+                int(num_groups), int(top_groups), group_score, float(masked_choice), selection_bias)
 
 
 def permute(x: torch.Tensor, g: Grouping, slot_scale: torch.Tensor | None = None) -> torch.Tensor:
