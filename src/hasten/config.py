@@ -76,6 +76,11 @@ class MoEConfig:
     # MoE experts through hasten: one-kernel grouping (counts, offsets, permutation),
     # grouped GEMMs, fused SwiGLU and a deterministic combine.
     fused_grouping: bool = True
+    # MoE routers through hasten::moe_route: the model's logits GEMM, then its softmax or sigmoid,
+    # selection bias, group-limited top-k, renormalisation and scaling in one kernel each way (the
+    # table's router recipes, each router class checked against its own forward first; under
+    # autocast the model's own router runs).
+    fused_router: bool = False
 
 
 @dataclass

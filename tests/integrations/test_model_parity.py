@@ -14,6 +14,7 @@ import torch
 
 import hasten
 from hasten.config import Config
+from hasten.integrations.architectures import ARCHITECTURES
 from hasten.integrations.transformers import PackedBatchRefused
 from hasten.observability import fallback_counts, fallback_reasons, reset_fallbacks
 from tests import model_zoo as zoo
@@ -505,3 +506,26 @@ def test_an_evaluation_forward_on_a_packed_batch_gives_the_models_loss(name):
         assert abs(loss - total / targets) <= LOSS_TOLERANCE, (name, loss, total / targets)
     finally:
         handle.undo()
+
+
+_ROUTER_TYPES = sorted(n for n, e in zoo.ENTRIES.items()
+                       if e.attention != "refused" and getattr(ARCHITECTURES.get(e.model_type), "router", None))
+
+
+@pytest.mark.parametrize("name", _ROUTER_TYPES)
+def test_fused_routers_equal_each_sample_alone(name):
+    """training.moe.fused_router on every table type with a router recipe: each router class passes
+    its check against its own forward and runs on hasten::moe_route (said in the report), with the
+    model's loss and gradients, the routers' included; undo gives the routers' forwards back."""
+    entry = zoo.ENTRIES[name]
+    batch_samples = zoo.samples()
+    patched, want_loss, want = _reference_and_copy(entry, batch_samples)
+    config = Config.from_dict({"training": {"moe": {"fused_router": True}}})
+    handle, loss, got = zoo.packed_run(patched, batch_samples, config)
+    try:
+        assert any(item.startswith("fused MoE routers (") for item in handle.active), handle.report()
+        assert not any(item.startswith("fused MoE routers for") for item in handle.inactive), handle.report()
+        _assert_equal_to_reference(name, loss, got, want_loss, want)
+    finally:
+        handle.undo()
+    assert not any("forward" in m.__dict__ for m in patched.modules())

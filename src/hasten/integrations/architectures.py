@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hasten.dense.spec import LogitSpec, MlpSpec, NormSpec, RotarySpec
+from hasten.moe.router import (DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, MIXTRAL, SOFTMAX_TOPK, SOFTMAX_TOPK_RENORM,
+                               RouterSpec)
 from hasten.stateful.patch import StatefulSpec
 
 
@@ -45,6 +47,10 @@ class ArchSpec:
     # an MoE block whose experts are not transformers' experts interface, fused at the level of the
     # block (hasten.moe.blocks): "llama4"; empty: none
     moe_block: str = ""
+    # what the MoE routers compute after their logits, for hasten::moe_route
+    # (training.moe.fused_router; each router class is checked against it first); None: the
+    # routers stay the model's
+    router: RouterSpec | None = None
     # a hybrid model's layers that carry state along the sequence (linear attention, short
     # convolutions), computed per packed sample by hasten.stateful; None: the model has none, and
     # a model with such layers but no entry here has packed batches refused
@@ -130,7 +136,7 @@ _GATED_DELTANET = StatefulSpec(layers=(("GatedDeltaNet", ("causal_conv1d_fn", "t
 _SHORT_CONV = StatefulSpec(layers=(("ShortConv", ("causal_conv1d_fn",)),))
 _GDN_CODE = ("the Gated DeltaNet layers' projections, gates and gated RMSNorm (the model's own code around the "
              "varlen convolution and delta rule)",)
-_QWEN3_NEXT = ArchSpec("moe", norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True), rotary=RotarySpec(partial=True),
+_QWEN3_NEXT = ArchSpec("moe", router=SOFTMAX_TOPK, norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True), rotary=RotarySpec(partial=True),
                        attention=("the attention output gate (sigmoid), in the model's own attention module",),
                        model_code=_GDN_CODE + ("the shared expert and its sigmoid gate",),
                        stateful=_GATED_DELTANET)
@@ -151,7 +157,7 @@ _AYA_VISION = ArchSpec("dense", norm=NormSpec(kind="layer", class_suffix="LayerN
                              "its forward applies it (Aya Vision from transformers 5.25 on)")
 
 # GLM-4-MoE's classes (modeling_glm4_moe) under another model type: Sarvam-30B, Param2
-_GLM4_MOE_CLASSES = ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
+_GLM4_MOE_CLASSES = ArchSpec("moe", router=DEEPSEEK_V3, norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
                              attention=("qkv bias (attention_bias, the checkpoints' use_qkv_bias) where set",),
                              model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
                                          "shared experts", "dense first layers (first_k_dense_replace)"),
@@ -212,7 +218,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                       vision=_QWEN_VL_VISION, notes="post-attention and post-MLP norms beside the pre-norms"),
     # GLM-4.5V (Glm4vMoeForConditionalGeneration): GLM-4-MoE's text decoder (pre-norms only, halves
     # rotary on part of each head, without q/k norms) with mrope; the router is the model's own
-    "glm4v_moe": ArchSpec("moe", rotary=RotarySpec(partial=True, note=_MROPE.note),
+    "glm4v_moe": ArchSpec("moe", router=DEEPSEEK_V3, rotary=RotarySpec(partial=True, note=_MROPE.note),
                           attention=("qkv bias (attention_bias)",),
                           model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
                                       "shared experts", "dense first layers (first_k_dense_replace)",
@@ -453,25 +459,25 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                "token_type_ids, so packed samples train causally, as the model computes without "
                                "them"),
     # --- MoE -----------------------------------------------------------------------------------
-    "qwen3_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), attention=(_WINDOWS,)),
-    "qwen2_moe": ArchSpec("moe", attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),
-    "mixtral": ArchSpec("moe", attention=(_WINDOWS,)),
-    "olmoe": ArchSpec("moe", norm=NormSpec(qk_norm=True)),
+    "qwen3_moe": ArchSpec("moe", router=SOFTMAX_TOPK, norm=NormSpec(qk_norm=True), attention=(_WINDOWS,)),
+    "qwen2_moe": ArchSpec("moe", router=SOFTMAX_TOPK, attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),
+    "mixtral": ArchSpec("moe", router=MIXTRAL, attention=(_WINDOWS,)),
+    "olmoe": ArchSpec("moe", router=SOFTMAX_TOPK, norm=NormSpec(qk_norm=True)),
     # the routers below are the models' own (sigmoid scores with a correction bias, group-limited
     # top-k, routed scaling, shared experts: all in transformers' code); hasten's grouping kernel
     # takes the top-k ids and weights they return, and the experts are the standard SwiGLU stack
-    "glm4_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
+    "glm4_moe": ArchSpec("moe", router=DEEPSEEK_V3, norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
                          model_code=("sigmoid router with a correction bias, group-limited top-k, routed scaling",
                                      "shared experts", "dense first layers (first_k_dense_replace)")),
-    "dots1": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+    "dots1": ArchSpec("moe", router=DEEPSEEK_V3, norm=NormSpec(qk_norm=True),
                       model_code=("sigmoid router with a correction bias, routed scaling", "shared experts",
                                   "dense first layers (first_k_dense_replace)")),
     "ernie4_5_moe": ArchSpec("moe", rotary=RotarySpec(interleaved=True, cos_first_half=True),
                              model_code=("shared experts", "dense first layers (moe_layer_start_index)")),
     "hunyuan_v1_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), model_code=("shared expert",)),
-    "flex_olmo": ArchSpec("moe", norm=NormSpec(placement="post", qk_norm=True),
+    "flex_olmo": ArchSpec("moe", router=SOFTMAX_TOPK, norm=NormSpec(placement="post", qk_norm=True),
                           notes="OLMo-2-style post-norms, q/k norms over the whole projection"),
-    "gpt_oss": ArchSpec("moe", rotary=RotarySpec(half_width_cos=True),
+    "gpt_oss": ArchSpec("moe", router=GPT_OSS, rotary=RotarySpec(half_width_cos=True),
                         attention=(_LAYER_WINDOWS, "attention sinks (a logit per head in the softmax denominator)",
                                    "qkv bias"),
                         model_code=("router with a bias, top-k before its softmax",
@@ -481,12 +487,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # keys and values expanded from a compressed latent; q/k heads of nope + rope size, value heads
     # smaller), the rotary on the rope part only; the router is the model's own (V2: softmax,
     # greedy or group-limited top-k; V3: sigmoid with a correction bias, group-limited top-k)
-    "deepseek_v2": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+    "deepseek_v2": ArchSpec("moe", router=DEEPSEEK_V2, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "softmax router, greedy or group-limited top-k (topk_method), routed scaling",)),
-    "deepseek_v3": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+    "deepseek_v3": ArchSpec("moe", router=DEEPSEEK_V3, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
     # GLM-4.7-Flash: DeepSeek-V3's layout (MLA, the same router) under GLM's names
-    "glm4_moe_lite": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+    "glm4_moe_lite": ArchSpec("moe", router=DEEPSEEK_V3, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
     # MiniCPM3: a dense Llama decoder with DeepSeek-V2's multi-head latent attention (an optional
     # low-rank query, keys and values from a compressed latent, value heads smaller), rotated by the
@@ -508,7 +514,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # A.X-K1 (SK Telecom): DeepSeek-V3's layout (MLA with a low-rank query, the sigmoid group-limited
     # router, a shared expert, dense layers where mlp_layer_types says) plus an RMSNorm on the MoE
     # block's output (post_mlp_layernorm, inside the block, after the shared expert is added)
-    "axk1": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=(
+    "axk1": ArchSpec("moe", router=DEEPSEEK_V3, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=(
         "low-rank query (q_lora_rank) and compressed key/value (kv_lora_rank) projections with their RMSNorms",
         "sigmoid router with a correction bias, group-limited top-k, routed scaling", "shared experts",
         "dense layers (mlp_layer_types; legacy first_k_dense_replace / moe_layer_freq)",
@@ -520,7 +526,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                    "the LM head bias")),
     "llama4_text": _LLAMA4_TEXT,
     # Solar Open: Llama's attention (no q/k norms) with GLM-4-MoE's MoE block on every layer
-    "solar_open": ArchSpec("moe", model_code=("sigmoid router with a correction bias, group-limited top-k, "
+    "solar_open": ArchSpec("moe", router=DEEPSEEK_V3, model_code=("sigmoid router with a correction bias, group-limited top-k, "
                                               "routed scaling", "shared experts")),
     # MiniMax-M2: q/k RMSNorms over the whole projection (all heads at once, before the head split),
     # half of each head rotates (its checkpoints' rotary_dim), a sigmoid router with a correction bias
@@ -543,7 +549,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                             "weight before the cast to the input dtype (Gemma's order): the same in float32, one "
                             "bf16 rounding apart from hasten's kernel (Llama's order) in bf16"),
     # Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration): its text model on text-only packed batches
-    "qwen3_vl_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=_MROPE,
+    "qwen3_vl_moe": ArchSpec("moe", router=SOFTMAX_TOPK_RENORM, norm=NormSpec(qk_norm=True), rotary=_MROPE,
                              model_code=("the vision tower, its merger and the deepstack features it adds to the first "
                                          "text layers (image batches only)",),
                              vision=_QWEN_VL_VISION),
@@ -572,7 +578,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                             notes="the shared experts and dense prefix MLPs are SwiGLU MLPs on hasten's kernel"),
     # K-EXAONE: pre-norm decoder (unlike exaone4's post-norms), q/k RMSNorm per head, rotary only
     # on the sliding-window layers (global layers NoPE)
-    "exaone_moe": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+    "exaone_moe": ArchSpec("moe", router=DEEPSEEK_V3, norm=NormSpec(qk_norm=True),
                            rotary=RotarySpec(note="on the sliding-window layers only (global layers without rotary "
                                              "where a sliding window is set): the model's attention decides"),
                            attention=(_LAYER_WINDOWS,),
@@ -591,7 +597,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # MiMo-V2-Flash: sliding-window layers with attention sinks (and twice the K/V heads) between
     # full-attention layers without; value heads (v_head_dim) smaller than the query/key heads, scaled
     # by attention_value_scale; partial rotary with a base per layer type; DeepSeek-V3's router
-    "mimo_v2_flash": ArchSpec("moe", rotary=RotarySpec(partial=True, note="a rotary base and width per layer type "
+    "mimo_v2_flash": ArchSpec("moe", router=DEEPSEEK_V3, rotary=RotarySpec(partial=True, note="a rotary base and width per layer type "
                                                                           "(rope_parameters by layer type), chosen "
                                                                           "per layer by the model"),
                               attention=(_LAYER_WINDOWS, "attention sinks on the sliding-window layers (a logit per "
@@ -635,7 +641,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Mellum (JetBrains Mellum2): Qwen3-MoE's layer (q/k RMSNorms per head, softmax router, normalised
     # top-k) with sliding windows on the layers layer_types marks, a rotary base per layer type (full
     # rotary on every layer), dense SwiGLU layers where mlp_layer_types says "dense"
-    "mellum": ArchSpec("moe", norm=NormSpec(qk_norm=True),
+    "mellum": ArchSpec("moe", router=SOFTMAX_TOPK, norm=NormSpec(qk_norm=True),
                        rotary=RotarySpec(note="a rotary base per layer type (rope_parameters by layer type), chosen "
                                               "per layer by the model"),
                        attention=(_LAYER_WINDOWS,),
@@ -678,15 +684,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_next": _QWEN3_NEXT,
     # Qwen3.5's text models: Qwen3-Next's layout, dense or MoE, with the multimodal rotary (mrope:
     # for text its sections read the token positions)
-    "qwen3_5_text": dataclasses.replace(_QWEN3_NEXT, family="dense", rotary=dataclasses.replace(_MROPE, partial=True),
+    "qwen3_5_text": dataclasses.replace(_QWEN3_NEXT, family="dense", router=None, rotary=dataclasses.replace(_MROPE, partial=True),
                                         model_code=_GDN_CODE),
-    "qwen3_5_moe_text": dataclasses.replace(_QWEN3_NEXT, rotary=dataclasses.replace(_MROPE, partial=True)),
+    "qwen3_5_moe_text": dataclasses.replace(_QWEN3_NEXT, router=SOFTMAX_TOPK_RENORM,
+                                            rotary=dataclasses.replace(_MROPE, partial=True)),
     # Qwen3.5's published checkpoints (Qwen3_5ForConditionalGeneration): the text model above on
     # text-only packed batches, the vision tower as transformers wrote it
-    "qwen3_5": dataclasses.replace(_QWEN3_NEXT, family="dense", rotary=dataclasses.replace(_MROPE, partial=True),
+    "qwen3_5": dataclasses.replace(_QWEN3_NEXT, family="dense", router=None, rotary=dataclasses.replace(_MROPE, partial=True),
                                    model_code=_GDN_CODE + ("the vision tower and its merger (image batches only)",),
                                    vision=_QWEN_VL_VISION),
-    "qwen3_5_moe": dataclasses.replace(_QWEN3_NEXT, rotary=dataclasses.replace(_MROPE, partial=True),
+    "qwen3_5_moe": dataclasses.replace(_QWEN3_NEXT, router=SOFTMAX_TOPK_RENORM,
+                                       rotary=dataclasses.replace(_MROPE, partial=True),
                                        model_code=_QWEN3_NEXT.model_code + ("the vision tower and its merger (image "
                                                                             "batches only)",),
                                        vision=_QWEN_VL_VISION),
@@ -767,7 +775,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                    "classes around Llama's gated attention"),
     # Sarvam-105B: DeepseekV3ForCausalLM's classes (multi-head latent attention, here with a plain query
     # projection: q_lora_rank None, the sigmoid group-limited router, shared experts, dense first layers)
-    "sarvam_mla": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+    "sarvam_mla": ArchSpec("moe", router=DEEPSEEK_V3, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",),
         notes="DeepseekV3ForCausalLM's classes (modeling_deepseek_v3) under model_type sarvam_mla"),
     # BitNet b1.58: Llama's decoder with an RMSNorm on the attention output before o_proj (attn_sub_norm)
@@ -785,7 +793,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Kimi Linear: Kimi Delta Attention layers (a short convolution over q/k/v, then the gated delta rule
     # with a decay per key channel, chunk_kimi_delta_attention) between multi-head latent attention
     # layers without rotary (NoPE); DeepSeek-V3's router and experts, shared experts, dense first layers
-    "kimi_linear": ArchSpec("moe",
+    "kimi_linear": ArchSpec("moe", router=DEEPSEEK_V3,
                             rotary=RotarySpec(own=True, note="none: its latent attention rotates nothing (NoPE); the "
                                                              "qk_rope_head_dim part of each key head is one shared, "
                                                              "unrotated head"),
@@ -1001,7 +1009,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Kimi K2.5 (Kimi_K25ForConditionalGeneration): DeepSeek-V3's text model (MLA, sigmoid group-limited
     # router with a correction bias, shared experts, dense first layers), a MoonViT tower; image and
     # video placeholder ids are embedded as id 0 (the same packed or not)
-    "kimi_k25": ArchSpec("moe", rotary=_DEEPSEEK_ROTARY, attention=(_MLA,),
+    "kimi_k25": ArchSpec("moe", router=DEEPSEEK_V3, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,),
                          model_code=_DEEPSEEK_CODE + ("sigmoid router with a correction bias, group-limited top-k, "
                                                       "routed scaling",
                                                       "the MoonViT vision tower and its patch-merging projector"),

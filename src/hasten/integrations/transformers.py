@@ -1087,6 +1087,37 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
     handle.active.append(f"fused MoE experts ({len(experts)} layers: {describe(experts[0])})")
 
 
+def _patch_routers(model: PreTrainedModel, config: Config, handle: AccelerationHandle) -> None:
+    """training.moe.fused_router: the routers of the table's recipe on hasten::moe_route, each
+    router class checked against its own forward first (hasten.moe.router)."""
+    from hasten.moe.router import find_routers, install_fused_routers
+
+    routers = find_routers(model)
+    if not routers:
+        return
+    spec = spec_for(model.config)
+    if not config.training.moe.fused_router:
+        handle.inactive.append("training.moe.fused_router is false: the MoE routers run as the model wrote them")
+        return
+    if spec is None or spec.router is None:
+        handle.inactive.append("fused MoE routers (the model table has no router recipe for this model type: the "
+                               "routers run as the model wrote them)")
+        return
+    if (no_kernels := _cuda_kernels_missing(model, "moe_route")) is not None:
+        reasons = [no_kernels]
+        undo, count = (lambda: None), 0
+    else:
+        undo, count, reasons = install_fused_routers(routers, spec.router)
+    if reasons:
+        record_fallback("moe_router", "MoE routers left to the model (" + "; ".join(reasons) + ")")
+        handle.inactive.append(f"fused MoE routers for {len(routers) - count} of {len(routers)} layers ("
+                               + "; ".join(reasons) + ")")
+    if count:
+        handle._undo_steps.append(undo)
+        handle.active.append(f"fused MoE routers ({count} layers: the model's logits, then {spec.router.describe()} "
+                             "in hasten::moe_route)")
+
+
 def _patch_moe_blocks(model: PreTrainedModel, kind: str, handle: AccelerationHandle) -> None:
     """The table's MoE block adapter (`ArchSpec.moe_block`), for experts outside transformers'
     experts interface: each block's forward on hasten's grouping path, checked first."""
@@ -1433,6 +1464,7 @@ def accelerate(model: PreTrainedModel, config: Config | None = None) -> Accelera
     try:
         _patch_attention(model, config, handle)
         _patch_moe(model, config, handle)
+        _patch_routers(model, config, handle)
         _patch_memory(model, config, handle)
         _patch_loss(model, config, handle)
         _patch_dense_kernels(model, config, handle)

@@ -271,11 +271,6 @@ def formula_mismatch(module: nn.Module) -> str | None:
     return None
 
 
-# The names an MoE block gives the child that routes tokens among its experts (top-k): a Linear
-# (Mixtral's, Qwen3-MoE's and DeepSeek's `gate` in transformers 5.17, Aria's and Llama 4's
-# `router`) or a router module around one (DBRX's router.layer, Hunyuan's gate.wg, LongCat's
-# router.classifier). A shared expert's sigmoid gate (Qwen2-MoE) selects nothing: not among them.
-ROUTER_NAMES = frozenset({"gate", "router"})
 ROUTER_ADAPTER_REASON = (
     "the model's MoE routers carry LoRA adapters (target_modules reaches them, as 'all-linear' does "
     "where a router is a Linear): hasten's fused projections compute the low-rank update in bf16 "
