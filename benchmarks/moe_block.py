@@ -27,6 +27,10 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
                       backward graphed apart, autograd adds the gradients into .grad (accumulation-safe)
   hasten_compiled     hasten_fused under torch.compile (default mode); recompiles over the timed steps
                       and graph breaks are in the notes
+  hasten_router       hasten_fused with the block's router on hasten::moe_route (training.moe.fused_router:
+                      the model's logits GEMM, then its scoring, top-k, renormalisation and scaling in one
+                      kernel each way), after the check accelerate() makes
+  hasten_router_graphed  hasten_router captured as hasten_graphed is
 The graphed and compiled variants check their output and every gradient (input and parameters)
 against eager hasten_fused on the same inputs and print the largest relative difference. A variant
 that fails writes its error into its row and the run goes on.
@@ -59,7 +63,10 @@ from hasten.ops import moe as moe_ops  # noqa: E402
 IMPL = {"hf_moe_eager": "eager", "hf_moe_grouped_mm": "grouped_mm", "hasten_fused": "hasten_fused",
         "hasten_graphed": "hasten_fused", "hasten_graphed_callables": "hasten_fused",
         "hasten_compiled": "hasten_fused", "hasten_fused_class_shared": "hasten_fused",
-        "hasten_fused_torch_gemm": "hasten_fused"}
+        "hasten_fused_torch_gemm": "hasten_fused", "hasten_router": "hasten_fused",
+        "hasten_router_graphed": "hasten_fused"}
+# variants whose router runs on hasten::moe_route
+FUSED_ROUTER = {"hasten_router", "hasten_router_graphed"}
 # variants run with HASTEN_GROUPED_GEMM set (read by hasten's grouped GEMM on every call)
 GROUPED_GEMM = {"hasten_fused_torch_gemm": "torch"}
 # variants whose shared experts (DeepSeek's, Llama 4's) stay the class's own MLP under hasten's experts
@@ -67,7 +74,9 @@ CLASS_SHARED_MLPS = {"hasten_fused_class_shared"}
 # graphed replays must equal eager hasten (same kernels, same inputs); compiled may reorder float math
 DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and a small block)
 GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2,
-                  "hasten_fused_torch_gemm": 2e-2}  # another GEMM kernel: bf16 outputs rounded apart
+                  "hasten_fused_torch_gemm": 2e-2,  # another GEMM kernel: bf16 outputs rounded apart
+                  # the router's renormalising sum in another order: weights a float32 ulp apart
+                  "hasten_router": 2e-2, "hasten_router_graphed": 2e-2}
 
 
 BLOCK = "qwen3_30b_a3b"  # set by --block
@@ -184,12 +193,36 @@ def use_shared_mlps(block, config, fused: bool) -> int:
     return patched
 
 
-def use_implementation(block, config, implementation: str, class_shared_mlps: bool = False) -> None:
+def use_routers(block, config, fused: bool) -> int:
+    """The block's router on hasten::moe_route (fused) or its class's forward: as accelerate() does
+    with training.moe.fused_router, the table's recipe checked against the class first. Returns the
+    routers fused."""
+    undo = block.__dict__.pop("_w3_router_undo", None)
+    if undo is not None:
+        undo()
+    if not fused:
+        return 0
+    from hasten.integrations.architectures import ARCHITECTURES
+    from hasten.moe.router import find_routers, install_fused_routers
+
+    spec = ARCHITECTURES[config.model_type].router
+    if spec is None:
+        raise ValueError(f"the model table has no router recipe for {config.model_type}")
+    undo, count, reasons = install_fused_routers(find_routers(block), spec)
+    block.__dict__["_w3_router_undo"] = undo
+    if reasons or not count:
+        raise RuntimeError(f"the fused router refused this block: {'; '.join(reasons) or 'no router found'}")
+    return count
+
+
+def use_implementation(block, config, implementation: str, class_shared_mlps: bool = False,
+                       fused_router: bool = False) -> None:
     """The experts implementation for the next calls: transformers' experts interface name, or for
     Llama 4 (no such interface) its block's own forward ("eager") or hasten's ("hasten_fused"); the
     shared MLPs follow (use_shared_mlps) unless class_shared_mlps keeps them the class's own."""
     fused_shared = implementation == "hasten_fused" and not class_shared_mlps
     block.__dict__["_w3_shared_mlps_fused"] = use_shared_mlps(block, config, fused_shared)
+    use_routers(block, config, fused_router)
     if BLOCK != "llama4_scout":
         config._experts_implementation = implementation
         return
@@ -293,10 +326,11 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
                 profile: bool = False) -> dict:
     """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'."""
     reset_fallbacks()
-    use_implementation(block, config, IMPL[name], class_shared_mlps=name in CLASS_SHARED_MLPS)
+    use_implementation(block, config, IMPL[name], class_shared_mlps=name in CLASS_SHARED_MLPS,
+                       fused_router=name in FUSED_ROUTER)
     notes, check = [], None
     cleanup = []
-    if name == "hasten_graphed":
+    if name in ("hasten_graphed", "hasten_router_graphed"):
         graph, static_out = capture_forward_backward(block, x, grad)
         cleanup.append(lambda: block.zero_grad(set_to_none=True))
 
@@ -351,7 +385,8 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
                              if hasattr(m, "_hasten_gate") and getattr(m, "has_bias", False)})
         notes.append(f"expert gate {gates or 'n/a'}; gate_up bias in the gate kernel {fused_bias or 'n/a'}; "
                      "shared MLPs on hasten's SwiGLU "
-                     f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}; grouped GEMM "
+                     f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}; router on hasten::moe_route "
+                     f"{'_w3_router_undo' in block.__dict__}; grouped GEMM "
                      f"{os.environ.get('HASTEN_GROUPED_GEMM') or 'torch._grouped_mm (HASTEN_GROUPED_GEMM unset)'}")
     notes.append(f"output rel err vs eager {out_err:.2e}")
     if name in GRAD_TOLERANCE:
@@ -472,7 +507,9 @@ def run(args, variants: list[str]) -> int:
     for a, b in (("hf_moe_grouped_mm", "hasten_fused"), ("hf_moe_eager", "hasten_fused"),
                  ("hasten_fused_torch_gemm", "hasten_fused"),
                  ("hasten_fused", "hasten_graphed"), ("hasten_fused", "hasten_graphed_callables"),
-                 ("hasten_fused", "hasten_compiled"), ("torch_sort_histc_cumsum", "hasten_moe_group")):
+                 ("hasten_fused", "hasten_compiled"), ("hasten_fused", "hasten_router"),
+                 ("hasten_graphed", "hasten_router_graphed"), ("hf_moe_grouped_mm", "hasten_router"),
+                 ("hf_moe_grouped_mm", "hasten_router_graphed"), ("torch_sort_histc_cumsum", "hasten_moe_group")):
         if a in by and b in by:
             print(f"{b} vs {a}: {by[a] / by[b]:.2f}x")
     print(f"rows appended to {path}")

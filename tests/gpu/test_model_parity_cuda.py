@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from hasten.integrations.architectures import ARCHITECTURES
 from hasten.integrations.transformers import PackedBatchRefused
 from hasten.observability import fallback_counts, fallback_reasons
 from hasten.stateful.varlen import REPLACEMENTS
@@ -304,3 +305,17 @@ def check_lora_parity(name: str, settings: dict | None = None, report: bool = Tr
                       (want_loss, want), (noise_loss, noise), report=report, job="lora")
     finally:
         handle.undo()
+
+
+# training.moe.fused_router (off by default): every table type with a router recipe, the routers on
+# hasten::moe_route after their class's check, against the float32 model one sample at a time
+ROUTER_TYPES = sorted(n for n, e in zoo.ENTRIES.items()
+                      if e.attention != "refused" and getattr(ARCHITECTURES.get(n), "router", None))
+
+
+@pytest.mark.parametrize("name", ROUTER_TYPES)
+def test_fused_routers_bf16_within_noise_of_each_sample_alone(name):
+    row = check_packed_parity(name, LENGTHS, settings={"training": {"moe": {"fused_router": True}}})
+    if row.get("outcome") != "refused":
+        assert any(item.startswith("fused MoE routers (") for item in row["active"]), row
+        assert "moe_router" not in row.get("fallbacks", {}), row

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hasten.dense.spec import LogitSpec, MlpSpec, NormSpec, RotarySpec
-from hasten.moe.router import (DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, MIXTRAL, SOFTMAX_TOPK, SOFTMAX_TOPK_RENORM,
+from hasten.moe.spec import (DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, MIXTRAL, SOFTMAX_TOPK, SOFTMAX_TOPK_RENORM,
                                RouterSpec)
 from hasten.stateful.patch import StatefulSpec
 

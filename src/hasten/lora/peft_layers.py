@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hasten.instance_forward import HOOKED_REASON, has_call_hooks, hooked, replace_forward, restore_forward
+from hasten.moe.spec import ROUTER_NAMES
 from hasten.observability import record_fallback
 from hasten.ops.lora import lora_gated_group, lora_linear, lora_linear_group, lora_linear_quantized
 from hasten.shared_input import SHARED_INPUT_NAMES, WaitingOutputs
