@@ -8,6 +8,8 @@
 #           llama4_scout qwen3_30b_a3b): hasten_fused against transformers' grouped_mm (Llama 4:
 #           against its block's own forward), 16,384 tokens                                  cap 120 s each
 #           (W3_ARGS: more options, e.g. --profile hasten_fused)
+#   router  benchmarks/moe_router.py: one router's forward + backward, the model's against hasten's
+#           fused one, GPU and host microseconds (rows W3_router.jsonl)                      cap 120 s
 #   ggprobe scripts/grouped_gemm_probe.py: the experts' six grouped GEMMs of W3's blocks per CUTLASS
 #           sm90 configuration against torch._grouped_mm (CUTLASS's headers from
 #           .whl/cutlass-include.txz, unpacked to /tmp/cutlass; the TUs built in parallel) cap 400 s
@@ -29,6 +31,11 @@ if (( built )); then
   if [[ $PARTS == *" gpu "* ]]; then
     part gpu "${GPU_CAP:-200}" python3 -m pytest ${GPU_TESTS:-tests/gpu/test_model_parity_cuda.py tests/gpu/test_attention_cuda.py tests/gpu/test_moe_cuda.py} -q -rs
     grep -E "passed|failed|skipped|^FAILED|^ERROR|Error" "$LOGS/gpu.log" 2>/dev/null | tail -20 | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" router "* ]]; then
+    # the model's router against hasten's fused one (training.moe.fused_router), GPU and host time
+    part router 120 python3 benchmarks/moe_router.py --out "$LOGS" ${ROUTER_ARGS:-}
+    grep -E "us GPU|Error" "$LOGS/router.log" 2>/dev/null | tail -12 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" ggprobe "* ]]; then
     export MAX_JOBS=16  # CUTLASS's headers: unpacked by gpu_parts.sh to HASTEN_CUTLASS_DIR
