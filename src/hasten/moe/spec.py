@@ -61,7 +61,10 @@ DEEPSEEK_V3 = RouterSpec("sigmoid", logits="float32", renormalize="norm_topk_pro
 GPT_OSS = RouterSpec("topk_softmax", logits="input_bias")
 
 
-# A router is a child named so of a module with an `experts` child (transformers' MoE blocks):
-# Mixtral's, Qwen3-MoE's and DeepSeek's `gate`, gpt-oss's `router`. A shared expert's sigmoid gate
-# (Qwen2-MoE's shared_expert_gate) selects nothing and is not among them.
+# The names an MoE block (a module with an `experts` child) gives the child that routes tokens among
+# its experts (top-k): a Linear or router module (Mixtral's, Qwen3-MoE's and DeepSeek's `gate`,
+# gpt-oss's, Aria's and Llama 4's `router`) or a module around one (DBRX's router.layer, Hunyuan's
+# gate.wg, LongCat's router.classifier). A shared expert's sigmoid gate (Qwen2-MoE's
+# shared_expert_gate) selects nothing and is not among them. LoRA's router check and the fused
+# routers both find routers by it.
 ROUTER_NAMES = frozenset({"gate", "router"})
