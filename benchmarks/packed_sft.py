@@ -32,6 +32,8 @@ One run measures every variant on the same 16,384-token batch of 61 samples:
                      rotary after them in one kernel each way (hasten::rms_norm_rope)
   hasten_linear_groups  hasten with kernels.fused_linear_groups on: q/k/v and gate/up with one input
                      gradient their GEMMs accumulate onto (no autograd adds)
+  hasten_fused_router  hasten with training.moe.fused_router on: MoE routers after their logits on
+                     hasten::moe_route (MoE shapes: gpt_oss_20b)
   hasten_graphed_optimizer  hasten with the AdamW step captured in a CUDA graph (GraphedAdamW, one eager
                      warm-up step; training.cuda_graphs: optimizer in hasten train)
   hasten_graphed_step  hasten with the whole step (forward, loss, backward, fused capturable AdamW) captured
@@ -333,7 +335,8 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
                   "hasten_residual_unfused": {"kernels": {"fused_residual": False}},
                   "hasten_residual_grad_fused": {"kernels": {"fused_residual_grad": True}},
                   "hasten_qk_norm_rope": {"kernels": {"fused_qk_norm_rope": True}},
-                  "hasten_linear_groups": {"kernels": {"fused_linear_groups": True}}}
+                  "hasten_linear_groups": {"kernels": {"fused_linear_groups": True}},
+                  "hasten_fused_router": {"training": {"moe": {"fused_router": True}}}}
     if name in hasten_cfg:
         handle = hasten.accelerate(model, Config.from_dict(hasten_cfg[name]))
         handles.append(handle)
@@ -356,7 +359,7 @@ def _run_variant(name, model, samples, isolation: Isolation, steps, profile, han
     if name in ("hasten", "hasten_unfused", "hasten_fused_ce_only", "hasten_all_kernels", "hasten_gqa_repeat",
                 "hasten_fa2", "liger", "hasten_compiled", "hasten_graphed_optimizer", "hasten_graphed_step",
                 "hasten_residual_unfused",
-                "hasten_residual_grad_fused", "hasten_qk_norm_rope", "hasten_linear_groups"):
+                "hasten_residual_grad_fused", "hasten_qk_norm_rope", "hasten_linear_groups", "hasten_fused_router"):
         inputs = [packed]
     elif name in ("hasten_posids", "hasten_no_cache"):
         inputs = [{k: packed[k] for k in ("input_ids", "position_ids", "labels")}]
@@ -527,7 +530,7 @@ def main() -> int:
             if ref in base:
                 print(f"hasten vs {ref}: {base['hasten']['tokens_per_s'] / base[ref]['tokens_per_s']:.2f}x tokens/s, "
                       f"peak {base['hasten']['peak_gib']:.1f} vs {base[ref]['peak_gib']:.1f} GiB")
-        for mine in ("hasten_compiled", "hasten_graphed_optimizer", "hasten_graphed_step"):
+        for mine in ("hasten_compiled", "hasten_graphed_optimizer", "hasten_graphed_step", "hasten_fused_router"):
             if mine in base:
                 print(f"{mine} vs hasten: {base[mine]['tokens_per_s'] / base['hasten']['tokens_per_s']:.3f}x tokens/s, "
                       f"peak {base[mine]['peak_gib']:.1f} vs {base['hasten']['peak_gib']:.1f} GiB")
