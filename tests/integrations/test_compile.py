@@ -27,13 +27,16 @@ MODELS = {
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(intermediate_size=96, **SMALL)),
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32,
                                                             num_experts=4, num_experts_per_tok=2, **SMALL)),
+    # the same MoE model with its routers on hasten::moe_route (training.moe.fused_router)
+    "qwen3_moe_router": lambda: MODELS["qwen3_moe"](),
 }
+SETTINGS = {"qwen3_moe_router": {"training": {"moe": {"fused_router": True}}}}
 # The compiler backend of the parity tests: inductor (training.compile's) for the MoE layer, which
 # holds every kind of hasten op (norms, rotary, experts, the host-loop fallbacks); the dense
 # layers' inductor graph is the embedded Qwen3 that tests/training/test_train_compile.py trains.
 # aot_eager for llama and qwen3: the same dynamo trace, guards and autograd graphs, without the C++
 # builds that take most of a cold compile on two cores (inductor for all three: about 65 s).
-BACKEND = {"llama": "aot_eager", "qwen3": "aot_eager", "qwen3_moe": "inductor"}
+BACKEND = {"llama": "aot_eager", "qwen3": "aot_eager", "qwen3_moe": "inductor", "qwen3_moe_router": "aot_eager"}
 # packed batches of other token counts, sequence counts and longest sequences; one-token samples
 BATCHES = [(7, 1, 19, 12), (3, 30, 1), (5, 5, 5, 5, 5, 5, 2), (40, 1, 1, 9, 2)]
 
@@ -98,14 +101,15 @@ def _assert_same(got, want, what):
 def patched(request):
     torch.manual_seed(0)
     model = MODELS[request.param]()
-    handle = hasten.accelerate(model, Config())
+    handle = hasten.accelerate(model, Config.from_dict(SETTINGS.get(request.param, {})))
     active = " | ".join(handle.active)
+    assert ("fused MoE routers" in active) == (request.param == "qwen3_moe_router"), active
     assert "varlen attention" in active and "RMSNorm" in active and "RoPE" in active, active
     # Qwen3's attention rewritten onto hasten::rms_norm_rope (kernels.fused_qk_norm_rope); the
     # shared-input projections (kernels.fused_linear_groups) run one by one under compile
     assert ("head RMSNorm + RoPE" in active) == request.param.startswith("qwen3"), active
     assert "shared-input projections" in active, active
-    assert ("fused MoE experts" if request.param == "qwen3_moe" else "SwiGLU MLP") in active, active
+    assert ("fused MoE experts" if request.param.startswith("qwen3_moe") else "SwiGLU MLP") in active, active
     calls = [_layer_calls(model, lengths) for lengths in BATCHES]  # per batch, per layer
     yield request.param, model, calls
     handle.undo()
