@@ -136,7 +136,8 @@ _GATED_DELTANET = StatefulSpec(layers=(("GatedDeltaNet", ("causal_conv1d_fn", "t
 _SHORT_CONV = StatefulSpec(layers=(("ShortConv", ("causal_conv1d_fn",)),))
 _GDN_CODE = ("the Gated DeltaNet layers' projections, gates and gated RMSNorm (the model's own code around the "
              "varlen convolution and delta rule)",)
-_QWEN3_NEXT = ArchSpec("moe", router=SOFTMAX_TOPK, norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True), rotary=RotarySpec(partial=True),
+_QWEN3_NEXT = ArchSpec("moe", router=SOFTMAX_TOPK,
+                       norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True), rotary=RotarySpec(partial=True),
                        attention=("the attention output gate (sigmoid), in the model's own attention module",),
                        model_code=_GDN_CODE + ("the shared expert and its sigmoid gate",),
                        stateful=_GATED_DELTANET)
@@ -460,7 +461,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                "them"),
     # --- MoE -----------------------------------------------------------------------------------
     "qwen3_moe": ArchSpec("moe", router=SOFTMAX_TOPK, norm=NormSpec(qk_norm=True), attention=(_WINDOWS,)),
-    "qwen2_moe": ArchSpec("moe", router=SOFTMAX_TOPK, attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),
+    "qwen2_moe": ArchSpec("moe", router=SOFTMAX_TOPK,
+                          attention=(_WINDOWS, "qkv bias"), notes="the shared expert is a SwiGLU MLP"),
     "mixtral": ArchSpec("moe", router=MIXTRAL, attention=(_WINDOWS,)),
     "olmoe": ArchSpec("moe", router=SOFTMAX_TOPK, norm=NormSpec(qk_norm=True)),
     # the routers below are the models' own (sigmoid scores with a correction bias, group-limited
@@ -487,12 +489,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # keys and values expanded from a compressed latent; q/k heads of nope + rope size, value heads
     # smaller), the rotary on the rope part only; the router is the model's own (V2: softmax,
     # greedy or group-limited top-k; V3: sigmoid with a correction bias, group-limited top-k)
-    "deepseek_v2": ArchSpec("moe", router=DEEPSEEK_V2, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+    "deepseek_v2": ArchSpec("moe", router=DEEPSEEK_V2,
+                            rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "softmax router, greedy or group-limited top-k (topk_method), routed scaling",)),
-    "deepseek_v3": ArchSpec("moe", router=DEEPSEEK_V3, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+    "deepseek_v3": ArchSpec("moe", router=DEEPSEEK_V3,
+                            rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
     # GLM-4.7-Flash: DeepSeek-V3's layout (MLA, the same router) under GLM's names
-    "glm4_moe_lite": ArchSpec("moe", router=DEEPSEEK_V3, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+    "glm4_moe_lite": ArchSpec("moe", router=DEEPSEEK_V3,
+                              rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",)),
     # MiniCPM3: a dense Llama decoder with DeepSeek-V2's multi-head latent attention (an optional
     # low-rank query, keys and values from a compressed latent, value heads smaller), rotated by the
@@ -526,8 +531,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                    "the LM head bias")),
     "llama4_text": _LLAMA4_TEXT,
     # Solar Open: Llama's attention (no q/k norms) with GLM-4-MoE's MoE block on every layer
-    "solar_open": ArchSpec("moe", router=DEEPSEEK_V3, model_code=("sigmoid router with a correction bias, group-limited top-k, "
-                                              "routed scaling", "shared experts")),
+    "solar_open": ArchSpec("moe", router=DEEPSEEK_V3,
+                           model_code=("sigmoid router with a correction bias, group-limited top-k, "
+                                       "routed scaling", "shared experts")),
     # MiniMax-M2: q/k RMSNorms over the whole projection (all heads at once, before the head split),
     # half of each head rotates (its checkpoints' rotary_dim), a sigmoid router with a correction bias
     "minimax_m2": ArchSpec("moe", norm=NormSpec(qk_norm=True), rotary=RotarySpec(partial=True),
@@ -597,9 +603,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # MiMo-V2-Flash: sliding-window layers with attention sinks (and twice the K/V heads) between
     # full-attention layers without; value heads (v_head_dim) smaller than the query/key heads, scaled
     # by attention_value_scale; partial rotary with a base per layer type; DeepSeek-V3's router
-    "mimo_v2_flash": ArchSpec("moe", router=DEEPSEEK_V3, rotary=RotarySpec(partial=True, note="a rotary base and width per layer type "
-                                                                          "(rope_parameters by layer type), chosen "
-                                                                          "per layer by the model"),
+    "mimo_v2_flash": ArchSpec("moe", router=DEEPSEEK_V3,
+                              rotary=RotarySpec(partial=True, note="a rotary base and width per layer type "
+                                                                   "(rope_parameters by layer type), chosen "
+                                                                   "per layer by the model"),
                               attention=(_LAYER_WINDOWS, "attention sinks on the sliding-window layers (a logit per "
                                          "head in the softmax denominator)",
                                          "value heads (v_head_dim) smaller than the query/key heads, zero-padded to "
@@ -684,13 +691,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_next": _QWEN3_NEXT,
     # Qwen3.5's text models: Qwen3-Next's layout, dense or MoE, with the multimodal rotary (mrope:
     # for text its sections read the token positions)
-    "qwen3_5_text": dataclasses.replace(_QWEN3_NEXT, family="dense", router=None, rotary=dataclasses.replace(_MROPE, partial=True),
+    "qwen3_5_text": dataclasses.replace(_QWEN3_NEXT, family="dense", router=None,
+                                        rotary=dataclasses.replace(_MROPE, partial=True),
                                         model_code=_GDN_CODE),
     "qwen3_5_moe_text": dataclasses.replace(_QWEN3_NEXT, router=SOFTMAX_TOPK_RENORM,
                                             rotary=dataclasses.replace(_MROPE, partial=True)),
     # Qwen3.5's published checkpoints (Qwen3_5ForConditionalGeneration): the text model above on
     # text-only packed batches, the vision tower as transformers wrote it
-    "qwen3_5": dataclasses.replace(_QWEN3_NEXT, family="dense", router=None, rotary=dataclasses.replace(_MROPE, partial=True),
+    "qwen3_5": dataclasses.replace(_QWEN3_NEXT, family="dense", router=None,
+                                   rotary=dataclasses.replace(_MROPE, partial=True),
                                    model_code=_GDN_CODE + ("the vision tower and its merger (image batches only)",),
                                    vision=_QWEN_VL_VISION),
     "qwen3_5_moe": dataclasses.replace(_QWEN3_NEXT, router=SOFTMAX_TOPK_RENORM,
@@ -775,7 +784,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                    "classes around Llama's gated attention"),
     # Sarvam-105B: DeepseekV3ForCausalLM's classes (multi-head latent attention, here with a plain query
     # projection: q_lora_rank None, the sigmoid group-limited router, shared experts, dense first layers)
-    "sarvam_mla": ArchSpec("moe", router=DEEPSEEK_V3, rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
+    "sarvam_mla": ArchSpec("moe", router=DEEPSEEK_V3,
+                           rotary=_DEEPSEEK_ROTARY, attention=(_MLA,), model_code=_DEEPSEEK_CODE + (
         "sigmoid router with a correction bias, group-limited top-k, routed scaling",),
         notes="DeepseekV3ForCausalLM's classes (modeling_deepseek_v3) under model_type sarvam_mla"),
     # BitNet b1.58: Llama's decoder with an RMSNorm on the attention output before o_proj (attn_sub_norm)
