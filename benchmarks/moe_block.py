@@ -202,10 +202,10 @@ def use_routers(block, config, fused: bool) -> int:
         undo()
     if not fused:
         return 0
-    from hasten.integrations.architectures import ARCHITECTURES
+    from hasten.integrations.architectures import spec_for
     from hasten.moe.router import find_routers, install_fused_routers
 
-    spec = ARCHITECTURES[config.model_type].router
+    spec = getattr(spec_for(config), "router", None)
     if spec is None:
         raise ValueError(f"the model table has no router recipe for {config.model_type}")
     undo, count, reasons = install_fused_routers(find_routers(block), spec)

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "element_type.h"
+#include "moe_route_limits.h"
 
 namespace hasten {
 namespace kernels {
@@ -86,10 +87,6 @@ enum class RouteScoring {
   kTopkSoftmax,  // choose on the logits; the weights are the softmax of the k chosen logits
 };
 enum class GroupScore { kMax, kTop2Sum };  // a group's score: its largest choice value, or its two largest summed
-
-constexpr int kMoeRouteMaxExperts = 512;  // 16 values per lane
-constexpr int kMoeRouteMaxTopK = 32;      // one chosen expert per lane
-constexpr int kMoeRouteMaxGroups = 32;    // one group per lane
 
 struct MoeRouteSpec {
   int num_experts, top_k;

@@ -268,54 +268,47 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_backward_kernel(MoeRo
   }
 }
 
-template <int N>
-cudaError_t launch_route(const MoeRouteParams& p, cudaStream_t stream) {
-  const int64_t blocks = (p.num_tokens + kRouteWarps - 1) / kRouteWarps;
-  const unsigned grid = static_cast<unsigned>(blocks < 65535 * 32 ? blocks : 65535 * 32);
-  return HASTEN_DISPATCH_ELEMENT(p.type, {
-    moe_route_kernel<T, N><<<grid, kRouteThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  });
+// The kernel of each params type (forward, backward) for element type T and N values per lane
+template <typename T, int N>
+void start(const MoeRouteParams& p, unsigned grid, cudaStream_t stream) {
+  moe_route_kernel<T, N><<<grid, kRouteThreads, 0, stream>>>(p);
+}
+template <typename T, int N>
+void start(const MoeRouteBackwardParams& p, unsigned grid, cudaStream_t stream) {
+  moe_route_backward_kernel<T, N><<<grid, kRouteThreads, 0, stream>>>(p);
 }
 
-template <int N>
-cudaError_t launch_route_backward(const MoeRouteBackwardParams& p, cudaStream_t stream) {
+// A warp per token, looping past the grid's cap (each block's warps stride over the tokens)
+template <int N, typename Params>
+cudaError_t launch_rows(const Params& p, cudaStream_t stream) {
+  constexpr int64_t kMaxBlocks = 65535 * 32;
   const int64_t blocks = (p.num_tokens + kRouteWarps - 1) / kRouteWarps;
-  const unsigned grid = static_cast<unsigned>(blocks < 65535 * 32 ? blocks : 65535 * 32);
+  const unsigned grid = static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
   return HASTEN_DISPATCH_ELEMENT(p.type, {
-    moe_route_backward_kernel<T, N><<<grid, kRouteThreads, 0, stream>>>(p);
+    start<T, N>(p, grid, stream);
     return cudaGetLastError();
   });
 }
 
 // Values per lane: the fewest that hold E experts (more only add exact zeros to the sums)
-template <typename Params, typename Launch>
-cudaError_t by_experts(const Params& p, Launch launch) {
-  if (p.spec.num_experts <= 0 || p.spec.num_experts > kMoeRouteMaxExperts || p.spec.top_k < 1 ||
-      p.spec.top_k > kMoeRouteMaxTopK || p.spec.top_k > p.spec.num_experts) {
-    return cudaErrorInvalidValue;
-  }
+template <typename Params>
+cudaError_t launch_by_experts(const Params& p, cudaStream_t stream) {
+  const int e = p.spec.num_experts, k = p.spec.top_k;
+  if (e <= 0 || e > kMoeRouteMaxExperts || k < 1 || k > kMoeRouteMaxTopK || k > e) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
-  return launch(p);
+  if (e <= 32) return launch_rows<1>(p, stream);
+  if (e <= 64) return launch_rows<2>(p, stream);
+  if (e <= 128) return launch_rows<4>(p, stream);
+  if (e <= 256) return launch_rows<8>(p, stream);
+  return launch_rows<16>(p, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_moe_route(const MoeRouteParams& p, cudaStream_t stream) {
-  return by_experts(p, [&](const MoeRouteParams& q) {
-    const int e = q.spec.num_experts;
-    return e <= 32 ? launch_route<1>(q, stream) : e <= 64 ? launch_route<2>(q, stream)
-         : e <= 128 ? launch_route<4>(q, stream) : e <= 256 ? launch_route<8>(q, stream) : launch_route<16>(q, stream);
-  });
-}
+cudaError_t launch_moe_route(const MoeRouteParams& p, cudaStream_t stream) { return launch_by_experts(p, stream); }
 
 cudaError_t launch_moe_route_backward(const MoeRouteBackwardParams& p, cudaStream_t stream) {
-  return by_experts(p, [&](const MoeRouteBackwardParams& q) {
-    const int e = q.spec.num_experts;
-    return e <= 32 ? launch_route_backward<1>(q, stream) : e <= 64 ? launch_route_backward<2>(q, stream)
-         : e <= 128 ? launch_route_backward<4>(q, stream) : e <= 256 ? launch_route_backward<8>(q, stream)
-         : launch_route_backward<16>(q, stream);
-  });
+  return launch_by_experts(p, stream);
 }
 
 }  // namespace kernels

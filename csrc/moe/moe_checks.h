@@ -4,6 +4,7 @@
 #include <optional>
 #include <string>
 
+#include "../kernels/moe_route_limits.h"
 #include "hasten/checks.h"
 
 namespace hasten {
@@ -86,7 +87,8 @@ inline void check_weight_grad_args(const at::Tensor& grad_out, const at::Tensor&
 }
 
 // The router's choice (moe_route): logits (T, E), selection_bias (E,) or none, and the spec.
-constexpr int64_t kRouteMaxExperts = 512, kRouteMaxTopK = 32, kRouteMaxGroups = 32;
+constexpr int64_t kRouteMaxExperts = kernels::kMoeRouteMaxExperts, kRouteMaxTopK = kernels::kMoeRouteMaxTopK,
+                  kRouteMaxGroups = kernels::kMoeRouteMaxGroups;
 
 inline void check_route_args(const char* op, const at::Tensor& logits, int64_t top_k, const std::string& scoring,
                              int64_t num_groups, int64_t top_groups, const std::string& group_score,

@@ -16,9 +16,11 @@
 namespace hasten {
 namespace {
 
+enum class Scoring { kSoftmax, kSigmoid, kTopkSoftmax };  // the schema's "softmax", "sigmoid", "topk_softmax"
+
 struct RouteSpec {
   int64_t experts, top_k;
-  std::string scoring;  // "softmax" | "sigmoid" | "topk_softmax"
+  Scoring scoring;
   bool renormalize;
   double renorm_epsilon, scale;
   int64_t num_groups, top_groups;
@@ -68,9 +70,9 @@ template <typename scalar_t, typename acc_t>
 void token_scores(const RouteSpec& s, const scalar_t* row, const std::vector<acc_t>& bias, bool has_bias,
                   std::vector<acc_t>& score, std::vector<acc_t>& choice, std::vector<bool>& kept) {
   for (int64_t e = 0; e < s.experts; ++e) score[e] = static_cast<acc_t>(row[e]);
-  if (s.scoring == "softmax") {
+  if (s.scoring == Scoring::kSoftmax) {
     softmax_in_place(score);
-  } else if (s.scoring == "sigmoid") {
+  } else if (s.scoring == Scoring::kSigmoid) {
     for (acc_t& x : score) x = acc_t(1) / (acc_t(1) + std::exp(-x));
   }
   for (int64_t e = 0; e < s.experts; ++e) choice[e] = has_bias ? score[e] + bias[e] : score[e];
@@ -103,7 +105,10 @@ std::vector<acc_t> bias_values(const std::optional<at::Tensor>& bias) {
 RouteSpec make_spec(const at::Tensor& logits, int64_t top_k, c10::string_view scoring, bool renormalize,
                     double renorm_epsilon, double scale, int64_t num_groups, int64_t top_groups,
                     c10::string_view group_score, double masked_choice) {
-  return RouteSpec{logits.size(1), top_k, std::string(scoring), renormalize, renorm_epsilon, scale, num_groups,
+  const Scoring kind = scoring == "softmax" ? Scoring::kSoftmax
+                       : scoring == "sigmoid" ? Scoring::kSigmoid
+                                              : Scoring::kTopkSoftmax;  // check_route_args allows no other
+  return RouteSpec{logits.size(1), top_k, kind, renormalize, renorm_epsilon, scale, num_groups,
                    num_groups > 1 ? top_groups : 1, std::string(group_score) == "top2_sum", masked_choice};
 }
 
@@ -133,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, int64
       const auto chosen = top_indices(choice, top_k);
       std::vector<acc_t> u(top_k);
       for (int64_t j = 0; j < top_k; ++j) u[j] = selection_bias ? score[chosen[j]] : choice[chosen[j]];
-      if (s.scoring == "topk_softmax") softmax_in_place(u);
+      if (s.scoring == Scoring::kTopkSoftmax) softmax_in_place(u);
       if (renormalize) {
         acc_t sum = 0;
         for (acc_t x : u) sum += x;
@@ -182,7 +187,7 @@ at::Tensor moe_route_backward_cpu(const at::Tensor& grad_weights, const at::Tens
         u[j] = masked[j] ? static_cast<acc_t>(masked_choice) : score[id[j]];
         g[j] = g_data[t * top_k + j] * static_cast<acc_t>(scale);
       }
-      if (s.scoring == "topk_softmax") {
+      if (s.scoring == Scoring::kTopkSoftmax) {
         q = u;
         softmax_in_place(q);
         u = q;
@@ -198,7 +203,7 @@ at::Tensor moe_route_backward_cpu(const at::Tensor& grad_weights, const at::Tens
         for (int64_t j = 0; j < top_k; ++j) du[j] = g[j] / denominator - dot / (denominator * denominator);
       }
       dv = du;
-      if (s.scoring == "topk_softmax") {
+      if (s.scoring == Scoring::kTopkSoftmax) {
         acc_t dot = 0;
         for (int64_t j = 0; j < top_k; ++j) dot += du[j] * q[j];
         for (int64_t j = 0; j < top_k; ++j) dv[j] = q[j] * (du[j] - dot);
@@ -213,8 +218,8 @@ at::Tensor moe_route_backward_cpu(const at::Tensor& grad_weights, const at::Tens
       scalar_t* out = grad_logits.data_ptr<scalar_t>() + t * s.experts;
       for (int64_t e = 0; e < s.experts; ++e) {
         acc_t grad = dp[e];
-        if (s.scoring == "softmax") grad = dp[e] * score[e] - score[e] * softmax_dot;
-        if (s.scoring == "sigmoid") grad = dp[e] * (acc_t(1) - score[e]) * score[e];
+        if (s.scoring == Scoring::kSoftmax) grad = dp[e] * score[e] - score[e] * softmax_dot;
+        if (s.scoring == Scoring::kSigmoid) grad = dp[e] * (acc_t(1) - score[e]) * score[e];
         out[e] = static_cast<scalar_t>(grad);
       }
     }

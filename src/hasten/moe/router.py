@@ -4,9 +4,11 @@ renormalisation and scaling in one kernel each way (`training.moe.fused_router`)
 A model type's table entry says what its router computes (RouterSpec). accelerate() takes a
 router only after checking that the class's own forward computes exactly that: both run on the
 router's weights copied to float64 on the CPU (the recipe: ids equal, weights and gradients to
-float32's rounding, as the models' own float32 steps round), then on the router's device in its dtype (the dtypes, and the values to that dtype's
-rounding). Anything else (another recipe, a LoRA adapter on the router, attributes missing)
-leaves the router to the model, said once and counted.
+float32's rounding, as the models' own float32 steps round), then on the router's device in its
+dtype (the dtypes, and the values to that dtype's rounding). Anything else (another recipe, a
+LoRA adapter on the router, attributes missing) leaves the router to the model, said once and
+counted. The router's attributes the recipe reads (top_k, norm_topk_prob, the scaling factor,
+the groups) are read once, at accelerate().
 
 Router forward (T tokens, E experts, k chosen): hidden (..., H) -> logits (T, E) as the model's
 F.linear -> hasten::moe_route -> (logits, weights (T, k) in the model's dtype, ids (T, k) int64),
@@ -15,7 +17,9 @@ the tuple the class returns (the MoE block and the aux loss's recorder read the 
 
 from __future__ import annotations
 
+import copy
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,6 +91,12 @@ def fused_router_forward(router: nn.Module, hidden_states: torch.Tensor):
         record_fallback("moe_router_autocast", f"{type(router).__name__} runs its own forward under autocast; "
                         "hasten's fused router was checked without it")
         return type(router).forward(router, hidden_states)
+    if hidden_states.dim() != 2 and not spec.flattens_input:
+        # a router that takes its input's shape as it comes (its MoE block flattens first): on
+        # another shape its own forward decides what it computes
+        record_fallback("moe_router_shape", f"{type(router).__name__} got a {hidden_states.dim()}-D input, which its "
+                        "MoE block does not give it; its own forward runs")
+        return type(router).forward(router, hidden_states)
     hidden = hidden_states.reshape(-1, router.weight.shape[1])
     logits = _logits(router, spec, hidden)
     bias = getattr(router, spec.bias_attribute) if spec.bias_attribute else None
@@ -112,14 +122,17 @@ def refusal(router: nn.Module) -> str | None:
 
 
 def _outputs(router: nn.Module, forward, hidden: torch.Tensor, grad: torch.Tensor):
-    """(logits, weights by expert (T, E), ids sorted, and the gradients of hidden and each
-    parameter) for `forward`, with `grad` (T, E) on the weights by expert."""
+    """(logits, weights by expert (T, E), ids sorted, the gradients of hidden and each parameter,
+    and the three outputs' shapes) for `forward`, with `grad` (T, E) on the weights by expert."""
     leaves = [hidden] + [p for p in router.parameters() if p.requires_grad]
     logits, weights, ids = forward(hidden)
+    shapes = tuple(tuple(t.shape) for t in (logits, weights, ids))
+    top_k = ids.shape[-1]
+    logits, weights, ids = logits.reshape(-1, grad.shape[1]), weights.reshape(-1, top_k), ids.reshape(-1, top_k)
     dense = torch.zeros(ids.shape[0], grad.shape[1], dtype=weights.dtype, device=weights.device).scatter(1, ids, weights)
     grads = torch.autograd.grad((dense.to(grad.dtype) * grad).sum() + (logits.to(grad.dtype) * 1e-3).sum(), leaves,
                                 allow_unused=True)
-    return logits, dense, ids.sort(-1).values, grads
+    return logits, dense, ids.sort(-1).values, grads, shapes
 
 
 def _relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -134,7 +147,7 @@ def mismatch(router: nn.Module, spec: RouterSpec, tokens: int = 48) -> str | Non
     on the router's device in its dtype), else why not."""
     name = type(router).__name__
     try:
-        route_arguments(router, spec)
+        arguments = route_arguments(router, spec)
     except (AttributeError, ValueError) as exc:
         return f"{name}: {exc}"
     own = type(router).forward
@@ -142,7 +155,11 @@ def mismatch(router: nn.Module, spec: RouterSpec, tokens: int = 48) -> str | Non
     hidden_size = router.weight.shape[1]
     try:
         with torch.inference_mode(False), torch.enable_grad():
-            for where in ("float64", "as loaded"):
+            # float64 on (T, H) and, where the recipe flattens its input, on (2, T / 2, H) as a
+            # decoder hands it over (a router that flattens and one that does not show apart in the
+            # outputs' shapes); then as loaded on (T, H)
+            stages = [("float64", (tokens,))] + ([("float64", (2, tokens // 2))] if spec.flattens_input else [])
+            for where, leading in stages + [("as loaded", (tokens,))]:
                 if where == "float64":
                     probe = _copy_to(router, torch.device("cpu"), torch.float64)
                     if spec.bias_attribute:  # a trained model's bias, not a fresh one's zeros: an omission shows
@@ -155,14 +172,15 @@ def mismatch(router: nn.Module, spec: RouterSpec, tokens: int = 48) -> str | Non
                     probe = router
                     dtype, device = router.weight.dtype, router.weight.device
                     tolerance = {torch.float32: 1e-4, torch.float64: 1e-10}.get(dtype, 2e-2)
-                probe._hasten_router_spec, probe._hasten_route_arguments = spec, route_arguments(probe, spec)
-                hidden = torch.randn(tokens, hidden_size, generator=gen, dtype=torch.float64)
+                probe._hasten_router_spec, probe._hasten_route_arguments = spec, arguments
+                hidden = torch.randn(*leading, hidden_size, generator=gen, dtype=torch.float64)
                 hidden = (hidden * 4 / math.sqrt(hidden_size)).to(device, dtype).requires_grad_()
                 grad = torch.randn(tokens, router.weight.shape[0], generator=gen, dtype=torch.float64).to(device)
                 want = _outputs(probe, lambda h: own(probe, h), hidden, grad)
                 got = _outputs(probe, lambda h: fused_router_forward(probe, h), hidden, grad)
-                if probe is router:
-                    del router._hasten_router_spec, router._hasten_route_arguments
+                if want[4] != got[4]:
+                    return (f"{name}'s forward returns outputs of shapes {want[4]}; the recipe gives {got[4]} "
+                            f"(for hidden states of shape {tuple(hidden.shape)})")
                 if want[0].dtype != got[0].dtype or want[1].dtype != got[1].dtype:
                     return (f"{name}'s forward returns logits {want[0].dtype} and weights {want[1].dtype}; the "
                             f"recipe gives {got[0].dtype} and {got[1].dtype}")
@@ -182,7 +200,7 @@ def mismatch(router: nn.Module, spec: RouterSpec, tokens: int = 48) -> str | Non
                             f"relative difference {max(errors):.1e} {where}")
     except Exception as exc:  # a router that cannot run on a probe cannot be vouched for
         return f"{name}'s forward could not be checked ({type(exc).__name__}: {exc})"
-    finally:
+    finally:  # the probe's state on the router itself (the float64 copy is dropped)
         router.__dict__.pop("_hasten_router_spec", None)
         router.__dict__.pop("_hasten_route_arguments", None)
     return None
@@ -190,8 +208,6 @@ def mismatch(router: nn.Module, spec: RouterSpec, tokens: int = 48) -> str | Non
 
 def _copy_to(router: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """A copy of the router on `device` with its floating parameters and buffers in `dtype`."""
-    import copy
-
     probe = copy.deepcopy(router).to(device)
     for p in list(probe.parameters()) + list(probe.buffers()):
         if p.is_floating_point():
@@ -200,26 +216,28 @@ def _copy_to(router: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.
 
 
 def install_fused_routers(routers: list[nn.Module], spec: RouterSpec):
-    """Give each router the fused forward where its class passes `mismatch` (checked once per
-    class, device and dtype). Returns (undo, routers patched, reasons others were left)."""
+    """Give each router the fused forward where its class passes `mismatch`, checked once per
+    class, device, dtype, shape and route arguments (layers whose routers read other settings are
+    checked apart). Returns (undo, routers patched, reasons others were left)."""
     checks: dict[tuple, str | None] = {}
     patched, reasons = [], set()
     for router in routers:
-        reason = refusal(router)
+        reason, arguments = refusal(router), None
         if reason is None:
-            key = (type(router), router.weight.device, router.weight.dtype, tuple(router.weight.shape))
+            try:
+                arguments = route_arguments(router, spec)
+            except (AttributeError, ValueError) as exc:
+                reason = f"{type(router).__name__}: {exc}"
+        if reason is None:
+            key = (type(router), router.weight.device, router.weight.dtype, tuple(router.weight.shape),
+                   tuple(sorted(arguments.items())))
             if key not in checks:
                 checks[key] = mismatch(router, spec)
             reason = checks[key]
-        if reason is None:
-            try:
-                router._hasten_route_arguments = route_arguments(router, spec)
-            except (AttributeError, ValueError) as exc:
-                reason = f"{type(router).__name__}: {exc}"
         if reason is not None:
             reasons.add(reason)
             continue
-        router._hasten_router_spec = spec
+        router._hasten_router_spec, router._hasten_route_arguments = spec, arguments
         replace_forward(router, fused_router_forward.__get__(router))
         patched.append(router)
 

@@ -25,6 +25,9 @@ class RouterSpec:
     groups: str = ""
     bias_attribute: str = ""  # the router's selection-only bias (e_score_correction_bias); "": none
     weights_dtype: str = "logits"  # "logits": cast to the logits' dtype; "float32": left in float32
+    # the router flattens its input to (tokens, hidden) itself (Qwen's, Mixtral's, DeepSeek's
+    # reshape); False: it takes its input's shape as it comes (gpt-oss's, whose block flattens first)
+    flattens_input: bool = True
 
     def describe(self) -> str:
         parts = [{"softmax": "softmax", "sigmoid": "sigmoid",
@@ -58,7 +61,7 @@ DEEPSEEK_V3 = RouterSpec("sigmoid", logits="float32", renormalize="norm_topk_pro
                          scale_attribute="routed_scaling_factor", groups="deepseek_v3",
                          bias_attribute="e_score_correction_bias", weights_dtype="float32")
 # gpt-oss: logits with the router's bias, top-k on them, softmax of the k in the logits' dtype
-GPT_OSS = RouterSpec("topk_softmax", logits="input_bias")
+GPT_OSS = RouterSpec("topk_softmax", logits="input_bias", flattens_input=False)
 
 
 # The names an MoE block (a module with an `experts` child) gives the child that routes tokens among

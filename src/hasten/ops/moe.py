@@ -237,7 +237,8 @@ def _register() -> None:
     register_autograd("moe_route", _route_backward, setup_context=_route_setup)
     register_autograd("swiglu", _swiglu_backward, setup_context=_swiglu_setup)
     register_autograd("clamped_swiglu", _clamped_swiglu_backward, setup_context=_clamped_swiglu_setup)
-    for op in ("moe_combine_weight_grad", "moe_route_backward", "swiglu_backward", "clamped_swiglu_backward", "moe_grouped_mm_weight_grad"):
+    for op in ("moe_combine_weight_grad", "moe_route_backward", "swiglu_backward", "clamped_swiglu_backward",
+               "moe_grouped_mm_weight_grad"):
         no_double_backward(op)
 
 
@@ -273,8 +274,9 @@ def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormaliz
     bit on CUDA), sigmoid, or the logits ("topk_softmax": the weights are the softmax of the k
     chosen logits); the choice ranks scores + selection_bias (no gradient), kept to the
     `top_groups` best of `num_groups` contiguous expert groups (the others' choice set to
-    `masked_choice`, the model's masked_fill value); weights are the chosen scores (with a selection bias) or choice values, then
-    / (sum + renorm_epsilon) where `renormalize`, then * scale. csrc/registration.cpp has it all."""
+    `masked_choice`, the model's masked_fill value); weights are the chosen scores (with a
+    selection bias) or choice values, then / (sum + renorm_epsilon) where `renormalize`, then
+    * scale. csrc/registration.cpp has it all."""
     load()
     return call("moe_route", logits, int(top_k), scoring, bool(renormalize), float(renorm_epsilon), float(scale),
                 int(num_groups), int(top_groups), group_score, float(masked_choice), selection_bias)
