@@ -31,6 +31,10 @@ Variants in one run (rows to benchmarks/results/W3.jsonl):
                       the model's logits GEMM, then its scoring, top-k, renormalisation and scaling in one
                       kernel each way), after the check accelerate() makes
   hasten_router_graphed  hasten_router captured as hasten_graphed is
+  hasten_weights_in_combine  hasten_fused with the router's weights in the combine
+                      (training.moe.weights_in_gate: false), as before 2026-12-06: the A/B of
+                      hasten::moe_weighted_swiglu (the weights inside the SwiGLU, a summing combine
+                      that keeps no y, the weights' gradient from the SwiGLU's backward) in one run
 The graphed and compiled variants check their output and every gradient (input and parameters)
 against eager hasten_fused on the same inputs and print the largest relative difference. A variant
 that fails writes its error into its row and the run goes on.
@@ -58,25 +62,30 @@ import common  # noqa: E402
 
 from hasten.integrations.transformers import registered  # noqa: E402
 from hasten.observability import count_host_syncs, fallback_counts, reset_fallbacks  # noqa: E402
+from hasten.moe.experts import weights_in_gate  # noqa: E402
 from hasten.ops import moe as moe_ops  # noqa: E402
 
 IMPL = {"hf_moe_eager": "eager", "hf_moe_grouped_mm": "grouped_mm", "hasten_fused": "hasten_fused",
         "hasten_graphed": "hasten_fused", "hasten_graphed_callables": "hasten_fused",
         "hasten_compiled": "hasten_fused", "hasten_fused_class_shared": "hasten_fused",
         "hasten_fused_torch_gemm": "hasten_fused", "hasten_router": "hasten_fused",
-        "hasten_router_graphed": "hasten_fused"}
+        "hasten_router_graphed": "hasten_fused", "hasten_weights_in_combine": "hasten_fused"}
 # variants whose router runs on hasten::moe_route
 FUSED_ROUTER = {"hasten_router", "hasten_router_graphed"}
 # variants run with HASTEN_GROUPED_GEMM set (read by hasten's grouped GEMM on every call)
 GROUPED_GEMM = {"hasten_fused_torch_gemm": "torch"}
 # variants whose shared experts (DeepSeek's, Llama 4's) stay the class's own MLP under hasten's experts
 CLASS_SHARED_MLPS = {"hasten_fused_class_shared"}
+# variants whose experts take the router's weights in the combine (training.moe.weights_in_gate: false)
+WEIGHTS_IN_COMBINE = {"hasten_weights_in_combine"}
 # graphed replays must equal eager hasten (same kernels, same inputs); compiled may reorder float math
 DEVICE = "cuda"  # the CPU smoke run of this script's code paths sets "cpu" (and a small block)
 GRAD_TOLERANCE = {"hasten_graphed": 1e-3, "hasten_graphed_callables": 1e-3, "hasten_compiled": 1e-2,
                   "hasten_fused_torch_gemm": 2e-2,  # another GEMM kernel: bf16 outputs rounded apart
                   # the router's renormalising sum in another order: weights a float32 ulp apart
-                  "hasten_router": 2e-2, "hasten_router_graphed": 2e-2}
+                  "hasten_router": 2e-2, "hasten_router_graphed": 2e-2,
+                  # the weights multiply before the down GEMM: its bf16 output rounded at another point
+                  "hasten_weights_in_combine": 2e-2}
 
 
 BLOCK = "qwen3_30b_a3b"  # set by --block
@@ -216,10 +225,15 @@ def use_routers(block, config, fused: bool) -> int:
 
 
 def use_implementation(block, config, implementation: str, class_shared_mlps: bool = False,
-                       fused_router: bool = False) -> None:
+                       fused_router: bool = False, weights_in_gate: bool = True) -> None:
     """The experts implementation for the next calls: transformers' experts interface name, or for
     Llama 4 (no such interface) its block's own forward ("eager") or hasten's ("hasten_fused"); the
-    shared MLPs follow (use_shared_mlps) unless class_shared_mlps keeps them the class's own."""
+    shared MLPs follow (use_shared_mlps) unless class_shared_mlps keeps them the class's own; the
+    router's weights go into hasten's SwiGLU unless weights_in_gate is false (as accelerate() sets
+    training.moe.weights_in_gate on each experts module)."""
+    for module in block.modules():
+        if hasattr(module, "_hasten_gate"):
+            module._hasten_weights_in_gate = weights_in_gate
     fused_shared = implementation == "hasten_fused" and not class_shared_mlps
     block.__dict__["_w3_shared_mlps_fused"] = use_shared_mlps(block, config, fused_shared)
     use_routers(block, config, fused_router)
@@ -327,7 +341,7 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     """One row; `want` is eager hasten's (output, x.grad, parameter grads), `ref_out` eager transformers'."""
     reset_fallbacks()
     use_implementation(block, config, IMPL[name], class_shared_mlps=name in CLASS_SHARED_MLPS,
-                       fused_router=name in FUSED_ROUTER)
+                       fused_router=name in FUSED_ROUTER, weights_in_gate=name not in WEIGHTS_IN_COMBINE)
     notes, check = [], None
     cleanup = []
     if name in ("hasten_graphed", "hasten_router_graphed"):
@@ -357,7 +371,10 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     common.sync()
     warm = dynamo_counts() if name == "hasten_compiled" else None
     allocator_before = allocator_counts()  # after the warm-up: its first-use segments are not counted
+    if DEVICE == "cuda":  # the timed steps' peak: parameters, gradients and what the forward keeps
+        torch.cuda.reset_peak_memory_stats()
     times = common.time_steps(step, warmup=0, iters=iters)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
     if name == "hasten_compiled":
         after = dynamo_counts()
         notes.append(f"compiled graphs {warm['graphs'] - before['graphs']} in warm-up, recompiles in the timed steps "
@@ -385,7 +402,9 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
                              if hasattr(m, "_hasten_gate") and getattr(m, "has_bias", False)})
         notes.append(f"expert gate {gates or 'n/a'}; gate_up bias in the gate kernel {fused_bias or 'n/a'}; "
                      "shared MLPs on hasten's SwiGLU "
-                     f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}; router on hasten::moe_route "
+                     f"{block.__dict__.get('_w3_shared_mlps_fused', 0)}; router weights in the SwiGLU "
+                     f"{sorted({weights_in_gate(m, m._hasten_gate) for m in block.modules() if hasattr(m, '_hasten_gate')})}"
+                     "; router on hasten::moe_route "
                      f"{'_w3_router_undo' in block.__dict__}; grouped GEMM "
                      f"{os.environ.get('HASTEN_GROUPED_GEMM') or 'torch._grouped_mm (HASTEN_GROUPED_GEMM unset)'}")
     notes.append(f"output rel err vs eager {out_err:.2e}")
@@ -399,7 +418,7 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
     for undo in cleanup:
         undo()
     return {"workload": "W3", "variant": name, "block": BLOCK, "run_id": run_id, **common.environment(),
-            "tokens_per_s": x.shape[1] / common.median(times), "step_s": common.median(times), "peak_gib": None,
+            "tokens_per_s": x.shape[1] / common.median(times), "step_s": common.median(times), "peak_gib": peak_gib,
             "host_syncs_per_step": syncs.count, "correct": correct, "notes": "; ".join(notes)}
 
 
@@ -508,6 +527,7 @@ def run(args, variants: list[str]) -> int:
                  ("hasten_fused_torch_gemm", "hasten_fused"),
                  ("hasten_fused", "hasten_graphed"), ("hasten_fused", "hasten_graphed_callables"),
                  ("hasten_fused", "hasten_compiled"), ("hasten_fused", "hasten_router"),
+                 ("hasten_weights_in_combine", "hasten_fused"),
                  ("hasten_graphed", "hasten_router_graphed"), ("hf_moe_grouped_mm", "hasten_router"),
                  ("hf_moe_grouped_mm", "hasten_router_graphed"), ("torch_sort_histc_cumsum", "hasten_moe_group")):
         if a in by and b in by:

@@ -102,6 +102,17 @@ TORCH_LIBRARY(hasten, m) {
         "-> Tensor");
   m.def("clamped_swiglu_backward(Tensor grad_act, Tensor gate_up, float alpha, float limit, Tensor? bias=None, "
         "Tensor? group_ends=None) -> Tensor");
+  // The MoE experts' SwiGLU with the router's weights folded in: gate_up (S, 2I) [gate | up] rows in
+  // expert order, weights (T, k) in its dtype (slot s = t * k + j, T * k = S), permutation (S,) and
+  // offsets (E + 1,) int32 of moe_group. act[p] = weights[s] * (silu(gate[p]) * up[p]), s =
+  // permutation[p] -> (S, I): the down projection's rows come out weighted and the combine is a plain
+  // sum. Rows at p >= offsets[E] (dropped slots) are zero. The backward -> (d gate_up (S, 2I),
+  // d weights (T, k)): SwiGLU's backward of weights[s] * grad_act[p], and d weights[s] = sum over c of
+  // silu(gate[p, c]) * up[p, c] * grad_act[p, c] (float accumulation, a fixed order); both zero for
+  // dropped slots.
+  m.def("moe_weighted_swiglu(Tensor gate_up, Tensor weights, Tensor permutation, Tensor offsets) -> Tensor");
+  m.def("moe_weighted_swiglu_backward(Tensor grad_act, Tensor gate_up, Tensor weights, Tensor permutation, "
+        "Tensor offsets) -> (Tensor grad_gate_up, Tensor grad_weights)");
   // Attention of each packed sequence to itself (causal or full): q (T, Hq, D), k and v (T, Hk, D),
   // Hq a multiple of Hk, cu_seqlens (N+1) int32 boundaries, max_seqlen >= the longest sequence.
   // out (T, Hq, D); lse (T, Hq) float32, the log-sum-exp of each query's scaled scores, which the

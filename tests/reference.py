@@ -91,3 +91,13 @@ def grouped_mm_reference(x, weight, ends, transposed):
 def swiglu_reference(gate_up):
     g, u = gate_up.double().chunk(2, dim=-1)
     return torch.nn.functional.silu(g) * u
+
+
+def weighted_swiglu_reference(gate_up, weights, permutation, valid):
+    """Float64 hasten::moe_weighted_swiglu: row p of [gate | up] times its slot's weight
+    weights.flatten()[permutation[p]]; rows at p >= valid (dropped slots) zero. Differentiable in
+    gate_up and weights (torch's autograd is then the reference backward)."""
+    rows = gate_up.shape[0]
+    keep = (torch.arange(rows) < valid).double().unsqueeze(1)
+    w = weights.double().reshape(-1)[permutation.long()].unsqueeze(1)
+    return swiglu_reference(gate_up) * w * keep

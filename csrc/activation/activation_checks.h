@@ -3,6 +3,8 @@
 //   silu_mul / silu_mul_backward,   gate and up as two (..., inner) tensors of one shape (dense
 //   gelu_tanh_mul / _backward       MLPs); both pairs take the same arguments: one check, by op name
 //   clamped_swiglu / _backward      one (rows, 2 * inner) tensor, gate and up interleaved (gpt-oss)
+//   moe_weighted_swiglu / _backward swiglu's layout in expert order, each row times its slot's
+//                                   router weight (weights, permutation, offsets of the grouping)
 #pragma once
 
 #include <torch/types.h>
@@ -27,6 +29,38 @@ inline void check_swiglu_backward_args(const at::Tensor& grad_act, const at::Ten
               "hasten::swiglu_backward: `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
               shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
   check_same_device(gate_up, grad_act, "swiglu_backward", "gate_up", "grad_act");
+}
+
+// The MoE experts' weighted SwiGLU: gate_up (S, 2 * inner) in expert order, weights (T, k) with
+// T * k = S in gate_up's dtype, permutation (S,) int32 (sorted row -> slot) and offsets (E + 1,)
+// int32 of the grouping (moe_group), all on one device.
+inline void check_weighted_swiglu_args(const char* op, const at::Tensor& gate_up, const at::Tensor& weights,
+                                       const at::Tensor& permutation, const at::Tensor& offsets) {
+  check_swiglu_args(op, gate_up);
+  check_dtype(permutation, op, "permutation", {at::kInt});
+  check_dtype(offsets, op, "offsets", {at::kInt});
+  check_dim(permutation, 1, op, "permutation", "1-D (slots,)");
+  check_dim(offsets, 1, op, "offsets", "1-D (experts + 1,)");
+  TORCH_CHECK(offsets.numel() >= 2, "hasten::", op, ": `offsets` needs experts + 1 >= 2 entries");
+  check_size(gate_up, 0, permutation.numel(), op, "gate_up", "slots of `permutation`");
+  TORCH_CHECK(weights.numel() == permutation.numel(), "hasten::", op, ": `weights` must hold one value per slot (",
+              num(permutation.numel()), "), got shape ", shape(weights.sizes()));
+  check_same_dtype(gate_up, weights, op, "gate_up", "weights");
+  check_same_device(gate_up, weights, op, "gate_up", "weights");
+  check_same_device(gate_up, permutation, op, "gate_up", "permutation");
+  check_same_device(gate_up, offsets, op, "gate_up", "offsets");
+}
+
+inline void check_weighted_swiglu_backward_args(const at::Tensor& grad_act, const at::Tensor& gate_up,
+                                                const at::Tensor& weights, const at::Tensor& permutation,
+                                                const at::Tensor& offsets) {
+  const char* op = "moe_weighted_swiglu_backward";
+  check_weighted_swiglu_args(op, gate_up, weights, permutation, offsets);
+  check_same_dtype(gate_up, grad_act, op, "gate_up", "grad_act");
+  TORCH_CHECK(grad_act.dim() == 2 && grad_act.size(0) == gate_up.size(0) && grad_act.size(1) * 2 == gate_up.size(1),
+              "hasten::", op, ": `grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got ",
+              shape(grad_act.sizes()), " and ", shape(gate_up.sizes()));
+  check_same_device(gate_up, grad_act, op, "gate_up", "grad_act");
 }
 
 // gpt-oss's clamped SwiGLU: the same (rows, 2 * inner) shape as swiglu's, interleaved; alpha and

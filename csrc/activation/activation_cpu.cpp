@@ -95,6 +95,76 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_act, const at::Tensor& gat
   return out;
 }
 
+// The MoE experts' SwiGLU with the router's weights folded in (kernels/swiglu.cuh has the formulas):
+// act[p] = w[s] * (silu(gate[p]) * up[p]), s = permutation[p]; rows at p >= offsets[E] are zero.
+at::Tensor moe_weighted_swiglu_cpu(const at::Tensor& gate_up, const at::Tensor& weights,
+                                   const at::Tensor& permutation, const at::Tensor& offsets) {
+  const char* op = "moe_weighted_swiglu";
+  check_device(gate_up, op, "gate_up", c10::DeviceType::CPU);
+  check_weighted_swiglu_args(op, gate_up, weights, permutation, offsets);
+  const auto x = gate_up.contiguous(), w = weights.contiguous(), perm = permutation.contiguous();
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  const int64_t valid = std::min<int64_t>(offsets[-1].item<int32_t>(), rows);
+  auto out = at::zeros({rows, inner}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_weighted_swiglu_cpu", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    const scalar_t* ws = w.data_ptr<scalar_t>();
+    const int32_t* slots = perm.data_ptr<int32_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < valid; ++r) {
+      const A scale = static_cast<A>(ws[slots[r]]);
+      for (int64_t c = 0; c < inner; ++c) {
+        const A g = static_cast<A>(in[r * 2 * inner + c]), u = static_cast<A>(in[r * 2 * inner + inner + c]);
+        o[r * inner + c] = static_cast<scalar_t>(scale * (gate_activation<GateActivation::kSilu>(g).value * u));
+      }
+    }
+  });
+  return out;
+}
+
+// -> (d gate_up, d weights): SwiGLU's backward of w[s] * grad_act[p], d w[s] = sum over the row of
+// silu(gate) * up * grad_act in the accumulation type, columns in order; zeros for dropped slots.
+std::tuple<at::Tensor, at::Tensor> moe_weighted_swiglu_backward_cpu(const at::Tensor& grad_act,
+                                                                    const at::Tensor& gate_up,
+                                                                    const at::Tensor& weights,
+                                                                    const at::Tensor& permutation,
+                                                                    const at::Tensor& offsets) {
+  const char* op = "moe_weighted_swiglu_backward";
+  check_device(gate_up, op, "gate_up", c10::DeviceType::CPU);
+  check_weighted_swiglu_backward_args(grad_act, gate_up, weights, permutation, offsets);
+  const auto x = gate_up.contiguous(), w = weights.contiguous(), perm = permutation.contiguous();
+  const auto d = grad_act.contiguous();
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  const int64_t valid = std::min<int64_t>(offsets[-1].item<int32_t>(), rows);
+  auto grad_gate_up = at::zeros_like(x);
+  auto grad_weights = at::zeros_like(w);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_weighted_swiglu_backward_cpu", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    const scalar_t* ws = w.data_ptr<scalar_t>();
+    const scalar_t* grad = d.data_ptr<scalar_t>();
+    const int32_t* slots = perm.data_ptr<int32_t>();
+    scalar_t* o = grad_gate_up.data_ptr<scalar_t>();
+    scalar_t* gw = grad_weights.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < valid; ++r) {
+      const A scale = static_cast<A>(ws[slots[r]]);
+      A dot = 0;
+      for (int64_t c = 0; c < inner; ++c) {
+        const A g = static_cast<A>(in[r * 2 * inner + c]), u = static_cast<A>(in[r * 2 * inner + inner + c]);
+        const A dg = static_cast<A>(grad[r * inner + c]);
+        const GateValue<A> f = gate_activation<GateActivation::kSilu>(g);
+        dot += f.value * u * dg;
+        const A ds = scale * dg;
+        o[r * 2 * inner + c] = static_cast<scalar_t>(ds * u * f.slope);
+        o[r * 2 * inner + inner + c] = static_cast<scalar_t>(ds * f.value);
+      }
+      gw[slots[r]] = static_cast<scalar_t>(dot);
+    }
+  });
+  return {grad_gate_up, grad_weights};
+}
+
 // gpt-oss's clamped SwiGLU on interleaved (gate, up) pairs (kernels/swiglu.cuh has the formulas).
 template <typename A>
 struct ClampedGate {
@@ -237,6 +307,8 @@ TORCH_LIBRARY_IMPL(hasten, CPU, m) {
   m.impl("gelu_tanh_mul_backward", &gelu_tanh_mul_backward_cpu);
   m.impl("clamped_swiglu", &clamped_swiglu_cpu);
   m.impl("clamped_swiglu_backward", &clamped_swiglu_backward_cpu);
+  m.impl("moe_weighted_swiglu", &moe_weighted_swiglu_cpu);
+  m.impl("moe_weighted_swiglu_backward", &moe_weighted_swiglu_backward_cpu);
 }
 
 }  // namespace hasten

@@ -50,6 +50,63 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_act, const at::Tensor& ga
   return out;
 }
 
+// The MoE experts' SwiGLU with the router's weights folded in (kernels/swiglu.cuh).
+struct WeightedSwigluInputs {
+  at::Tensor gate_up, weights, permutation, offsets;
+};
+
+WeightedSwigluInputs weighted_swiglu_inputs(const at::Tensor& gate_up, const at::Tensor& weights,
+                                            const at::Tensor& permutation, const at::Tensor& offsets) {
+  return {gate_up.contiguous(), weights.contiguous(), permutation.contiguous(), offsets.contiguous()};
+}
+
+kernels::MoeWeightedSwigluParams weighted_swiglu_params(const WeightedSwigluInputs& in, const char* op) {
+  kernels::MoeWeightedSwigluParams p{};
+  p.gate_up = in.gate_up.data_ptr();
+  p.weights = in.weights.data_ptr();
+  p.permutation = in.permutation.data_ptr<int32_t>();
+  p.valid_rows = in.offsets.data_ptr<int32_t>() + (in.offsets.numel() - 1);
+  p.rows = in.gate_up.size(0);
+  p.inner = in.gate_up.size(1) / 2;
+  p.type = element_type(in.gate_up, op);
+  return p;
+}
+
+at::Tensor moe_weighted_swiglu_cuda(const at::Tensor& gate_up, const at::Tensor& weights,
+                                    const at::Tensor& permutation, const at::Tensor& offsets) {
+  const char* op = "moe_weighted_swiglu";
+  check_device(gate_up, op, "gate_up", c10::DeviceType::CUDA);
+  check_weighted_swiglu_args(op, gate_up, weights, permutation, offsets);
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto in = weighted_swiglu_inputs(gate_up, weights, permutation, offsets);
+  auto out = at::empty({in.gate_up.size(0), in.gate_up.size(1) / 2}, in.gate_up.options());
+  auto p = weighted_swiglu_params(in, op);
+  p.out = out.data_ptr();
+  check_launch(kernels::launch_moe_weighted_swiglu_forward(p, c10::cuda::getCurrentCUDAStream()), op);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_weighted_swiglu_backward_cuda(const at::Tensor& grad_act,
+                                                                     const at::Tensor& gate_up,
+                                                                     const at::Tensor& weights,
+                                                                     const at::Tensor& permutation,
+                                                                     const at::Tensor& offsets) {
+  const char* op = "moe_weighted_swiglu_backward";
+  check_device(gate_up, op, "gate_up", c10::DeviceType::CUDA);
+  check_weighted_swiglu_backward_args(grad_act, gate_up, weights, permutation, offsets);
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto in = weighted_swiglu_inputs(gate_up, weights, permutation, offsets);
+  const auto d = grad_act.contiguous();
+  auto grad_gate_up = at::empty_like(in.gate_up);
+  auto grad_weights = at::empty_like(in.weights);
+  auto p = weighted_swiglu_params(in, op);
+  p.grad_act = d.data_ptr();
+  p.out = grad_gate_up.data_ptr();
+  p.grad_weights = grad_weights.data_ptr();
+  check_launch(kernels::launch_moe_weighted_swiglu_backward(p, c10::cuda::getCurrentCUDAStream()), op);
+  return {grad_gate_up, grad_weights};
+}
+
 // gpt-oss's clamped SwiGLU on interleaved (gate, up) pairs of one (R, 2I) tensor.
 // The optional expert biases into the params; `held` keeps their contiguous copies alive for the launch.
 void set_row_bias(kernels::ClampedSwigluParams& p, const std::optional<at::Tensor>& bias,
@@ -156,6 +213,8 @@ TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
   m.impl("gelu_tanh_mul_backward", &gelu_tanh_mul_backward_cuda);
   m.impl("clamped_swiglu", &clamped_swiglu_cuda);
   m.impl("clamped_swiglu_backward", &clamped_swiglu_backward_cuda);
+  m.impl("moe_weighted_swiglu", &moe_weighted_swiglu_cuda);
+  m.impl("moe_weighted_swiglu_backward", &moe_weighted_swiglu_backward_cuda);
 }
 
 }  // namespace hasten

@@ -55,5 +55,28 @@ struct ClampedSwigluParams {
 cudaError_t launch_clamped_swiglu_forward(const ClampedSwigluParams& params, cudaStream_t stream);
 cudaError_t launch_clamped_swiglu_backward(const ClampedSwigluParams& params, cudaStream_t stream);
 
+// The MoE experts' SwiGLU with the router's weights folded in (hasten::moe_weighted_swiglu): rows
+// of [gate | up] (R, 2I) in expert order, row p scaled by the weight of its slot s = permutation[p],
+//   act[p] = w[s] * (silu(gate[p]) * up[p])
+// so that the down projection's rows come out weighted and the combine is a plain sum (its backward
+// then needs no y: the weights' gradient is formed here, from values this pass reads anyway):
+//   d_w[s]    = sum_c silu(gate[p, c]) * up[p, c] * d_act[p, c]      (float, one fixed order)
+//   d_gate[p] = w[s] d_act[p] * up[p] * silu'(gate[p]),  d_up[p] = w[s] d_act[p] * silu(gate[p])
+// Rows at p >= valid_rows[0] (dropped slots: their gate_up rows are undefined) are written as
+// zeros, and so is their d_w.
+struct MoeWeightedSwigluParams {
+  const void* gate_up;         // (R, 2I) contiguous, [gate | up]
+  const void* weights;         // (R,) the router's weights slot-major ((T, k) flat), gate_up's type
+  const int32_t* permutation;  // (R,) sorted row -> slot
+  const int32_t* valid_rows;   // one int32 on the device: offsets[E], the rows of valid slots
+  const void* grad_act;        // (R, I) contiguous, backward only (else nullptr)
+  void* out;                   // forward: act (R, I); backward: d_gate_up (R, 2I)
+  void* grad_weights;          // backward: (R,) slot-major, the weights' type (forward: unused)
+  int64_t rows, inner;         // R, I
+  ElementType type;
+};
+cudaError_t launch_moe_weighted_swiglu_forward(const MoeWeightedSwigluParams& params, cudaStream_t stream);
+cudaError_t launch_moe_weighted_swiglu_backward(const MoeWeightedSwigluParams& params, cudaStream_t stream);
+
 }  // namespace kernels
 }  // namespace hasten

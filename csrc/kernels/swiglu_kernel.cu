@@ -8,6 +8,7 @@
 #include "expert_rows.cuh"
 #include "gate_activation_math.cuh"
 #include "swiglu.cuh"
+#include "warp_sums.cuh"
 
 namespace hasten {
 namespace kernels {
@@ -263,6 +264,107 @@ cudaError_t launch_clamped(const ClampedSwigluParams& p, bool backward, cudaStre
   return HASTEN_DISPATCH_ELEMENT(p.type, { return launch_clamped_with<T>(p, backward, stream); });
 }
 
+// The MoE experts' SwiGLU with the router's weights folded in (swiglu.cuh). Forward: the plain
+// kernel's layout (chunks of a row on x, rows on y), each row's weight read through the permutation.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) moe_weighted_swiglu_forward_kernel(MoeWeightedSwigluParams p) {
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // chunk in the row
+  if (v * V >= p.inner) return;
+  const int64_t valid = *p.valid_rows;
+  for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+    T act[V];
+    if (r < valid) {
+      const T* row = static_cast<const T*>(p.gate_up) + r * 2 * p.inner;
+      T g[V], u[V];
+      load_chunk<T, V>(row, v, g);
+      load_chunk<T, V>(row + p.inner, v, u);
+      const float w = to_float(static_cast<const T*>(p.weights)[p.permutation[r]]);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        act[i] = from_float<T>(w * (gate_activation<GateActivation::kSilu>(to_float(g[i])).value * to_float(u[i])));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) act[i] = from_float<T>(0.0f);
+    }
+    store_chunk<T, V>(static_cast<T*>(p.out) + r * p.inner, v, act);
+  }
+}
+
+// Backward: one warp per row (the weight's gradient is a sum over the row), lanes over its chunks;
+// the lanes' partial sums meet in a fixed xor order, so the result is the same on every run.
+constexpr int kRowsPerBlock = kThreads / 32;
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) moe_weighted_swiglu_backward_kernel(MoeWeightedSwigluParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t chunks = p.inner / V;  // the launch picks V dividing I
+  const int64_t valid = *p.valid_rows;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32; r < p.rows;
+       r += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
+    T* out_row = static_cast<T*>(p.out) + r * 2 * p.inner;
+    const int32_t slot = p.permutation[r];
+    if (r >= valid) {  // a dropped slot: zero gradients
+      T zero[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) zero[i] = from_float<T>(0.0f);
+      for (int64_t v = lane; v < chunks; v += 32) {
+        store_chunk<T, V>(out_row, v, zero);
+        store_chunk<T, V>(out_row + p.inner, v, zero);
+      }
+      if (lane == 0) static_cast<T*>(p.grad_weights)[slot] = from_float<T>(0.0f);
+      continue;
+    }
+    const T* row = static_cast<const T*>(p.gate_up) + r * 2 * p.inner;
+    const T* grad_row = static_cast<const T*>(p.grad_act) + r * p.inner;
+    const float w = to_float(static_cast<const T*>(p.weights)[slot]);
+    float dot = 0.0f;
+    for (int64_t v = lane; v < chunks; v += 32) {
+      T g[V], u[V], d[V];
+      load_chunk<T, V>(row, v, g);
+      load_chunk<T, V>(row + p.inner, v, u);
+      load_chunk<T, V>(grad_row, v, d);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const GateValue f = gate_activation<GateActivation::kSilu>(to_float(g[i]));
+        const float uf = to_float(u[i]), df = to_float(d[i]);
+        dot += f.value * uf * df;
+        const float ds = w * df;  // d of silu(gate) * up
+        g[i] = from_float<T>(ds * uf * f.slope);
+        u[i] = from_float<T>(ds * f.value);
+      }
+      store_chunk<T, V>(out_row, v, g);
+      store_chunk<T, V>(out_row + p.inner, v, u);
+    }
+    dot = group_sum(dot, 32);
+    if (lane == 0) static_cast<T*>(p.grad_weights)[slot] = from_float<T>(dot);
+  }
+}
+
+template <typename T>
+cudaError_t launch_weighted_with(const MoeWeightedSwigluParams& p, bool backward, cudaStream_t stream) {
+  constexpr int kV = kVec<T>;
+  const bool vectors = p.inner % kV == 0 && aligned16(p.gate_up) && aligned16(p.out) &&
+                       (!backward || aligned16(p.grad_act));
+  if (backward) {
+    const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+    const unsigned grid = static_cast<unsigned>(blocks < (int64_t{1} << 30) ? blocks : (int64_t{1} << 30));
+    if (vectors) moe_weighted_swiglu_backward_kernel<T, kV><<<grid, kThreads, 0, stream>>>(p);
+    else moe_weighted_swiglu_backward_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    if (p.inner == 0) return cudaSuccess;  // an empty act; the backward still writes each d_w (0)
+    const dim3 grid = grid_for(p.inner, p.rows, vectors ? kV : 1);
+    if (vectors) moe_weighted_swiglu_forward_kernel<T, kV><<<grid, kThreads, 0, stream>>>(p);
+    else moe_weighted_swiglu_forward_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_weighted(const MoeWeightedSwigluParams& p, bool backward, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  return HASTEN_DISPATCH_ELEMENT(p.type, { return launch_weighted_with<T>(p, backward, stream); });
+}
+
 }  // namespace
 
 cudaError_t launch_clamped_swiglu_forward(const ClampedSwigluParams& p, cudaStream_t stream) {
@@ -271,6 +373,14 @@ cudaError_t launch_clamped_swiglu_forward(const ClampedSwigluParams& p, cudaStre
 
 cudaError_t launch_clamped_swiglu_backward(const ClampedSwigluParams& p, cudaStream_t stream) {
   return launch_clamped(p, true, stream);
+}
+
+cudaError_t launch_moe_weighted_swiglu_forward(const MoeWeightedSwigluParams& p, cudaStream_t stream) {
+  return launch_weighted(p, false, stream);
+}
+
+cudaError_t launch_moe_weighted_swiglu_backward(const MoeWeightedSwigluParams& p, cudaStream_t stream) {
+  return launch_weighted(p, true, stream);
 }
 
 cudaError_t launch_swiglu_forward(const SwigluParams& p, cudaStream_t stream) { return launch(p, false, stream); }

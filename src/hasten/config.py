@@ -81,6 +81,12 @@ class MoEConfig:
     # table's router recipes, each router class checked against its own forward first; under
     # autocast the model's own router runs).
     fused_router: bool = False
+    # The router's weights multiplied into each expert row inside the fused SwiGLU, before the down
+    # projection (the same product: the projection is linear), so the combine is a plain sum and its
+    # backward keeps no copy of the experts' (slots, hidden) output: the weights' gradient comes from
+    # the SwiGLU's backward. False: the weights in the combine, as before. Experts with biases or
+    # another gate (gpt-oss) keep them in the combine.
+    weights_in_gate: bool = True
 
 
 @dataclass

@@ -134,6 +134,47 @@ def test_clamped_swiglu_cuda_equals_cpu_forward_and_backward(dtype, rows, inner,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k,experts,inner", [(1, 1, 1, 1), (3, 8, 16, 7), (16384, 8, 128, 768),
+                                                        (9000, 6, 64, 1408), (70_000, 1, 4, 12), (5, 2, 3, 0)])
+def test_weighted_swiglu_cuda_equals_cpu_and_is_deterministic(dtype, tokens, top_k, experts, inner):
+    """hasten::moe_weighted_swiglu on the GPU against the CPU op (float math both, one rounding),
+    forward and both gradients, with dropped slots (ids outside [0, E): the GPU grouping sorts them
+    last); rows past the grid's 65,535 loop; widths off the 16-byte vectors take the element path.
+    The weights' gradient (a warp's sum in a fixed order) is bitwise the same on a second run."""
+    from tests.reference import weighted_swiglu_reference
+
+    gen = torch.Generator().manual_seed(tokens + inner)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    ids[::7, 0] = experts  # dropped slots
+    _, offsets, permutation, _ = torch.ops.hasten.moe_group(ids.cuda(), experts)
+    slots = tokens * top_k
+    gate_up = (torch.randn(slots, 2 * inner, generator=gen) * 3).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen).to(dtype)
+    grad = torch.randn(slots, inner, generator=gen).to(dtype)
+    cuda = [t.cuda() for t in (gate_up, weights, permutation, offsets)]
+    act = torch.ops.hasten.moe_weighted_swiglu(*cuda)
+    back = torch.ops.hasten.moe_weighted_swiglu_backward(grad.cuda(), *cuda)
+    again = torch.ops.hasten.moe_weighted_swiglu_backward(grad.cuda(), *cuda)
+    cpu = (gate_up, weights, permutation.cpu(), offsets.cpu())
+    want_act = torch.ops.hasten.moe_weighted_swiglu(*cpu)
+    want_back = torch.ops.hasten.moe_weighted_swiglu_backward(grad, *cpu)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert torch.allclose(act.cpu().float(), want_act.float(), **tolerance)
+    assert torch.allclose(back[0].cpu().float(), want_back[0].float(), **tolerance)
+    # the weights' gradient sums `inner` products: float sums in another order differ by ~1e-6 of it
+    scale = max(1.0, float(want_back[1].float().abs().max()))
+    atol = (2e-5 if dtype == torch.float32 else 2e-2) * scale
+    assert torch.allclose(back[1].cpu().float(), want_back[1].float(), atol=atol, rtol=tolerance["rtol"])
+    assert torch.equal(back[0], again[0]) and torch.equal(back[1], again[1])
+    valid = int(offsets[-1])
+    assert torch.all(act[valid:] == 0) and torch.all(back[0][valid:] == 0)
+    assert torch.all(back[1].reshape(-1)[permutation[valid:].long()] == 0)
+    if dtype == torch.float32:
+        want = weighted_swiglu_reference(gate_up, weights, permutation.cpu(), valid)
+        assert torch.allclose(act.cpu().double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,inner,experts", [(65_536 + 3, 2880, 32), (70_000, 12, 5), (9, 3, 4), (37, 8, 16)])
 def test_clamped_swiglu_with_expert_biases_cuda_equals_the_biases_added_apart(dtype, rows, inner, experts):
     """gpt-oss's gate_up biases inside the clamped kernel (each expert-sorted row's expert from the

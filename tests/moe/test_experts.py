@@ -30,11 +30,17 @@ def _pair(name):
     return reference, patched
 
 
+@pytest.mark.parametrize("weights_in_gate", [True, False], ids=["weights_in_gate", "weights_in_combine"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_fused_experts_match_eager_outputs_aux_loss_and_gradients(name):
+def test_fused_experts_match_eager_outputs_aux_loss_and_gradients(name, weights_in_gate):
+    """Both places of the router's weights (training.moe.weights_in_gate): inside the SwiGLU, a
+    summing combine, or in the combine; the same outputs and gradients as transformers' experts."""
     reference, patched = _pair(name)
-    handle = hasten.accelerate(patched, Config.from_dict({"training": {"packed_sequence": False}}))
+    handle = hasten.accelerate(patched, Config.from_dict(
+        {"training": {"packed_sequence": False, "moe": {"weights_in_gate": weights_in_gate}}}))
     assert any("fused MoE experts" in item for item in handle.active), handle.report()
+    said = any("router's weights in the SwiGLU" in item for item in handle.active)
+    assert said == weights_in_gate, handle.active
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (2, 11), generator=gen)
     want = reference(input_ids=ids, labels=ids)
@@ -68,8 +74,10 @@ def test_undo_and_switch_off():
     _, model = _pair("mixtral")
     handle = hasten.accelerate(model)
     assert model.config._experts_implementation == "hasten_fused"
+    assert all(m._hasten_weights_in_gate for m in model.modules() if hasattr(m, "_hasten_gate"))
     handle.undo()
     assert model.config._experts_implementation != "hasten_fused"
+    assert not any(hasattr(m, "_hasten_weights_in_gate") for m in model.modules())
     handle = hasten.accelerate(model, Config.from_dict({"training": {"moe": {"fused_grouping": False}}}))
     assert model.config._experts_implementation != "hasten_fused"
     assert any("fused_grouping is false" in item for item in handle.inactive)

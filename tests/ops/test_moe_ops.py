@@ -3,7 +3,7 @@ import torch
 
 from hasten.ops import moe as moe_ops
 from tests.reference import (expert_biased_rows, grouped_mm_reference, moe_combine_reference, moe_group_reference,
-                             moe_permute_reference, swiglu_reference)
+                             moe_permute_reference, swiglu_reference, weighted_swiglu_reference)
 
 
 def _ids(gen, tokens, top_k, experts, dtype=torch.int64, skew=False):
@@ -179,6 +179,100 @@ def test_swiglu_matches_reference_and_gradcheck(rows, inner):
 def test_swiglu_rejects_odd_width():
     with pytest.raises(RuntimeError, match="odd width"):
         torch.ops.hasten.swiglu(torch.randn(2, 3))
+
+
+def _weighted_case(gen, tokens, top_k, experts, inner, dtype, dropped=False):
+    """gate_up (S, 2I), weights (T, k), grouping (permutation, offsets) for moe_weighted_swiglu;
+    `dropped`: the last few slots dropped (as the GPU grouping makes for ids outside [0, E))."""
+    ids, g = _routing(gen, tokens, top_k, experts)
+    permutation, offsets = g.permutation, g.offsets
+    slots = tokens * top_k
+    if dropped and slots > 2:  # the same permutation, the last two positions past offsets[E]
+        offsets = offsets.clone()
+        offsets[-1] = slots - 2
+        offsets[:-1].clamp_(max=slots - 2)
+    gate_up = (torch.randn(slots, 2 * inner, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen, dtype=torch.float64).to(dtype)
+    return gate_up, weights, permutation, offsets
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,inner", [(1, 1, 1, 1), (7, 3, 4, 5), (19, 2, 3, 24), (0, 2, 3, 8),
+                                                        (5, 2, 3, 0)])
+@pytest.mark.parametrize("dropped", [False, True])
+def test_weighted_swiglu_matches_reference_with_its_gradients(tokens, top_k, experts, inner, dropped):
+    """act[p] = w[permutation[p]] * silu(gate[p]) * up[p], dropped rows zero; d gate_up and d w
+    equal torch's autograd of that formula (float64: exact but for rounding), and gradcheck."""
+    gen = torch.Generator().manual_seed(tokens * 10 + inner)
+    gate_up, weights, permutation, offsets = _weighted_case(gen, tokens, top_k, experts, inner, torch.float64, dropped)
+    valid = int(offsets[-1])
+    gate_up.requires_grad_()
+    weights.requires_grad_()
+    got = torch.ops.hasten.moe_weighted_swiglu(gate_up, weights, permutation, offsets)
+    want = weighted_swiglu_reference(gate_up, weights, permutation, valid)
+    assert torch.allclose(got, want, atol=1e-12)
+    grad = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    got_grads = torch.autograd.grad(got, (gate_up, weights), grad, allow_unused=True)
+    want_grads = torch.autograd.grad(want, (gate_up, weights), grad, allow_unused=True)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b if b is not None else torch.zeros_like(a), atol=1e-12)
+    if dropped and tokens * top_k > 2:  # dropped slots: zero rows and a zero weight gradient
+        assert torch.all(got[valid:] == 0) and torch.all(got_grads[0][valid:] == 0)
+        assert torch.all(got_grads[1].reshape(-1)[permutation[valid:].long()] == 0)
+    if tokens and inner:
+        torch.autograd.gradcheck(lambda a, b: torch.ops.hasten.moe_weighted_swiglu(a, b, permutation, offsets),
+                                 (gate_up, weights))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_weighted_swiglu_low_precision_rounds_once(dtype, tol):
+    """float32 and bfloat16: the float math rounded once to the dtype (the CUDA kernels' rule)."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up, weights, permutation, offsets = _weighted_case(gen, 33, 4, 6, 40, dtype)
+    got = torch.ops.hasten.moe_weighted_swiglu(gate_up, weights, permutation, offsets)
+    want = weighted_swiglu_reference(gate_up, weights, permutation, int(offsets[-1]))
+    assert got.dtype == dtype
+    assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_weights_in_the_swiglu_equal_the_weights_in_the_combine():
+    """The experts' two orders, float64: combine(down(w * swiglu)) == combine(down(swiglu), w), the
+    output and the gradients of gate_up, the down weight and the router's weights."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, top_k, experts, inner, hidden = 13, 3, 4, 6, 5
+    gate_up, weights, permutation, offsets = _weighted_case(gen, tokens, top_k, experts, inner, torch.float64)
+    g = moe_ops.Grouping(torch.diff(offsets), offsets, permutation,
+                         torch.empty_like(permutation).scatter_(0, permutation.long(),
+                                                                torch.arange(permutation.numel(), dtype=torch.int32)),
+                         top_k)
+    down = torch.randn(experts, hidden, inner, generator=gen, dtype=torch.float64)
+    results = []
+    for in_gate in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (gate_up, weights, down)]
+        a, w, d = leaves
+        if in_gate:
+            out = moe_ops.combine(moe_ops.grouped_mm(moe_ops.weighted_swiglu(a, w, g), d, g.group_ends), None, g)
+        else:
+            out = moe_ops.combine(moe_ops.grouped_mm(moe_ops.swiglu(a), d, g.group_ends), w, g)
+        grad = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape)
+        results.append((out.detach(), torch.autograd.grad(out, leaves, grad)))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.allclose(out_a, out_b, atol=1e-12)
+    for x, y in zip(grads_a, grads_b):
+        assert torch.allclose(x, y, atol=1e-12)
+
+
+def test_weighted_swiglu_rejects_what_does_not_fit():
+    g = torch.ops.hasten.moe_group(torch.tensor([[0, 1], [1, 2]]), 3)
+    permutation, offsets = g[2], g[1]
+    with pytest.raises(RuntimeError, match="one value per slot"):
+        torch.ops.hasten.moe_weighted_swiglu(torch.randn(4, 6), torch.rand(3, 2), permutation, offsets)
+    with pytest.raises(RuntimeError, match="odd width"):
+        torch.ops.hasten.moe_weighted_swiglu(torch.randn(4, 5), torch.rand(2, 2), permutation, offsets)
+    with pytest.raises(RuntimeError, match="permutation"):
+        torch.ops.hasten.moe_weighted_swiglu(torch.randn(4, 6), torch.rand(2, 2), permutation.long(), offsets)
+    with pytest.raises(RuntimeError, match="grad_act"):
+        torch.ops.hasten.moe_weighted_swiglu_backward(torch.randn(4, 2), torch.randn(4, 6), torch.rand(2, 2),
+                                                      permutation, offsets)
 
 
 def clamped_swiglu_reference(gate_up, alpha, limit):

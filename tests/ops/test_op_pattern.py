@@ -21,11 +21,11 @@ from hasten.ops import op_names
 ops = torch.ops.hasten
 DIFFERENTIABLE = {"rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "rms_norm_rope", "varlen_attention",
                   "linear_cross_entropy",
-                  "moe_permute", "moe_combine", "moe_grouped_mm", "moe_route", "swiglu", "clamped_swiglu", "lora_linear",
+                  "moe_permute", "moe_combine", "moe_grouped_mm", "moe_route", "swiglu", "clamped_swiglu", "moe_weighted_swiglu", "lora_linear",
                   "lora_linear_group", "lora_gated_group"}
 BACKWARD_OPS = {"rms_norm_backward", "rms_norm_rope_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
                 "moe_combine_weight_grad", "moe_grouped_mm_weight_grad", "moe_route_backward", "swiglu_backward",
-                "clamped_swiglu_backward",
+                "clamped_swiglu_backward", "moe_weighted_swiglu_backward",
                 "lora_linear_backward",
                 "lora_linear_group_backward", "lora_gated_group_backward"}
 # integer-valued or in-place ops, with no derivative to define
@@ -139,6 +139,10 @@ def _cases(requires_grad: bool):
         ("clamped_swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False), 1.702, 0.8)),
         ("clamped_swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False), 1.702, 0.8, t(3, 10, grad=False),
                                      torch.tensor([1, 1, 4], dtype=torch.int32))),
+        # the experts' SwiGLU with the router's weights: 14 slots of the 7 x 2 grouping, weights (7, 2)
+        ("moe_weighted_swiglu", (t(14, 10), t(tokens, top_k), grouping.permutation, grouping.offsets)),
+        ("moe_weighted_swiglu_backward", (t(14, 5, grad=False), t(14, 10, grad=False), t(tokens, top_k, grad=False),
+                                          grouping.permutation, grouping.offsets)),
         # x (2, 3, 8), a frozen base (6, 8) with bias, rank 4 adapters; then with a dropout input
         ("lora_linear", (t(2, 3, 8), None, t(6, 8, grad=False), t(6, grad=False), t(4, 8), t(6, 4), 0.5)),
         ("lora_linear", (t(2, 3, 8), t(2, 3, 8), t(6, 8, grad=False), None, t(4, 8), t(6, 4), 2.0)),
@@ -352,6 +356,11 @@ def _bad_inputs():
                               "silu")),  # gate and up of different sizes
         ("lora_gated_group", (f(3, 8), [f(6, 8), f(6, 8)], [], [f(4, 8), f(2, 8)], [f(6, 4), f(6, 2)], [1.0, 1.0],
                               "relu")),
+        ("moe_weighted_swiglu", (f(14, 10), f(6, 2), g.permutation, g.offsets)),  # a weight short
+        ("moe_weighted_swiglu", (f(14, 10), f(7, 2, dtype=torch.bfloat16), g.permutation, g.offsets)),
+        ("moe_weighted_swiglu", (f(13, 10), f(7, 2), g.permutation, g.offsets)),  # rows not the slots
+        ("moe_weighted_swiglu", (f(14, 10), f(7, 2), g.permutation.long(), g.offsets)),
+        ("moe_weighted_swiglu_backward", (f(14, 4), f(14, 10), f(7, 2), g.permutation, g.offsets)),
         ("lora_gated_group_backward", (f(3, 5), f(3, 6), f(3, 6), f(3, 8), [f(6, 8), f(6, 8)], [f(4, 8), f(2, 8)],
                                        [f(6, 4), f(6, 2)], f(3, 6), [1.0, 1.0], "silu")),  # grad_act's width
     ]
@@ -402,6 +411,13 @@ def test_formulas_save_only_what_the_needed_gradients_read():
     permute = lambda a, s: ops.moe_permute(a, g.permutation, g.offsets, 2, s)  # noqa: E731
     assert _saved_tensor_count(permute, x.requires_grad_(), None) == 2
     assert _saved_tensor_count(permute, x.detach(), scale.requires_grad_()) == 3
+    gate_up, w = torch.randn(12, 6), torch.rand(6, 2)
+    weighted = lambda a, b: moe_ops.weighted_swiglu(a, b, g)  # noqa: E731
+    # gate_up, the weights, permutation and offsets while either needs a gradient; nothing otherwise
+    assert _saved_tensor_count(weighted, gate_up.requires_grad_(), w) == 4
+    assert _saved_tensor_count(weighted, gate_up.detach(), w.requires_grad_()) == 4
+    with torch.no_grad():
+        assert _saved_tensor_count(weighted, gate_up, w) == 0
 
 
 @pytest.mark.parametrize("index", range(len(_cases(False))))

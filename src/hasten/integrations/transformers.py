@@ -1070,6 +1070,7 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
         m._hasten_gate = gate_kernel(m, checked=not uses_fused_swiglu(m) and clamped_ok(m))
         if m._hasten_gate == "clamped_swiglu" and getattr(m, "has_bias", False):
             m._hasten_fused_bias = fused_bias_ok(m)
+        m._hasten_weights_in_gate = config.training.moe.weights_in_gate
         stats.track(m, m.num_experts, m.gate_up_proj.device)
 
     def undo() -> None:
@@ -1078,6 +1079,7 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
             m.__dict__.pop("_hasten_moe_stats", None)
             m.__dict__.pop("_hasten_gate", None)
             m.__dict__.pop("_hasten_fused_bias", None)
+            m.__dict__.pop("_hasten_weights_in_gate", None)
         model.set_experts_implementation(previous or "eager")
         for config, attribute, value in previous_by_config:
             setattr(config, attribute, value)

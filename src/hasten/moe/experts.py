@@ -167,6 +167,14 @@ def gate_kernel(experts: torch.nn.Module, checked: bool = False) -> str:
     return "clamped_swiglu" if checked else "own"
 
 
+def weights_in_gate(experts: torch.nn.Module, gate: str) -> bool:
+    """Whether the router's weights multiply the rows inside the fused SwiGLU (moe_weighted_swiglu)
+    rather than in the combine: transformers' default gate without biases (a down bias would be
+    weighted too), unless training.moe.weights_in_gate turned it off (accelerate() sets the flag)."""
+    return gate == "swiglu" and not getattr(experts, "has_bias", False) and getattr(
+        experts, "_hasten_weights_in_gate", True)
+
+
 def describe(experts: torch.nn.Module) -> str:
     """What the fused path runs for this experts class, for the report."""
     parts = ["one-kernel grouping", "grouped GEMM"]
@@ -178,7 +186,8 @@ def describe(experts: torch.nn.Module) -> str:
         parts.append("expert biases (gate_up's inside the clamped kernel, down's in the combine)"
                      if gate == "clamped_swiglu" and getattr(experts, "_hasten_fused_bias", False)
                      else "expert biases (down's in the combine)")
-    parts.append("deterministic combine")
+    parts.append("the router's weights in the SwiGLU, a summing combine" if weights_in_gate(experts, gate)
+                 else "deterministic combine")
     return ", ".join(parts)
 
 
@@ -393,6 +402,13 @@ def fused_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     fused_bias = has_bias and gate == "clamped_swiglu" and getattr(self, "_hasten_fused_bias", False)
     row_one_hot = _row_expert_one_hot(g, x.shape[0], x.dtype) if has_bias and not fused_bias else None
     gate_up = _projection(self, "gate_up_proj", x, g, row_one_hot)
+    if weights_in_gate(self, gate):
+        # The router's weights times each row inside the SwiGLU, before the down projection (the same
+        # product: the projection is linear in its input, LoRA's too), so the combine is a sum. Its
+        # backward then needs no y: the weights' gradient is a row sum in the SwiGLU's backward, and
+        # the (S, H) y is neither kept for it nor read again (Qwen3-30B-A3B: 131,072 x 2,048 a layer).
+        act = moe_ops.weighted_swiglu(gate_up, top_k_weights.to(gate_up.dtype), g)
+        return moe_ops.combine(_projection(self, "down_proj", act, g, None), None, g)
     if gate == "swiglu":
         act = moe_ops.swiglu(gate_up)
     elif gate == "clamped_swiglu" and fused_bias:

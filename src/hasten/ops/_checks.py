@@ -123,6 +123,32 @@ def check_swiglu_backward_args(grad_act, gate_up) -> None:
     check_same_device(gate_up, grad_act, op, "gate_up", "grad_act")
 
 
+def check_weighted_swiglu_args(op: str, gate_up, weights, permutation, offsets) -> None:
+    check_swiglu_args(op, gate_up)
+    check_dtype(permutation, op, "permutation", (torch.int32,))
+    check_dtype(offsets, op, "offsets", (torch.int32,))
+    check_dim(permutation, 1, op, "permutation", "1-D (slots,)")
+    check_dim(offsets, 1, op, "offsets", "1-D (experts + 1,)")
+    check(offsets.numel() >= 2, op, "`offsets` needs experts + 1 >= 2 entries")
+    check_size(gate_up, 0, permutation.numel(), op, "gate_up", "slots of `permutation`")
+    check(weights.numel() == permutation.numel(), op, lambda: f"`weights` must hold one value per slot "
+          f"({permutation.numel()}), got shape {shape(weights.shape)}")
+    check_same_dtype(gate_up, weights, op, "gate_up", "weights")
+    check_same_device(gate_up, weights, op, "gate_up", "weights")
+    check_same_device(gate_up, permutation, op, "gate_up", "permutation")
+    check_same_device(gate_up, offsets, op, "gate_up", "offsets")
+
+
+def check_weighted_swiglu_backward_args(grad_act, gate_up, weights, permutation, offsets) -> None:
+    op = "moe_weighted_swiglu_backward"
+    check_weighted_swiglu_args(op, gate_up, weights, permutation, offsets)
+    check_same_dtype(gate_up, grad_act, op, "gate_up", "grad_act")
+    check(grad_act.dim() == 2 and grad_act.shape[0] == gate_up.shape[0] and grad_act.shape[1] * 2 == gate_up.shape[1],
+          op, lambda: f"`grad_act` must be (rows, inner) of `gate_up` (rows, 2 * inner), got {shape(grad_act.shape)} "
+          f"and {shape(gate_up.shape)}")
+    check_same_device(gate_up, grad_act, op, "gate_up", "grad_act")
+
+
 def check_clamped_swiglu_args(op: str, gate_up: torch.Tensor, alpha: float, limit: float) -> None:
     """gpt-oss's clamped SwiGLU: swiglu's (rows, 2 * inner) shape, interleaved; alpha and limit finite,
     limit positive."""

@@ -63,6 +63,16 @@ def _swiglu_backward_fake(grad_act, gate_up):
     return gate_up.new_empty(gate_up.shape)
 
 
+def _weighted_swiglu_fake(gate_up, weights, permutation, offsets):
+    _checks.check_weighted_swiglu_args("moe_weighted_swiglu", gate_up, weights, permutation, offsets)
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+def _weighted_swiglu_backward_fake(grad_act, gate_up, weights, permutation, offsets):
+    _checks.check_weighted_swiglu_backward_args(grad_act, gate_up, weights, permutation, offsets)
+    return gate_up.new_empty(gate_up.shape), weights.new_empty(weights.shape)
+
+
 def _clamped_swiglu_fake(gate_up, alpha, limit, bias=None, group_ends=None):
     _checks.check_clamped_swiglu_args("clamped_swiglu", gate_up, alpha, limit)
     _checks.check_clamped_swiglu_bias("clamped_swiglu", gate_up, bias, group_ends)
@@ -182,6 +192,22 @@ def _swiglu_backward(ctx, grad_act):
     return call_in_backward("swiglu_backward", grad_act.contiguous(), gate_up)
 
 
+# moe_weighted_swiglu: act[p] = weights[s] * silu(gate[p]) * up[p], s = permutation[p]
+def _weighted_swiglu_setup(ctx, inputs, output):
+    gate_up, weights, permutation, offsets = inputs
+    ctx.save_for_backward(gate_up, weights, permutation, offsets)
+
+
+def _weighted_swiglu_backward(ctx, grad_act):
+    """Both gradients from one pass over gate_up and grad_act (the weights' is a row sum of values
+    that pass reads anyway); neither needs the down projection's output."""
+    gate_up, weights, permutation, offsets = ctx.saved_tensors
+    grad_gate_up, grad_weights = call_in_backward("moe_weighted_swiglu_backward", grad_act.contiguous(), gate_up,
+                                                  weights, permutation, offsets)
+    return (grad_gate_up if ctx.needs_input_grad[0] else None,
+            grad_weights if ctx.needs_input_grad[1] else None, None, None)
+
+
 def _clamped_swiglu_setup(ctx, inputs, output):
     gate_up, ctx.alpha, ctx.limit, bias, group_ends = (*inputs, None, None)[:5]
     ctx.save_for_backward(gate_up, bias, group_ends)
@@ -229,6 +255,8 @@ def _register() -> None:
                        ("moe_route", _moe_route_fake), ("moe_route_backward", _moe_route_backward_fake),
                        ("clamped_swiglu", _clamped_swiglu_fake),
                        ("clamped_swiglu_backward", _clamped_swiglu_backward_fake),
+                       ("moe_weighted_swiglu", _weighted_swiglu_fake),
+                       ("moe_weighted_swiglu_backward", _weighted_swiglu_backward_fake),
                        ("moe_grouped_mm", _grouped_mm_fake), ("moe_grouped_mm_weight_grad", _grouped_mm_weight_grad_fake)):
         torch.library.register_fake(lib + name, fake)
     register_autograd("moe_permute", _permute_backward, setup_context=_permute_setup)
@@ -237,8 +265,9 @@ def _register() -> None:
     register_autograd("moe_route", _route_backward, setup_context=_route_setup)
     register_autograd("swiglu", _swiglu_backward, setup_context=_swiglu_setup)
     register_autograd("clamped_swiglu", _clamped_swiglu_backward, setup_context=_clamped_swiglu_setup)
+    register_autograd("moe_weighted_swiglu", _weighted_swiglu_backward, setup_context=_weighted_swiglu_setup)
     for op in ("moe_combine_weight_grad", "moe_route_backward", "swiglu_backward", "clamped_swiglu_backward",
-               "moe_grouped_mm_weight_grad"):
+               "moe_grouped_mm_weight_grad", "moe_weighted_swiglu_backward"):
         no_double_backward(op)
 
 
@@ -312,6 +341,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[gate | up] rows (R, 2I) -> silu(gate) * up (R, I), one kernel each way."""
     load()
     return call("swiglu", gate_up)
+
+
+def weighted_swiglu(gate_up: torch.Tensor, weights: torch.Tensor, g: Grouping) -> torch.Tensor:
+    """[gate | up] rows (S, 2I) in expert order -> each row's router weight (weights (T, k), gate_up's
+    dtype) times silu(gate) * up, (S, I); dropped slots' rows zero. The down projection of it gives
+    weighted rows, so `combine(y, None, g)` sums them: the combine's backward then needs no y (its
+    weight gradient comes from this op's backward, from gate_up and grad_act), and nobody saves y."""
+    load()
+    return call("moe_weighted_swiglu", gate_up, weights, g.permutation, g.offsets)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float, bias: torch.Tensor | None = None,
