@@ -319,6 +319,23 @@ def host_launch_ms(step, iters: int = 3) -> float:
     return common.median(times)
 
 
+def forward_kept_gib(block, x, grad) -> float:
+    """GiB one eager forward keeps for its backward (what a model's layers accumulate until the
+    backward reaches them): the memory allocated after the forward less before it, less the output;
+    then the backward, and the gradients cleared."""
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    common.sync()
+    before = torch.cuda.memory_allocated()
+    out = block(x)
+    kept = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    out.backward(grad)
+    del out
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    return kept / 2**30
+
+
 def eager_step(call, module, x, grad):
     """(step, result): one zero_grad + call(x).backward(grad), and what it left (output, x.grad,
     the module's parameter gradients); `call` is the module itself, compiled or graphed."""
@@ -344,6 +361,11 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
                        fused_router=name in FUSED_ROUTER, weights_in_gate=name not in WEIGHTS_IN_COMBINE)
     notes, check = [], None
     cleanup = []
+    kept_gib = None
+    if DEVICE == "cuda" and name not in ("hasten_graphed", "hasten_router_graphed", "hasten_graphed_callables",
+                                         "hasten_compiled"):
+        kept_gib = forward_kept_gib(block, x, grad)
+        notes.append(f"the forward keeps {kept_gib:.3f} GiB for the backward")
     if name in ("hasten_graphed", "hasten_router_graphed"):
         graph, static_out = capture_forward_backward(block, x, grad)
         cleanup.append(lambda: block.zero_grad(set_to_none=True))
@@ -419,6 +441,7 @@ def run_variant(name: str, block, config, x, grad, iters: int, want, ref_out, ru
         undo()
     return {"workload": "W3", "variant": name, "block": BLOCK, "run_id": run_id, **common.environment(),
             "tokens_per_s": x.shape[1] / common.median(times), "step_s": common.median(times), "peak_gib": peak_gib,
+            "forward_kept_gib": kept_gib,
             "host_syncs_per_step": syncs.count, "correct": correct, "notes": "; ".join(notes)}
 
 

@@ -11,6 +11,8 @@ One run measures, on the same weights:
                 loss, the experts on the one-kernel grouping path with the expert LoRA split
                 (x W^T + s (x rhs^T) lhs^T on grouped GEMMs), the attention LoRA on the fused
                 LoRA op; full checkpointing
+  hasten_weights_in_combine  hasten with the router's weights in the combine
+                (training.moe.weights_in_gate: false), as before 2026-12-06
   hf_grouped_mm transformers' grouped_mm experts + PEFT (whose parametrization folds the merged
                 W + s lhs @ rhs per forward), packed with position_ids, sdpa, full checkpointing
 
@@ -115,9 +117,12 @@ def build(name: str, layers: int, samples):
     seeded_adapters(model)
     packed = move_batch(hasten.PackingCollator(max_tokens=TOKENS)([{"input_ids": s} for s in samples]), "cuda")
     handles, notes = [], []
-    if name == "hasten":
-        handle = hasten.accelerate(model.get_base_model(),
-                                   Config.from_dict({"training": {"checkpoint": {"activations": "full"}}}))
+    if name in ("hasten", "hasten_weights_in_combine"):
+        # hasten_weights_in_combine: the router's weights in the combine (training.moe.weights_in_gate:
+        # false), the A/B of the weights inside the experts' SwiGLU in one run
+        moe = {"weights_in_gate": name == "hasten"}
+        handle = hasten.accelerate(model.get_base_model(), Config.from_dict(
+            {"training": {"checkpoint": {"activations": "full"}, "moe": moe}}))
         handles.append(handle)
         notes.append(handle.report().replace("\n", " | "))
         return model, [packed], handles, notes
