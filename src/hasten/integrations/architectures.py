@@ -49,8 +49,7 @@ class ArchSpec:
     moe_block: str = ""
     # what the MoE routers compute after their logits, for hasten::moe_route
     # (training.moe.fused_router; each router class is checked against it first); None: the
-    # routers stay the model's. Given only where the type's GPU parity with it ran: the hybrid
-    # MoE types (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear) wait for a run with flash-linear-attention
+    # routers stay the model's
     router: RouterSpec | None = None
     # a hybrid model's layers that carry state along the sequence (linear attention, short
     # convolutions), computed per packed sample by hasten.stateful; None: the model has none, and
@@ -137,7 +136,7 @@ _GATED_DELTANET = StatefulSpec(layers=(("GatedDeltaNet", ("causal_conv1d_fn", "t
 _SHORT_CONV = StatefulSpec(layers=(("ShortConv", ("causal_conv1d_fn",)),))
 _GDN_CODE = ("the Gated DeltaNet layers' projections, gates and gated RMSNorm (the model's own code around the "
              "varlen convolution and delta rule)",)
-_QWEN3_NEXT = ArchSpec("moe",
+_QWEN3_NEXT = ArchSpec("moe", router=SOFTMAX_TOPK,
                        norm=dataclasses.replace(_GEMMA_NORM, qk_norm=True), rotary=RotarySpec(partial=True),
                        attention=("the attention output gate (sigmoid), in the model's own attention module",),
                        model_code=_GDN_CODE + ("the shared expert and its sigmoid gate",),
@@ -692,18 +691,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_next": _QWEN3_NEXT,
     # Qwen3.5's text models: Qwen3-Next's layout, dense or MoE, with the multimodal rotary (mrope:
     # for text its sections read the token positions)
-    "qwen3_5_text": dataclasses.replace(_QWEN3_NEXT, family="dense",
+    "qwen3_5_text": dataclasses.replace(_QWEN3_NEXT, family="dense", router=None,
                                         rotary=dataclasses.replace(_MROPE, partial=True),
                                         model_code=_GDN_CODE),
-    "qwen3_5_moe_text": dataclasses.replace(_QWEN3_NEXT,
+    "qwen3_5_moe_text": dataclasses.replace(_QWEN3_NEXT, router=SOFTMAX_TOPK_RENORM,
                                             rotary=dataclasses.replace(_MROPE, partial=True)),
     # Qwen3.5's published checkpoints (Qwen3_5ForConditionalGeneration): the text model above on
     # text-only packed batches, the vision tower as transformers wrote it
-    "qwen3_5": dataclasses.replace(_QWEN3_NEXT, family="dense",
+    "qwen3_5": dataclasses.replace(_QWEN3_NEXT, family="dense", router=None,
                                    rotary=dataclasses.replace(_MROPE, partial=True),
                                    model_code=_GDN_CODE + ("the vision tower and its merger (image batches only)",),
                                    vision=_QWEN_VL_VISION),
-    "qwen3_5_moe": dataclasses.replace(_QWEN3_NEXT,
+    "qwen3_5_moe": dataclasses.replace(_QWEN3_NEXT, router=SOFTMAX_TOPK_RENORM,
                                        rotary=dataclasses.replace(_MROPE, partial=True),
                                        model_code=_QWEN3_NEXT.model_code + ("the vision tower and its merger (image "
                                                                             "batches only)",),
@@ -804,7 +803,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Kimi Linear: Kimi Delta Attention layers (a short convolution over q/k/v, then the gated delta rule
     # with a decay per key channel, chunk_kimi_delta_attention) between multi-head latent attention
     # layers without rotary (NoPE); DeepSeek-V3's router and experts, shared experts, dense first layers
-    "kimi_linear": ArchSpec("moe",
+    "kimi_linear": ArchSpec("moe", router=DEEPSEEK_V3,
                             rotary=RotarySpec(own=True, note="none: its latent attention rotates nothing (NoPE); the "
                                                              "qk_rope_head_dim part of each key head is one shared, "
                                                              "unrotated head"),

@@ -43,11 +43,10 @@ class RouterSpec:
         return ", ".join(parts)
 
 
-# Qwen2/3-MoE, OLMoE, FlexOlmo, Mellum (and Qwen3-Next's router, not yet in the table: its GPU
-# parity needs flash-linear-attention): softmax in float32, sorted top-k, renormalised where
+# Qwen2/3-MoE, OLMoE, FlexOlmo, Qwen3-Next: softmax in float32, sorted top-k, renormalised where
 # norm_topk_prob, cast to the logits' dtype
 SOFTMAX_TOPK = RouterSpec("softmax", renormalize="norm_topk_prob")
-# Qwen3-VL-MoE (and Qwen3.5-MoE's, waiting as Qwen3-Next's): the same, always renormalised
+# Qwen3-VL-MoE, Qwen3.5-MoE: the same, always renormalised
 SOFTMAX_TOPK_RENORM = RouterSpec("softmax", renormalize=True)
 # Mixtral: always renormalised, weights left in float32
 MIXTRAL = RouterSpec("softmax", renormalize=True, weights_dtype="float32")
