@@ -49,7 +49,8 @@ class ArchSpec:
     moe_block: str = ""
     # what the MoE routers compute after their logits, for hasten::moe_route
     # (training.moe.fused_router; each router class is checked against it first); None: the
-    # routers stay the model's
+    # routers stay the model's. Given only where the type's GPU parity with it ran (the hybrid MoE
+    # types' with flash-linear-attention carried: 6e828bd)
     router: RouterSpec | None = None
     # a hybrid model's layers that carry state along the sequence (linear attention, short
     # convolutions), computed per packed sample by hasten.stateful; None: the model has none, and
