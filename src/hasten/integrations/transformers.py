@@ -1026,7 +1026,9 @@ def _patch_moe(model: PreTrainedModel, config: Config, handle: AccelerationHandl
                                      uses_fused_swiglu)
 
     reasons = {reason for m in experts if (reason := unsupported_reason(m)) is not None}
-    if (no_kernels := _cuda_kernels_missing(model, "moe_group", "moe_permute", "moe_combine", "swiglu")) is not None:
+    kernels = ("moe_group", "moe_permute", "moe_combine", "swiglu") + (
+        ("moe_weighted_swiglu",) if config.training.moe.weights_in_gate else ())
+    if (no_kernels := _cuda_kernels_missing(model, *kernels)) is not None:
         reasons.add(no_kernels)
     if reasons:
         record_fallback("moe_unsupported_experts", "the fused MoE path cannot run these experts ("
