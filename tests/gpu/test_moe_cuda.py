@@ -340,7 +340,9 @@ def test_qwen3_moe_trains_like_eager_experts_for_20_steps():
         torch.manual_seed(3)
         model = Qwen3MoeForCausalLM(config).cuda().to(torch.bfloat16)
         if fused:
-            hasten.accelerate(model, Config.from_dict({"training": {"packed_sequence": False}}))
+            handle = hasten.accelerate(model, Config.from_dict({"training": {"packed_sequence": False}}))
+            # the default path on CUDA: the fused experts with the router's weights in the SwiGLU
+            assert any("router's weights in the SwiGLU" in item for item in handle.active), handle.report()
         else:
             model.set_experts_implementation("eager")
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
