@@ -14,7 +14,8 @@
 Variants in one run (rows to benchmarks/results/W3.jsonl):
   hf_moe_eager        transformers' expert loop
   hf_moe_grouped_mm   transformers' experts_implementation="grouped_mm" (sort + histc + cumsum)
-  hasten_fused        hasten: one-kernel grouping, grouped GEMM, fused SwiGLU, deterministic combine
+  hasten_fused        hasten: one-kernel grouping, grouped GEMM, fused SwiGLU (with the router's weights,
+                      training.moe.weights_in_gate, where the gate is transformers' default), deterministic combine
   hasten_fused_torch_gemm  hasten_fused with every grouped GEMM on torch's kernel
                       (HASTEN_GROUPED_GEMM=torch): the A/B of hasten's CUTLASS tiles in one run
   hasten_fused_class_shared  hasten_fused with the shared experts' MLP left to its class (torch's
