@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -182,18 +184,16 @@ def test_swiglu_rejects_odd_width():
 
 
 def _weighted_case(gen, tokens, top_k, experts, inner, dtype, dropped=False):
-    """gate_up (S, 2I), weights (T, k), grouping (permutation, offsets) for moe_weighted_swiglu;
-    `dropped`: the last few slots dropped (as the GPU grouping makes for ids outside [0, E))."""
-    ids, g = _routing(gen, tokens, top_k, experts)
-    permutation, offsets = g.permutation, g.offsets
+    """gate_up (S, 2I), weights (T, k) and the grouping for moe_weighted_swiglu; `dropped`: the last
+    two positions past offsets[E] (dropped slots, as the GPU grouping makes for ids outside [0, E))."""
+    _, g = _routing(gen, tokens, top_k, experts)
     slots = tokens * top_k
-    if dropped and slots > 2:  # the same permutation, the last two positions past offsets[E]
-        offsets = offsets.clone()
-        offsets[-1] = slots - 2
-        offsets[:-1].clamp_(max=slots - 2)
+    if dropped and slots > 2:
+        offsets = g.offsets.clamp(max=slots - 2)
+        g = dataclasses.replace(g, offsets=offsets, counts=torch.diff(offsets))
     gate_up = (torch.randn(slots, 2 * inner, generator=gen, dtype=torch.float64) * 3).to(dtype)
     weights = torch.rand(tokens, top_k, generator=gen, dtype=torch.float64).to(dtype)
-    return gate_up, weights, permutation, offsets
+    return gate_up, weights, g
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,inner", [(1, 1, 1, 1), (7, 3, 4, 5), (19, 2, 3, 24), (0, 2, 3, 8),
@@ -203,7 +203,8 @@ def test_weighted_swiglu_matches_reference_with_its_gradients(tokens, top_k, exp
     """act[p] = w[permutation[p]] * silu(gate[p]) * up[p], dropped rows zero; d gate_up and d w
     equal torch's autograd of that formula (float64: exact but for rounding), and gradcheck."""
     gen = torch.Generator().manual_seed(tokens * 10 + inner)
-    gate_up, weights, permutation, offsets = _weighted_case(gen, tokens, top_k, experts, inner, torch.float64, dropped)
+    gate_up, weights, g = _weighted_case(gen, tokens, top_k, experts, inner, torch.float64, dropped)
+    permutation, offsets = g.permutation, g.offsets
     valid = int(offsets[-1])
     gate_up.requires_grad_()
     weights.requires_grad_()
@@ -227,9 +228,9 @@ def test_weighted_swiglu_matches_reference_with_its_gradients(tokens, top_k, exp
 def test_weighted_swiglu_low_precision_rounds_once(dtype, tol):
     """float32 and bfloat16: the float math rounded once to the dtype (the CUDA kernels' rule)."""
     gen = torch.Generator().manual_seed(5)
-    gate_up, weights, permutation, offsets = _weighted_case(gen, 33, 4, 6, 40, dtype)
-    got = torch.ops.hasten.moe_weighted_swiglu(gate_up, weights, permutation, offsets)
-    want = weighted_swiglu_reference(gate_up, weights, permutation, int(offsets[-1]))
+    gate_up, weights, g = _weighted_case(gen, 33, 4, 6, 40, dtype)
+    got = moe_ops.weighted_swiglu(gate_up, weights, g)
+    want = weighted_swiglu_reference(gate_up, weights, g.permutation, int(g.offsets[-1]))
     assert got.dtype == dtype
     assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
 
@@ -239,11 +240,7 @@ def test_weights_in_the_swiglu_equal_the_weights_in_the_combine():
     output and the gradients of gate_up, the down weight and the router's weights."""
     gen = torch.Generator().manual_seed(11)
     tokens, top_k, experts, inner, hidden = 13, 3, 4, 6, 5
-    gate_up, weights, permutation, offsets = _weighted_case(gen, tokens, top_k, experts, inner, torch.float64)
-    g = moe_ops.Grouping(torch.diff(offsets), offsets, permutation,
-                         torch.empty_like(permutation).scatter_(0, permutation.long(),
-                                                                torch.arange(permutation.numel(), dtype=torch.int32)),
-                         top_k)
+    gate_up, weights, g = _weighted_case(gen, tokens, top_k, experts, inner, torch.float64)
     down = torch.randn(experts, hidden, inner, generator=gen, dtype=torch.float64)
     results = []
     for in_gate in (True, False):

@@ -186,8 +186,12 @@ def describe(experts: torch.nn.Module) -> str:
         parts.append("expert biases (gate_up's inside the clamped kernel, down's in the combine)"
                      if gate == "clamped_swiglu" and getattr(experts, "_hasten_fused_bias", False)
                      else "expert biases (down's in the combine)")
-    parts.append("the router's weights in the SwiGLU, a summing combine" if weights_in_gate(experts, gate)
-                 else "deterministic combine")
+    if weights_in_gate(experts, gate):
+        parts.append("the router's weights in the SwiGLU, a summing combine")
+    else:  # named, with the reason: the combine then keeps y for the weights' gradient
+        reason = ("its expert biases" if getattr(experts, "has_bias", False) else
+                  "training.moe.weights_in_gate is false" if gate == "swiglu" else "a gate other than the fused SwiGLU")
+        parts.append(f"the router's weights in the deterministic combine ({reason})")
     return ", ".join(parts)
 
 
