@@ -45,8 +45,10 @@ struct MoePermuteParams {
   int num_experts, top_k;
   ElementType type;
 };
-// out[p] = slot_scale[s] * x[s / top_k] with s = permutation[p]
+// out[p] = slot_scale[s] * x[s / top_k] with s = permutation[p]; moe_permute_parts(S, E) blocks a
+// bucket (part-major order, so that the rows of a token are read close together in time)
 cudaError_t launch_moe_permute(const MoePermuteParams& params, cudaStream_t stream);
+int64_t moe_permute_parts(int64_t num_slots, int num_experts);
 
 struct MoeCombineParams {
   const void* y;           // (S, H) rows in sorted order

@@ -15,56 +15,70 @@ struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
-// kPermuteRows output rows per block; each thread moves V elements of every row at a time. One row
-// per block (2,048 bf16: one 16-byte vector per thread) left each block a chain of three dependent
-// loads (offsets, permutation, source row) for 4 KiB: latency-bound at about 1.9 TB/s of writes on
-// W3 (0.28 ms for 131,072 rows, where the combine moves as many bytes in 0.15). Four rows per block
-// put four independent source loads in flight per thread.
-// The scatter form (one block per token: read its row once, write its k positions; 91ac38f) was
-// measured 3x slower on an H100 (W3 Qwen3: 1.17 and 0.96 ms a call against 0.35), though it
-// moves T + S rows where this moves 2 S: random 4 KiB row writes ran near 0.5 TB/s, where the
-// combine's random 4 KiB row reads run near bandwidth. The gather's writes stay sequential.
+// Rows per step of a block's loop: each thread moves V elements of kPermuteRows rows at a time, so
+// four independent source loads are in flight per thread (one row at a time was latency-bound:
+// a chain of dependent loads for 4 KiB of row).
 constexpr int kPermuteRows = 4;
+// Rows a block moves on average (moe_permute_parts): enough to amortise the block's start, few
+// enough that the blocks in flight together span a small window of tokens (below).
+constexpr int64_t kPermuteRowsPerBlock = 16;
 
+// Which rows a block moves. Gathering in position order (block b: positions 4b..4b+3) reads each
+// token's row k times, at k far-apart moments (its k experts' stretches of the sorted rows); x
+// (T, H) is larger than L2 on W3 (64 MiB for Qwen3-30B-A3B), so the row comes from DRAM each time:
+// about 2 S rows of traffic (0.33 ms a call on an H100). So block b moves part c = b / (E + 1) of
+// bucket e = b % (E + 1) (the experts, then the dropped slots): positions offsets[e] +
+// [n_e c / C, n_e (c + 1) / C) of the bucket's n_e rows, C = parts. Inside a bucket the grouping
+// keeps slot order (stable), so part c of every bucket holds about the same tokens, the c-th C-th
+// of the batch where the routing spreads over it, and the blocks in flight together (part-major
+// order) read a window of x that stays in L2: about S + T rows of traffic. Every position lies in
+// exactly one part whatever the permutation: the order decides only what L2 holds, never the output.
 template <typename T, int V>
 __global__ void moe_permute_kernel(const T* __restrict__ x, const int32_t* __restrict__ permutation,
                                    const int32_t* __restrict__ offsets, const T* __restrict__ slot_scale,
                                    T* __restrict__ out, int64_t num_slots, int64_t hidden, int num_experts,
-                                   int top_k) {
+                                   int top_k, int64_t parts) {
+  const int64_t buckets = static_cast<int64_t>(num_experts) + 1;
+  const int64_t bucket = blockIdx.x % buckets, part = blockIdx.x / buckets;
   const int64_t valid_slots = offsets[num_experts];
-  const T* src[kPermuteRows];
-  T* dst[kPermuteRows];
-  float scale[kPermuteRows];
-  bool live[kPermuteRows], valid[kPermuteRows];
-#pragma unroll
-  for (int r = 0; r < kPermuteRows; ++r) {
-    const int64_t pos = static_cast<int64_t>(blockIdx.x) * kPermuteRows + r;
-    live[r] = pos < num_slots;
-    valid[r] = live[r] && pos < valid_slots;
-    const int64_t slot = valid[r] ? permutation[pos] : 0;
-    scale[r] = (valid[r] && slot_scale != nullptr) ? to_float(slot_scale[slot]) : 1.0f;
-    src[r] = x + (slot / top_k) * hidden;
-    dst[r] = out + (live[r] ? pos : 0) * hidden;
-  }
-  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < hidden; c += static_cast<int64_t>(blockDim.x) * V) {
-    Vec<T, V> chunk[kPermuteRows];
+  const int64_t first = offsets[bucket];
+  const int64_t rows = (bucket < num_experts ? offsets[bucket + 1] : num_slots) - first;
+  const int64_t begin = first + rows * part / parts, end = first + rows * (part + 1) / parts;
+  for (int64_t base = begin; base < end; base += kPermuteRows) {
+    const T* src[kPermuteRows];
+    T* dst[kPermuteRows];
+    float scale[kPermuteRows];
+    bool live[kPermuteRows], valid[kPermuteRows];
 #pragma unroll
     for (int r = 0; r < kPermuteRows; ++r) {
-      if (valid[r]) {
-        chunk[r] = *reinterpret_cast<const Vec<T, V>*>(src[r] + c);
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) chunk[r].v[i] = from_float<T>(0.0f);
-      }
+      const int64_t pos = base + r;
+      live[r] = pos < end;
+      valid[r] = live[r] && pos < valid_slots;  // rows of dropped slots are written as zeros
+      const int64_t slot = valid[r] ? permutation[pos] : 0;
+      scale[r] = (valid[r] && slot_scale != nullptr) ? to_float(slot_scale[slot]) : 1.0f;
+      src[r] = x + (slot / top_k) * hidden;
+      dst[r] = out + (live[r] ? pos : 0) * hidden;
     }
+    for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < hidden; c += static_cast<int64_t>(blockDim.x) * V) {
+      Vec<T, V> chunk[kPermuteRows];
 #pragma unroll
-    for (int r = 0; r < kPermuteRows; ++r) {
-      if (!live[r]) continue;
-      if (slot_scale != nullptr) {
+      for (int r = 0; r < kPermuteRows; ++r) {
+        if (valid[r]) {
+          chunk[r] = *reinterpret_cast<const Vec<T, V>*>(src[r] + c);
+        } else {
 #pragma unroll
-        for (int i = 0; i < V; ++i) chunk[r].v[i] = from_float<T>(to_float(chunk[r].v[i]) * scale[r]);
+          for (int i = 0; i < V; ++i) chunk[r].v[i] = from_float<T>(0.0f);
+        }
       }
-      *reinterpret_cast<Vec<T, V>*>(dst[r] + c) = chunk[r];
+#pragma unroll
+      for (int r = 0; r < kPermuteRows; ++r) {
+        if (!live[r]) continue;
+        if (slot_scale != nullptr) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) chunk[r].v[i] = from_float<T>(to_float(chunk[r].v[i]) * scale[r]);
+        }
+        *reinterpret_cast<Vec<T, V>*>(dst[r] + c) = chunk[r];
+      }
     }
   }
 }
@@ -165,19 +179,26 @@ int threads_for(int64_t hidden, int vec) {
 
 }  // namespace
 
+int64_t moe_permute_parts(int64_t num_slots, int num_experts) {
+  const int64_t per_part = (static_cast<int64_t>(num_experts) + 1) * kPermuteRowsPerBlock;
+  const int64_t parts = (num_slots + per_part - 1) / per_part;
+  return parts > 0 ? parts : 1;
+}
+
 cudaError_t launch_moe_permute(const MoePermuteParams& p, cudaStream_t stream) {
   if (p.num_slots == 0 || p.hidden == 0) return cudaSuccess;
   return HASTEN_DISPATCH_ELEMENT(p.type, {
     const T* x = static_cast<const T*>(p.x);
     const T* scale = static_cast<const T*>(p.slot_scale);
     T* out = static_cast<T*>(p.out);
-    const int64_t blocks = (p.num_slots + kPermuteRows - 1) / kPermuteRows;
+    const int64_t parts = moe_permute_parts(p.num_slots, p.num_experts);
+    const int64_t blocks = parts * (p.num_experts + 1);
     if (rows_vectorizable<T>(p.hidden, x, out)) {
       moe_permute_kernel<T, kVec<T>><<<blocks, threads_for(p.hidden, kVec<T>), 0, stream>>>(
-          x, p.permutation, p.offsets, scale, out, p.num_slots, p.hidden, p.num_experts, p.top_k);
+          x, p.permutation, p.offsets, scale, out, p.num_slots, p.hidden, p.num_experts, p.top_k, parts);
     } else {
       moe_permute_kernel<T, 1><<<blocks, threads_for(p.hidden, 1), 0, stream>>>(
-          x, p.permutation, p.offsets, scale, out, p.num_slots, p.hidden, p.num_experts, p.top_k);
+          x, p.permutation, p.offsets, scale, out, p.num_slots, p.hidden, p.num_experts, p.top_k, parts);
     }
     return cudaGetLastError();
   });

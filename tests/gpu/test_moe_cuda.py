@@ -91,6 +91,50 @@ def test_permute_combine_swiglu_cuda_equal_cpu(dtype, hidden, tokens, top_k):
         assert rel <= tol, f"op {i}: relative difference {rel:.2e}"
 
 
+def _routing(kind, tokens, top_k, experts, gen):
+    """Expert ids (tokens, top_k): uniform; skewed (segments of tokens, each preferring a few experts,
+    so that a bucket's parts cover different stretches of tokens); dropped (one slot in 7 routed
+    nowhere, the last bucket)."""
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    if kind == "skewed":
+        segment = torch.arange(tokens) // max(1, tokens // 61)
+        favourite = (segment * 7919) % experts
+        ids = torch.where(torch.rand(tokens, top_k, generator=gen) < 0.7, favourite[:, None], ids)
+    if kind == "dropped":
+        ids.view(-1)[::7] = -1
+    return ids
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "dropped", "any_permutation"])
+@pytest.mark.parametrize("tokens,top_k,experts,hidden", [(1, 1, 1, 8), (3, 8, 128, 2048), (16384, 8, 128, 2048),
+                                                         (5000, 2, 512, 40), (777, 4, 60, 7), (20000, 6, 64, 2048),
+                                                         (4099, 4, 32, 2880), (70_000, 1, 2, 24)])
+def test_permute_cuda_moves_every_row_once_bitwise(dtype, routing, tokens, top_k, experts, hidden):
+    """The permute's blocks take each bucket in parts (part-major, for L2): every sorted row must be
+    written exactly once, from its slot's token (scaled where asked), and a dropped slot's row with
+    zeros, whatever the permutation (any_permutation: a shuffled one, not a grouping's order), at
+    sizes off the parts' and rows' multiples; bitwise against an indexing reference."""
+    gen = torch.Generator().manual_seed(tokens * 31 + experts)
+    ids = _routing("uniform" if routing == "any_permutation" else routing, tokens, top_k, experts, gen)
+    g = moe_ops.group(ids.cuda(), experts)
+    permutation, offsets = g.permutation, g.offsets
+    if routing == "any_permutation":
+        permutation = torch.randperm(tokens * top_k, generator=gen).to(torch.int32).cuda()
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).cuda()
+    scale = torch.rand(tokens * top_k, generator=gen).to(dtype).cuda()
+    valid = (torch.arange(tokens * top_k, device="cuda") < offsets[-1])[:, None]
+    source = x[permutation.long() // top_k]
+    want = torch.where(valid, source, torch.zeros_like(source))
+    want_scaled = torch.where(valid, (source.float() * scale[permutation.long(), None].float()).to(dtype),
+                              torch.zeros_like(source))
+    for scaled in (False, True):
+        poison = torch.full_like(want, float("nan"))  # freed, then the caching allocator hands the block
+        del poison  # to the op's output: a row no block writes stays NaN and fails the comparison
+        out = torch.ops.hasten.moe_permute(x, permutation, offsets, top_k, scale if scaled else None)
+        assert torch.equal(out, want_scaled if scaled else want)
+
+
 def _w3_block(hidden=512, experts=32, inter=256, seed=0):
     config = Qwen3MoeConfig(hidden_size=hidden, num_experts=experts, num_experts_per_tok=8,
                             moe_intermediate_size=inter, norm_topk_prob=True)
