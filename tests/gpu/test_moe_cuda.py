@@ -405,3 +405,44 @@ def test_qwen3_moe_trains_like_eager_experts_for_20_steps():
     for step, (a, b) in enumerate(zip(eager, fused)):
         assert abs(a - b) <= 0.03 * abs(a) + 0.03, f"step {step}: eager {a:.4f} fused {b:.4f}"
     assert fused[-1] < fused[0] - 0.5
+
+
+def _rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("x_dtype,weight_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float32, torch.float32), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("tokens,hidden,experts", [(1, 1, 1), (37, 20, 7), (300, 33, 3), (16384, 2048, 64),
+                                                   (4099, 7168, 256), (2049, 4096, 160), (0, 16, 4), (5, 0, 3)])
+def test_router_linear_cuda_is_a_float32_gemm(x_dtype, weight_dtype, tokens, hidden, experts):
+    """hasten::router_linear's FFMA kernels against the models' expression on the same GPU
+    (`F.linear(x.type(float32), weight.type(float32))`, cuBLAS float32) and both against float64:
+    no further from the exact product than cuBLAS's float32 GEMM (sums in another order), the
+    gradients rounded once to the inputs' dtypes, the weight's gradient the same bits on a rerun."""
+    gen = torch.Generator().manual_seed(tokens + hidden + experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(x_dtype).cuda()
+    weight = (torch.randn(experts, hidden, generator=gen) * 0.05).to(weight_dtype).cuda()
+    grad = torch.randn(tokens, experts, generator=gen).cuda()
+    got_x, got_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    want_x, want_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = moe_ops.router_linear(got_x, got_w)
+    want = torch.nn.functional.linear(want_x.type(torch.float32), want_w.type(torch.float32))
+    got.backward(grad)
+    want.backward(grad)
+    assert got.dtype == torch.float32 and got_x.grad.dtype == x_dtype and got_w.grad.dtype == weight_dtype
+    if tokens * hidden * experts == 0:
+        assert torch.equal(got, want) and torch.equal(got_x.grad, want_x.grad) and torch.equal(got_w.grad, want_w.grad)
+        return
+    xd, wd, gd = x.double(), weight.double(), grad.double()
+    exact = (xd @ wd.t(), gd @ wd, gd.t() @ xd)
+    for name, ours, theirs, truth in (("logits", got, want, exact[0]), ("grad_x", got_x.grad, want_x.grad, exact[1]),
+                                      ("grad_weight", got_w.grad, want_w.grad, exact[2])):
+        if ours.dtype == torch.float32:  # float32 results: as close to the exact product as cuBLAS's
+            assert _rel_err(ours, truth) <= 4 * _rel_err(theirs, truth) + 1e-7, name
+            assert _rel_err(ours, theirs) <= 1e-5, name
+        else:  # rounded once to 16 bits: the same rounding, but where float32 sums in another order cross a tie
+            assert _rel_err(ours, theirs) <= 2e-3, name
+            assert (ours != theirs).float().mean().item() <= 0.02, name
+    again = torch.ops.hasten.router_linear_backward(grad, x, weight, True, True)
+    assert torch.equal(again[1], got_w.grad) and torch.equal(again[0], got_x.grad)
