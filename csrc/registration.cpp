@@ -75,16 +75,6 @@ TORCH_LIBRARY(hasten, m) {
   m.def("moe_route_backward(Tensor grad_weights, Tensor logits, Tensor ids, int top_k, str scoring, "
         "bool renormalize, float renorm_epsilon, float scale, int num_groups, int top_groups, str group_score, "
         "float masked_choice, Tensor? selection_bias) -> Tensor");
-  // A router's float32 logits (T, E) = float32(x) (T, H) @ float32(weight) (E, H)^T, as the models'
-  // `F.linear(hidden.type(torch.float32), weight.type(torch.float32))` (DeepSeek, GLM-4.5 and
-  // others) computes them, reading x and weight in their own types (float32, float16, bfloat16;
-  // float64 on the CPU, cast to float32). CUDA: float32 FFMA, sums in another order than cuBLAS's.
-  m.def("router_linear(Tensor x, Tensor weight) -> Tensor");
-  // grad_x = grad_logits @ float32(weight) in x's type, grad_weight = grad_logits^T @ float32(x) in
-  // weight's type, each rounded once; a gradient not asked for is an empty tensor. CUDA: the sum
-  // over tokens split in a fixed way (from the shapes) and added in order: deterministic.
-  m.def("router_linear_backward(Tensor grad_logits, Tensor x, Tensor weight, bool x_grad, bool weight_grad) "
-        "-> (Tensor grad_x, Tensor grad_weight)");
   // The experts' grouped GEMM: x (S, in) rows in expert order, expert g owning rows
   // [group_ends[g-1], group_ends[g]); weight (E, out, in), or (E, in, out) when transposed (as
   // transformers' is_transposed experts store it) -> (S, out) = x[rows of g] @ W_g^T. Rows past

@@ -151,36 +151,6 @@ inline void check_route_backward_args(const at::Tensor& grad_weights, const at::
   }
 }
 
-// The float32 router linear (router_linear): x (T, H) and weight (E, H), each float32, float16 or
-// bfloat16 (float64 on the CPU, cast to float32 as the models' `.type(torch.float32)` does).
-inline void check_router_float(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ||
-                  (t.scalar_type() == at::kDouble && t.is_cpu()),
-              "hasten::", op, ": `", arg, "` must be float32, float16 or bfloat16 (float64 on the CPU), got ",
-              t.scalar_type());
-}
-
-inline void check_router_linear_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
-  check_dim(x, 2, op, "x", "2-D (tokens, hidden)");
-  check_dim(weight, 2, op, "weight", "2-D (experts, hidden)");
-  check_router_float(op, "x", x);
-  check_router_float(op, "weight", weight);
-  check_size(weight, 1, x.size(1), op, "weight", "the hidden size of x");
-  check_same_device(x, weight, op, "x", "weight");
-}
-
-// grad_logits (T, E) float32 of the forward on x and weight
-inline void check_router_linear_backward_args(const at::Tensor& grad_logits, const at::Tensor& x,
-                                              const at::Tensor& weight) {
-  const char* op = "router_linear_backward";
-  check_router_linear_args(op, x, weight);
-  check_dtype(grad_logits, op, "grad_logits", {at::kFloat});
-  TORCH_CHECK(grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) && grad_logits.size(1) == weight.size(0),
-              "hasten::", op, ": `grad_logits` must be (tokens, experts) = (", num(x.size(0)), ", ",
-              num(weight.size(0)), "), got ", shape(grad_logits.sizes()));
-  check_same_device(x, grad_logits, op, "x", "grad_logits");
-}
-
 // The experts' grouped GEMM: x (S, in) rows in expert order, weight (E, out, in), or (E, in, out)
 // when transposed, group_ends (E,) int32 inclusive ends.
 inline void check_group_ends(const char* op, const char* rows_arg, const at::Tensor& rows, const at::Tensor& group_ends) {

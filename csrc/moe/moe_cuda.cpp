@@ -10,7 +10,6 @@
 #include <tuple>
 
 #include "../kernels/moe.cuh"
-#include "../kernels/router_linear.cuh"
 #include "hasten/cuda_glue.h"
 #include "moe_checks.h"
 
@@ -198,60 +197,6 @@ at::Tensor moe_route_backward_cuda(const at::Tensor& grad_weights, const at::Ten
   return grad_logits;
 }
 
-at::Tensor router_linear_cuda(const at::Tensor& x, const at::Tensor& weight) {
-  check_device(x, "router_linear", "x", c10::DeviceType::CUDA);
-  check_router_linear_args("router_linear", x, weight);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const auto xc = x.contiguous(), wc = weight.contiguous();
-  auto logits = at::empty({xc.size(0), wc.size(0)}, xc.options().dtype(at::kFloat));
-  kernels::RouterLinearParams p;
-  p.x = xc.data_ptr();
-  p.x_type = element_type(xc, "router_linear");
-  p.weight = wc.data_ptr();
-  p.weight_type = element_type(wc, "router_linear");
-  p.logits = logits.data_ptr<float>();
-  p.tokens = xc.size(0);
-  p.hidden = xc.size(1);
-  p.experts = wc.size(0);
-  check_launch(kernels::launch_router_linear(p, c10::cuda::getCurrentCUDAStream()), "router_linear");
-  return logits;
-}
-
-std::tuple<at::Tensor, at::Tensor> router_linear_backward_cuda(const at::Tensor& grad_logits, const at::Tensor& x,
-                                                               const at::Tensor& weight, bool x_grad,
-                                                               bool weight_grad) {
-  const char* op = "router_linear_backward";
-  check_device(x, op, "x", c10::DeviceType::CUDA);
-  check_router_linear_backward_args(grad_logits, x, weight);
-  const c10::cuda::CUDAGuard guard(x.device());
-  // x is read only for the weight's gradient, the weight only for x's (autograd passes a stand-in
-  // without storage for an input it did not save)
-  const auto g = grad_logits.contiguous();
-  const auto xc = weight_grad ? x.contiguous() : x, wc = x_grad ? weight.contiguous() : weight;
-  const int64_t tokens = x.size(0), hidden = x.size(1), experts = weight.size(0);
-  auto grad_x = x_grad ? at::empty({tokens, hidden}, x.options()) : x.new_empty({0});
-  auto grad_weight = weight_grad ? at::empty({experts, hidden}, weight.options()) : weight.new_empty({0});
-  at::Tensor workspace;
-  if (weight_grad) {
-    workspace = at::empty({kernels::router_linear_workspace_floats(tokens, hidden, experts)},
-                          xc.options().dtype(at::kFloat));
-  }
-  kernels::RouterLinearBackwardParams p;
-  p.grad_logits = g.data_ptr<float>();
-  p.x = xc.data_ptr();
-  p.x_type = element_type(xc, op);
-  p.weight = wc.data_ptr();
-  p.weight_type = element_type(wc, op);
-  p.grad_x = x_grad ? grad_x.data_ptr() : nullptr;
-  p.grad_weight = weight_grad ? grad_weight.data_ptr() : nullptr;
-  p.workspace = weight_grad ? workspace.data_ptr<float>() : nullptr;
-  p.tokens = tokens;
-  p.hidden = hidden;
-  p.experts = experts;
-  check_launch(kernels::launch_router_linear_backward(p, c10::cuda::getCurrentCUDAStream()), op);
-  return {grad_x, grad_weight};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
@@ -261,8 +206,6 @@ TORCH_LIBRARY_IMPL(hasten, CUDA, m) {
   m.impl("moe_combine_weight_grad", &moe_combine_weight_grad_cuda);
   m.impl("moe_route", &moe_route_cuda);
   m.impl("moe_route_backward", &moe_route_backward_cuda);
-  m.impl("router_linear", &router_linear_cuda);
-  m.impl("router_linear_backward", &router_linear_backward_cuda);
 }
 
 }  // namespace hasten

@@ -372,39 +372,3 @@ def test_grouped_mm_refuses_group_ends_that_are_not_a_grouping():
             torch.ops.hasten.moe_grouped_mm(x, weight, torch.tensor(ends, dtype=torch.int32), False)
     with pytest.raises(RuntimeError, match="non-decreasing"):
         torch.ops.hasten.moe_grouped_mm_weight_grad(x, torch.randn(5, 2), torch.tensor([4, 3], dtype=torch.int32))
-
-
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,hidden,experts", [(1, 1, 1), (37, 20, 7), (0, 16, 4), (5, 0, 3)])
-def test_router_linear_is_the_models_float32_linear_with_its_gradients(x_dtype, weight_dtype, tokens, hidden,
-                                                                        experts):
-    """hasten::router_linear against the models' own expression, `F.linear(x.type(float32),
-    weight.type(float32))`, through autograd: logits and both gradients equal (CPU: the same float32
-    GEMM), in the inputs' dtypes, empty sizes included."""
-    gen = torch.Generator().manual_seed(tokens + hidden + experts)
-    x = torch.randn(tokens, hidden, generator=gen).to(x_dtype)
-    weight = torch.randn(experts, hidden, generator=gen).to(weight_dtype)
-    grad = torch.randn(tokens, experts, generator=gen)
-    got_x, got_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    want_x, want_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    got = moe_ops.router_linear(got_x, got_w)
-    want = torch.nn.functional.linear(want_x.type(torch.float32), want_w.type(torch.float32))
-    assert got.dtype == torch.float32 and torch.equal(got, want)
-    got.backward(grad)
-    want.backward(grad)
-    assert got_x.grad.dtype == x_dtype and got_w.grad.dtype == weight_dtype
-    assert torch.equal(got_x.grad, want_x.grad) and torch.equal(got_w.grad, want_w.grad)
-
-
-def test_router_linear_gradients_asked_one_at_a_time():
-    """A frozen router (LoRA training) asks only x's gradient; a frozen input only the weight's."""
-    gen = torch.Generator().manual_seed(3)
-    x, weight = torch.randn(11, 8, generator=gen), torch.randn(4, 8, generator=gen)
-    grad = torch.randn(11, 4, generator=gen)
-    (gx,) = torch.autograd.grad(moe_ops.router_linear(x.requires_grad_(), weight), x, grad)
-    assert torch.equal(gx, grad @ weight)
-    (gw,) = torch.autograd.grad(moe_ops.router_linear(x.detach(), weight.requires_grad_()), weight, grad)
-    assert torch.equal(gw, grad.t() @ x.detach())
-    gx, gw = torch.ops.hasten.router_linear_backward(grad, x.detach(), weight.detach(), False, False)
-    assert gx.numel() == 0 and gw.numel() == 0

@@ -21,11 +21,10 @@ from hasten.ops import op_names
 ops = torch.ops.hasten
 DIFFERENTIABLE = {"rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "rms_norm_rope", "varlen_attention",
                   "linear_cross_entropy",
-                  "moe_permute", "moe_combine", "moe_grouped_mm", "moe_route", "router_linear", "swiglu", "clamped_swiglu", "moe_weighted_swiglu", "lora_linear",
+                  "moe_permute", "moe_combine", "moe_grouped_mm", "moe_route", "swiglu", "clamped_swiglu", "moe_weighted_swiglu", "lora_linear",
                   "lora_linear_group", "lora_gated_group"}
 BACKWARD_OPS = {"rms_norm_backward", "rms_norm_rope_backward", "silu_mul_backward", "gelu_tanh_mul_backward", "varlen_attention_backward",
-                "moe_combine_weight_grad", "moe_grouped_mm_weight_grad", "moe_route_backward", "router_linear_backward",
-                "swiglu_backward",
+                "moe_combine_weight_grad", "moe_grouped_mm_weight_grad", "moe_route_backward", "swiglu_backward",
                 "clamped_swiglu_backward", "moe_weighted_swiglu_backward",
                 "lora_linear_backward",
                 "lora_linear_group_backward", "lora_gated_group_backward"}
@@ -140,12 +139,6 @@ def _cases(requires_grad: bool):
         ("clamped_swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False), 1.702, 0.8)),
         ("clamped_swiglu_backward", (t(4, 5, grad=False), t(4, 10, grad=False), 1.702, 0.8, t(3, 10, grad=False),
                                      torch.tensor([1, 1, 4], dtype=torch.int32))),
-        # a router's float32 logits: x (9, 16) @ weight (5, 16)^T; bfloat16 x under a float32 weight
-        ("router_linear", (t(9, 16), t(5, 16))),
-        ("router_linear", (t(9, 16, dtype=bf16), t(5, 16))),
-        ("router_linear_backward", (t(9, 5, grad=False), t(9, 16, grad=False), t(5, 16, grad=False), True, True)),
-        ("router_linear_backward", (t(9, 5, grad=False), t(9, 16, dtype=bf16, grad=False), t(5, 16, grad=False),
-                                    True, False)),
         # the experts' SwiGLU with the router's weights: 14 slots of the 7 x 2 grouping, weights (7, 2)
         ("moe_weighted_swiglu", (t(14, 10), t(tokens, top_k), grouping.permutation, grouping.offsets)),
         ("moe_weighted_swiglu_backward", (t(14, 5, grad=False), t(14, 10, grad=False), t(tokens, top_k, grad=False),
@@ -325,11 +318,6 @@ def _bad_inputs():
                                 "softmax", False, 0.0, 1.0, 1, 1, "max", 0.0, None)),  # float64 grad, float32 logits
         ("moe_route_backward", (f(4, 2), f(4, 8), torch.zeros(4, 3, dtype=torch.long), 2, "softmax", False, 0.0,
                                 1.0, 1, 1, "max", 0.0, None)),  # ids of another top_k
-        ("router_linear", (f(4, 8), f(3, 7))),  # hidden sizes differ
-        ("router_linear", (f(4, 8), f(8))),  # a 1-D weight
-        ("router_linear", (torch.ones(4, 8, dtype=i32), f(3, 8))),
-        ("router_linear_backward", (f(4, 3, dtype=torch.float64), f(4, 8), f(3, 8), True, True)),  # float64 grad
-        ("router_linear_backward", (f(4, 2), f(4, 8), f(3, 8), True, True)),  # grad of 2 experts
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 6), torch.tensor([2, 4], dtype=i32), False)),  # in
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 4], dtype=i32), True)),  # in, transposed
         ("moe_grouped_mm", (f(4, 5), f(2, 3, 5), torch.tensor([2, 2, 4], dtype=i32), False)),  # experts
@@ -423,11 +411,6 @@ def test_formulas_save_only_what_the_needed_gradients_read():
     permute = lambda a, s: ops.moe_permute(a, g.permutation, g.offsets, 2, s)  # noqa: E731
     assert _saved_tensor_count(permute, x.requires_grad_(), None) == 2
     assert _saved_tensor_count(permute, x.detach(), scale.requires_grad_()) == 3
-    # the router linear: x for the weight's gradient, the weight for x's
-    x, weight = torch.randn(6, 4), torch.randn(3, 4)
-    assert _saved_tensor_count(moe_ops.router_linear, x.requires_grad_(), weight) == 1
-    assert _saved_tensor_count(moe_ops.router_linear, x.detach(), weight.requires_grad_()) == 1
-    assert _saved_tensor_count(moe_ops.router_linear, x.requires_grad_(), weight.requires_grad_()) == 2
     gate_up, w = torch.randn(12, 6), torch.rand(6, 2)
     weighted = lambda a, b: moe_ops.weighted_swiglu(a, b, g)  # noqa: E731
     # gate_up, the weights (d gate_up scales by them), permutation and offsets, for either gradient

@@ -1107,7 +1107,7 @@ def _patch_routers(model: PreTrainedModel, config: Config, handle: AccelerationH
         handle.inactive.append("fused MoE routers (the model table has no router recipe for this model type: the "
                                "routers run as the model wrote them)")
         return
-    if (no_kernels := _cuda_kernels_missing(model, "moe_route", "router_linear")) is not None:
+    if (no_kernels := _cuda_kernels_missing(model, "moe_route")) is not None:
         reasons = [no_kernels]
         undo, count = (lambda: None), 0
     else:
@@ -1118,9 +1118,7 @@ def _patch_routers(model: PreTrainedModel, config: Config, handle: AccelerationH
                                + "; ".join(reasons) + ")")
     if count:
         handle._undo_steps.append(undo)
-        logits = ("float32 logits in hasten::router_linear (no float32 copy of the input)"
-                  if spec.router.logits == "float32" else "the model's logits")
-        handle.active.append(f"fused MoE routers ({count} layers: {logits}, then {spec.router.describe()} "
+        handle.active.append(f"fused MoE routers ({count} layers: the model's logits, then {spec.router.describe()} "
                              "in hasten::moe_route)")
 
 

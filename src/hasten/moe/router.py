@@ -11,9 +11,8 @@ counted. The router's attributes the recipe reads (top_k, norm_topk_prob, the sc
 the groups) are read once, at accelerate().
 
 Router forward (T tokens, E experts, k chosen): hidden (..., H) -> logits (T, E) as the model's
-F.linear (hasten::router_linear where the model's is a float32 linear) -> hasten::moe_route ->
-(logits, weights (T, k) in the model's dtype, ids (T, k) int64), the tuple the class returns (the
-MoE block and the aux loss's recorder read the same places).
+F.linear -> hasten::moe_route -> (logits, weights (T, k) in the model's dtype, ids (T, k) int64),
+the tuple the class returns (the MoE block and the aux loss's recorder read the same places).
 """
 
 from __future__ import annotations
@@ -76,9 +75,7 @@ def route_arguments(router: nn.Module, spec: RouterSpec) -> dict:
 
 def _logits(router: nn.Module, spec: RouterSpec, hidden: torch.Tensor) -> torch.Tensor:
     if spec.logits == "float32":
-        # the models' F.linear(hidden.type(torch.float32), weight.type(torch.float32)), without the
-        # float32 copy of hidden (T, H) it makes and keeps for the weight's gradient
-        return moe_ops.router_linear(hidden, router.weight)
+        return F.linear(hidden.type(torch.float32), router.weight.type(torch.float32))
     if spec.logits == "input_bias":
         return F.linear(hidden, router.weight, router.bias)
     return F.linear(hidden, router.weight)

@@ -556,28 +556,3 @@ def check_lora_linear_backward_args(grad_y, x_lora, weight, lora_a, lora_b, xa) 
           lambda: f"`grad_y` {shape(grad_y.shape)} must be (..., {n_out}) over x's rows")
     check(xa.shape[-1] == rank and (xa.numel() // rank if rank else 0) == rows, op,
           lambda: f"`xa` {shape(xa.shape)} must be (..., {rank}) over x's rows")
-
-
-def _check_router_float(op: str, arg: str, t) -> None:
-    check(t.dtype in FLOATS or (t.dtype == torch.float64 and t.device.type == "cpu"), op,
-          lambda: f"`{arg}` must be float32, float16 or bfloat16 (float64 on the CPU), got {dtype_name(t.dtype)}")
-
-
-def check_router_linear_args(op: str, x, weight) -> None:
-    """The float32 router linear (router_linear): x (T, H), weight (E, H)."""
-    check_dim(x, 2, op, "x", "2-D (tokens, hidden)")
-    check_dim(weight, 2, op, "weight", "2-D (experts, hidden)")
-    _check_router_float(op, "x", x)
-    _check_router_float(op, "weight", weight)
-    check_size(weight, 1, x.shape[1], op, "weight", "the hidden size of x")
-    check_same_device(x, weight, op, "x", "weight")
-
-
-def check_router_linear_backward_args(grad_logits, x, weight) -> None:
-    op = "router_linear_backward"
-    check_router_linear_args(op, x, weight)
-    check_dtype(grad_logits, op, "grad_logits", (torch.float32,))
-    check(grad_logits.dim() == 2 and grad_logits.shape[0] == x.shape[0] and grad_logits.shape[1] == weight.shape[0],
-          op, lambda: f"`grad_logits` must be (tokens, experts) = ({x.shape[0]}, {weight.shape[0]}), got "
-          f"{shape(grad_logits.shape)}")
-    check_same_device(x, grad_logits, op, "x", "grad_logits")

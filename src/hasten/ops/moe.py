@@ -53,17 +53,6 @@ def _moe_route_backward_fake(grad_weights, logits, ids, top_k, scoring, renormal
     return torch.empty_like(logits)
 
 
-def _router_linear_fake(x, weight):
-    _checks.check_router_linear_args("router_linear", x, weight)
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-
-
-def _router_linear_backward_fake(grad_logits, x, weight, x_grad, weight_grad):
-    _checks.check_router_linear_backward_args(grad_logits, x, weight)
-    return (torch.empty_like(x, memory_format=torch.contiguous_format) if x_grad else x.new_empty((0,)),
-            torch.empty_like(weight, memory_format=torch.contiguous_format) if weight_grad else weight.new_empty((0,)))
-
-
 def _swiglu_fake(gate_up):
     _checks.check_swiglu_args("swiglu", gate_up)
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
@@ -257,30 +246,6 @@ def _route_backward(ctx, grad_weights, grad_ids):
     return (grad_logits,) + (None,) * 10
 
 
-# router_linear: logits (T, E) float32 = float32(x) @ float32(weight)^T
-def _router_linear_setup(ctx, inputs, output):
-    x, weight = inputs
-    # x's gradient needs the weight; the weight's needs x
-    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-    ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
-
-
-def _router_linear_backward(ctx, grad_logits):
-    x, weight = ctx.saved_tensors
-    need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if grad_logits is None or not (need_x or need_weight):
-        return None, None
-    # an input whose values the asked gradients do not read was not saved: a stand-in of its dtype
-    # and shape without storage (one element, expanded; the op reads only what it needs)
-    if x is None:
-        x = grad_logits.new_empty((), dtype=ctx.x_dtype).expand(grad_logits.shape[0], weight.shape[1])
-    if weight is None:
-        weight = grad_logits.new_empty((), dtype=ctx.weight_dtype).expand(grad_logits.shape[1], x.shape[1])
-    grad_x, grad_weight = call_in_backward("router_linear_backward", grad_logits.contiguous(), x, weight, need_x,
-                                           need_weight)
-    return (grad_x if need_x else None), (grad_weight if need_weight else None)
-
-
 def _register() -> None:
     """Run once by hasten.ops._lib.load(), after hasten._C defined the schemas."""
     lib = "hasten::"
@@ -288,7 +253,6 @@ def _register() -> None:
                        ("moe_combine", _moe_combine_fake), ("moe_combine_weight_grad", _moe_combine_weight_grad_fake),
                        ("swiglu", _swiglu_fake), ("swiglu_backward", _swiglu_backward_fake),
                        ("moe_route", _moe_route_fake), ("moe_route_backward", _moe_route_backward_fake),
-                       ("router_linear", _router_linear_fake), ("router_linear_backward", _router_linear_backward_fake),
                        ("clamped_swiglu", _clamped_swiglu_fake),
                        ("clamped_swiglu_backward", _clamped_swiglu_backward_fake),
                        ("moe_weighted_swiglu", _weighted_swiglu_fake),
@@ -299,12 +263,10 @@ def _register() -> None:
     register_autograd("moe_combine", _combine_backward, setup_context=_combine_setup)
     register_autograd("moe_grouped_mm", _grouped_mm_backward, setup_context=_grouped_mm_setup)
     register_autograd("moe_route", _route_backward, setup_context=_route_setup)
-    register_autograd("router_linear", _router_linear_backward, setup_context=_router_linear_setup)
     register_autograd("swiglu", _swiglu_backward, setup_context=_swiglu_setup)
     register_autograd("clamped_swiglu", _clamped_swiglu_backward, setup_context=_clamped_swiglu_setup)
     register_autograd("moe_weighted_swiglu", _weighted_swiglu_backward, setup_context=_weighted_swiglu_setup)
-    for op in ("moe_combine_weight_grad", "moe_route_backward", "router_linear_backward", "swiglu_backward",
-               "clamped_swiglu_backward",
+    for op in ("moe_combine_weight_grad", "moe_route_backward", "swiglu_backward", "clamped_swiglu_backward",
                "moe_grouped_mm_weight_grad", "moe_weighted_swiglu_backward"):
         no_double_backward(op)
 
@@ -347,15 +309,6 @@ def route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormaliz
     load()
     return call("moe_route", logits, int(top_k), scoring, bool(renormalize), float(renorm_epsilon), float(scale),
                 int(num_groups), int(top_groups), group_score, float(masked_choice), selection_bias)
-
-
-def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A router's float32 logits (T, E) = float32(x) (T, H) @ float32(weight) (E, H)^T, what the
-    models' `F.linear(hidden.type(torch.float32), weight.type(torch.float32))` computes, without a
-    float32 copy of x: on CUDA float32 FFMA reading x and weight in their own types, the gradients
-    rounded once to them (the weight's summed over tokens in a fixed order: deterministic)."""
-    load()
-    return call("router_linear", x, weight)
 
 
 def permute(x: torch.Tensor, g: Grouping, slot_scale: torch.Tensor | None = None) -> torch.Tensor:
