@@ -1,13 +1,12 @@
 // The MoE permute (tokens -> expert-sorted rows) as it ships against the position-order gather it
-// replaced (before 2026-12-06's part-major order) and the part-major kernel with parts cut in
-// proportion to each bucket's rows (834fda0), on W3's three block shapes at 16,384 tokens.
+// replaced (before 2026-12-06's part-major order), on W3's three block shapes at 16,384 tokens.
 // Torch-free: it includes the kernel's TU, so it builds with nvcc alone in seconds.
 //
 // Routings: "uniform" (each token's k experts drawn at random), "skewed" (61 segments, like W1's
 // samples, each with its own Zipf-like preference over the experts: a token's experts depend on
 // where it is, which is what makes the parts' token windows drift apart), "dropped" (uniform with
 // one slot in 16 routed to no expert). The grouping is built on the host, stable by slot, as
-// hasten::moe_group's. Every output is checked bitwise against the other kernels'; L2 is flushed
+// hasten::moe_group's. Every output is checked bitwise against the old kernel's; L2 is flushed
 // (a 256 MiB write) before each timed call; the median of 30 calls is printed.
 //
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Icsrc/include -Icsrc/kernels \
@@ -61,44 +60,6 @@ __global__ void old_permute_kernel(const __nv_bfloat16* __restrict__ x, const in
 #pragma unroll
     for (int r = 0; r < kOldRows; ++r)
       if (live[r]) dst[r][c] = chunk[r];
-  }
-}
-
-// The kernel at 834fda0: block b moves part b / (E + 1) of bucket b % (E + 1), the parts cut in
-// proportion to the bucket's rows (no search: good where each expert's tokens spread evenly).
-__global__ void proportional_permute_kernel(const __nv_bfloat16* __restrict__ x,
-                                            const int32_t* __restrict__ permutation,
-                                            const int32_t* __restrict__ offsets, __nv_bfloat16* __restrict__ out,
-                                            int64_t num_slots, int64_t hidden, int num_experts, int top_k,
-                                            int64_t parts) {
-  using V8 = uint4;
-  const int64_t buckets = static_cast<int64_t>(num_experts) + 1;
-  const int64_t bucket = blockIdx.x % buckets, part = blockIdx.x / buckets;
-  const int64_t valid_slots = offsets[num_experts];
-  const int64_t first = offsets[bucket];
-  const int64_t rows = (bucket < num_experts ? offsets[bucket + 1] : num_slots) - first;
-  const int64_t begin = first + rows * part / parts, end = first + rows * (part + 1) / parts;
-  for (int64_t base = begin; base < end; base += kOldRows) {
-    const V8* src[kOldRows];
-    V8* dst[kOldRows];
-    bool live[kOldRows], valid[kOldRows];
-#pragma unroll
-    for (int r = 0; r < kOldRows; ++r) {
-      const int64_t pos = base + r;
-      live[r] = pos < end;
-      valid[r] = live[r] && pos < valid_slots;
-      const int64_t slot = valid[r] ? permutation[pos] : 0;
-      src[r] = reinterpret_cast<const V8*>(x + (slot / top_k) * hidden);
-      dst[r] = reinterpret_cast<V8*>(out + (live[r] ? pos : 0) * hidden);
-    }
-    for (int64_t c = threadIdx.x; c < hidden / 8; c += blockDim.x) {
-      V8 chunk[kOldRows];
-#pragma unroll
-      for (int r = 0; r < kOldRows; ++r) chunk[r] = valid[r] ? src[r][c] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int r = 0; r < kOldRows; ++r)
-        if (live[r]) dst[r][c] = chunk[r];
-    }
   }
 }
 
@@ -215,27 +176,17 @@ int main() {
         }
         return median_ms(ms);
       };
-      const int64_t parts = hasten::kernels::moe_permute_parts(slots, b.experts);
-      auto run_proportional = [&] {
-        proportional_permute_kernel<<<parts * (b.experts + 1), threads>>>(dx, dperm, doffsets, out_old, slots,
-                                                                           b.hidden, b.experts, b.top_k, parts);
-        CHECK(cudaGetLastError());
-      };
       const float old_ms = time(run_old), new_ms = time(run_new), old_ms2 = time(run_old), new_ms2 = time(run_new);
       std::vector<uint16_t> a(slots * b.hidden), c(slots * b.hidden);
       CHECK(cudaMemcpy(a.data(), out_new, a.size() * 2, cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(c.data(), out_old, c.size() * 2, cudaMemcpyDeviceToHost));
-      bool equal = a == c;
-      const float prop_ms = time(run_proportional), prop_ms2 = time(run_proportional);
-      CHECK(cudaMemcpy(c.data(), out_old, c.size() * 2, cudaMemcpyDeviceToHost));
-      equal = equal && a == c;
+      const bool equal = a == c;
       const double least_gb = (double(slots) + tokens) * b.hidden * 2 / 1e9;  // S rows written, T read once
       std::printf(
-          "{\"block\": \"%s\", \"routing\": \"%s\", \"parts\": %lld, \"old_ms\": [%.4f, %.4f], "
-          "\"proportional_ms\": [%.4f, %.4f], \"new_ms\": [%.4f, %.4f], \"ratio\": %.3f, "
-          "\"new_least_traffic_tb_s\": %.2f, \"bitwise_equal\": %s}\n",
-          b.name, routing, static_cast<long long>(parts), old_ms, old_ms2, prop_ms, prop_ms2, new_ms, new_ms2,
-          std::min(old_ms, old_ms2) / std::min(new_ms, new_ms2),
+          "{\"block\": \"%s\", \"routing\": \"%s\", \"parts\": %lld, \"old_ms\": [%.4f, %.4f], \"new_ms\": [%.4f, %.4f], "
+          "\"ratio\": %.3f, \"new_least_traffic_tb_s\": %.2f, \"bitwise_equal\": %s}\n",
+          b.name, routing, static_cast<long long>(hasten::kernels::moe_permute_parts(slots, b.experts)), old_ms,
+          old_ms2, new_ms, new_ms2, std::min(old_ms, old_ms2) / std::min(new_ms, new_ms2),
           least_gb / (std::min(new_ms, new_ms2) * 1e-3) / 1e3, equal ? "true" : "false");
       if (!equal) return 1;
     }

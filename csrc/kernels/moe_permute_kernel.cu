@@ -23,39 +23,16 @@ constexpr int kPermuteRows = 4;
 // enough that the blocks in flight together span a small window of tokens (below).
 constexpr int64_t kPermuteRowsPerBlock = 16;
 
-// First position p in [lo, hi) with permutation[p] >= target (hi if none), by one warp: each
-// round the 32 lanes probe 32 evenly spaced positions and keep the piece the answer lies in (four
-// dependent loads for 131,072 rows, where a binary search takes 17). On a bucket in slot order
-// (the grouping's) it is the lower bound. On any order it still grows with target (a larger
-// target's probes below it include a smaller one's, so its piece lies at or after the smaller
-// one's answer), from lo (target 0) to hi (target past every slot): the parts cut at these bounds
-// cover the bucket exactly once whatever the permutation.
-__device__ __forceinline__ int64_t warp_lower_bound(const int32_t* __restrict__ permutation, int64_t lo, int64_t hi,
-                                                    int64_t target, int lane) {
-  while (hi - lo > 32) {
-    const int64_t step = (hi - lo + 31) / 32;
-    const int64_t probe = lo + lane * step;
-    const bool below = probe < hi && permutation[probe] < target;
-    const int pieces = __popc(__ballot_sync(0xffffffffu, below));
-    if (pieces == 0) return lo;
-    const int64_t next_lo = lo + (pieces - 1) * step + 1;  // past the last probe below target
-    hi = lo + pieces * step < hi ? lo + pieces * step : hi;  // at the first probe not below it
-    lo = next_lo;
-  }
-  const bool below = lo + lane < hi && permutation[lo + lane] < target;
-  return lo + __popc(__ballot_sync(0xffffffffu, below));
-}
-
 // Which rows a block moves. Gathering in position order (block b: positions 4b..4b+3) reads each
 // token's row k times, at k far-apart moments (its k experts' stretches of the sorted rows); x
 // (T, H) is larger than L2 on W3 (64 MiB for Qwen3-30B-A3B), so the row comes from DRAM each time:
 // about 2 S rows of traffic (0.33 ms a call on an H100). So block b moves part c = b / (E + 1) of
-// bucket e = b % (E + 1) (the experts, then the dropped slots): the bucket's rows whose tokens lie
-// in [c, c + 1) * tokens_per_part. Inside a bucket the grouping keeps slot order (stable), so the
-// part's rows are contiguous and found by two searches, and the blocks in flight together
-// (part-major order) read a window of x that stays in L2: about S + T rows of traffic. Every
-// position lies in exactly one part whatever the permutation (warp_lower_bound): the order
-// decides only what L2 holds, never the output.
+// bucket e = b % (E + 1) (the experts, then the dropped slots): positions offsets[e] +
+// [n_e c / C, n_e (c + 1) / C) of the bucket's n_e rows, C = parts. Inside a bucket the grouping
+// keeps slot order (stable), so part c of every bucket holds about the same tokens, the c-th C-th
+// of the batch where the routing spreads over it, and the blocks in flight together (part-major
+// order) read a window of x that stays in L2: about S + T rows of traffic. Every position lies in
+// exactly one part whatever the permutation: the order decides only what L2 holds, never the output.
 template <typename T, int V>
 __global__ void moe_permute_kernel(const T* __restrict__ x, const int32_t* __restrict__ permutation,
                                    const int32_t* __restrict__ offsets, const T* __restrict__ slot_scale,
@@ -65,22 +42,8 @@ __global__ void moe_permute_kernel(const T* __restrict__ x, const int32_t* __res
   const int64_t bucket = blockIdx.x % buckets, part = blockIdx.x / buckets;
   const int64_t valid_slots = offsets[num_experts];
   const int64_t first = offsets[bucket];
-  const int64_t last = bucket < num_experts ? offsets[bucket + 1] : num_slots;
-  // slots of a part: whole tokens, tokens_per_part of them (the last part may hold fewer)
-  const int64_t tokens = num_slots / top_k;
-  const int64_t part_slots = ((tokens + parts - 1) / parts) * top_k;
-  __shared__ int64_t bounds[2];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp == 0) {
-    const int64_t b = warp_lower_bound(permutation, first, last, part * part_slots, lane);
-    if (lane == 0) bounds[0] = b;
-  }
-  if (warp == (blockDim.x > 32 ? 1 : 0)) {  // the part's end, by a second warp where there is one
-    const int64_t b = part + 1 == parts ? last : warp_lower_bound(permutation, first, last, (part + 1) * part_slots, lane);
-    if (lane == 0) bounds[1] = b;
-  }
-  __syncthreads();
-  const int64_t begin = bounds[0], end = bounds[1];
+  const int64_t rows = (bucket < num_experts ? offsets[bucket + 1] : num_slots) - first;
+  const int64_t begin = first + rows * part / parts, end = first + rows * (part + 1) / parts;
   for (int64_t base = begin; base < end; base += kPermuteRows) {
     const T* src[kPermuteRows];
     T* dst[kPermuteRows];
