@@ -75,3 +75,27 @@ def test_ci_requires_the_check_and_make_test_runs_it():
     test_recipe = re.search(r"^test:.*?\n((?:\t.*\n)+)", makefile, re.M).group(1)
     assert "compile-check" in test_recipe
     assert "scripts/compile_check.sh" in re.search(r"^compile-check:.*?\n((?:\t.*\n)+)", makefile, re.M).group(1)
+
+
+def test_a_kernel_nvcc_rejects_fails_the_check_naming_it(tmp_path):
+    """The kernels compile in parallel (one nvcc per file and arch): a failure must still fail the
+    check, name the file and arch, and print nvcc's messages. A stand-in nvcc rejects one file."""
+    bash = shutil.which("bash")
+    assert bash, "bash is needed to run scripts/compile_check.sh"
+    rejected = sorted((ROOT / "csrc" / "kernels").glob("*.cu"))[0].name
+    cuda_home = tmp_path / "cuda"
+    (cuda_home / "bin").mkdir(parents=True)
+    nvcc = cuda_home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n"
+                    f'for a in "$@"; do case "$a" in *{rejected}) echo "$a: error: rejected by the test" >&2; '
+                    "exit 1;; esac; done\nexit 0\n")
+    nvcc.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_PATH",)}
+    env.update(CUDA_HOME=str(cuda_home), HASTEN_REQUIRE_COMPILE_CHECK="1")
+    result = subprocess.run([bash, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert f"csrc/kernels/{rejected}: error: rejected by the test" in out  # nvcc's message
+    failed = [line for line in out.splitlines() if line.startswith("compile-check: FAILED: nvcc could not compile")]
+    assert len(failed) == 1 and f"{rejected} (sm_80)" in failed[0] and f"{rejected} (sm_90)" in failed[0], out
+    assert "kernel file(s) compiled" not in out
