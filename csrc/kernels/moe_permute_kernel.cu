@@ -33,6 +33,8 @@ constexpr int64_t kPermuteRowsPerBlock = 16;
 // of the batch where the routing spreads over it, and the blocks in flight together (part-major
 // order) read a window of x that stays in L2: about S + T rows of traffic. Every position lies in
 // exactly one part whatever the permutation: the order decides only what L2 holds, never the output.
+// Cut by rows, not at token bounds: exact bounds (two searches a block, 758ee8f) hand a few blocks
+// most of the rows where an expert's tokens bunch up, and were slower under skewed routing.
 template <typename T, int V>
 __global__ void moe_permute_kernel(const T* __restrict__ x, const int32_t* __restrict__ permutation,
                                    const int32_t* __restrict__ offsets, const T* __restrict__ slot_scale,
