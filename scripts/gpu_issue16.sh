@@ -14,6 +14,8 @@
 #   w1        W1 --steps 10: hasten, hasten_graphed_optimizer, hasten_compiled (W1_VARIANTS: others; W1_ARGS: more
 #             arguments, e.g. --profile hasten), liger (last: it
 #             patches transformers' Qwen3 for the rest of the process; where liger_kernel imports)
+#   job       benchmarks/default_job.py: the embedded default job (make train's) eager, compiled,
+#             graphed optimizer, both, and hasten off; 30 steps each (JOB_ARGS: others)       cap 300 s
 #   ops       tests/ops, and tests/integrations/test_compile.py when it exists (mostly CPU tests:
 #             last, with the time that is left)                                              cap 90 s
 # Each part's log, rc and seconds go to $OUT/logs/summary.txt (key lines too); benchmark rows are
@@ -26,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${BUDGET:-530}
-PARTS=" ${PARTS:-build gpu w3 w1 ops} "  # kernels, attention: asked for by name
+PARTS=" ${PARTS:-build gpu w3 w1 ops} "  # kernels, attention, job: asked for by name
 RUN_NAME=issue16
 source scripts/gpu_parts.sh  # OUT/LOGS, part(), the summary, the carried wheels, the build part
 
@@ -57,6 +59,11 @@ if (( built )); then
     part w1 330 python3 benchmarks/packed_sft.py --steps 10 --out "$LOGS" --variants "$W1_VARIANTS" ${W1_ARGS:-}
     grep -E "tok/s|FAILED|vs |compiled graphs|optimizer graph|losses vs|by group|^profile" "$LOGS/w1.log" 2>/dev/null | tail -16 \
       | tee -a "$SUMMARY"
+  fi
+  if [[ $PARTS == *" job "* ]]; then
+    # shellcheck disable=SC2086  # JOB_ARGS: further arguments, e.g. --steps 50
+    part job 300 python3 benchmarks/default_job.py --out "$LOGS" ${JOB_ARGS:-}
+    grep -E "tok/s|vs eager|ERROR|Error" "$LOGS/job.log" 2>/dev/null | grep -v "^step" | tail -12 | tee -a "$SUMMARY"
   fi
   if [[ $PARTS == *" ops "* ]]; then
     OPS_TESTS="tests/ops"

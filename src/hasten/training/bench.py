@@ -150,7 +150,9 @@ def _read_summary(log_dir: Path) -> dict[str, Any]:
     return json.loads((log_dir / "summary.json").read_text(encoding="utf-8"))
 
 
-def _run_variant(name: str, config: Config, output_dir: Path, progress: bool) -> VariantResult:
+def run_variant(name: str, config: Config, output_dir: Path, progress: bool) -> VariantResult:
+    """Train `config` in `output_dir/name` (replacing an earlier bench's folder there) and read its
+    metrics back: also what benchmarks/default_job.py times its variants with."""
     folder = output_dir / name
     _prepare_dir(folder)
     log_dir = folder / "logs"
@@ -241,7 +243,7 @@ def run_ab(config: Config, steps: int = 20, output_dir: str | Path = "runs/bench
     """Train the baseline and the hasten variant of `config` for `steps` steps each and compare."""
     output_dir = Path(output_dir)
     configs = variant_configs(config, steps)
-    results = {name: _run_variant(name, configs[name], output_dir, progress) for name in VARIANTS}
+    results = {name: run_variant(name, configs[name], output_dir, progress) for name in VARIANTS}
     base, fast = results["baseline"], results["hasten"]
 
     n = min(len(base.curve_loss), len(fast.curve_loss))
