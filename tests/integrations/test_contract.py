@@ -36,6 +36,46 @@ def test_a_reading_is_reused_only_for_the_same_code_and_closure_values():
             read_band(packed, 20)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: masking_utils.causal_mask_function,
+    lambda: masking_utils.bidirectional_mask_function,
+    lambda: masking_utils.sliding_window_causal_mask_function(1),
+    lambda: masking_utils.sliding_window_causal_mask_function(37),
+    lambda: masking_utils.sliding_window_causal_mask_function(64),
+    lambda: masking_utils.and_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv // 24 == q // 24),
+    # pure, but not a band on every grid: keys bounded by a number the function holds
+    lambda: masking_utils.and_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv < 50),
+])
+def test_a_reading_on_the_shared_grid_is_the_reading_of_each_length(make):
+    """Readings are taken on power-of-two grids and reused for every length up to the grid: for each
+    length (off powers of two, 1 and the grids' edges among them) the band is the one a reading of
+    that length alone gives, or the same refusal."""
+    from hasten.integrations import masks
+
+    for length in (1, 2, 3, 5, 23, 24, 25, 36, 37, 38, 49, 50, 51, 63, 64, 65, 100, 127, 129):
+        try:
+            alone = masks._read(make(), length, None)
+        except MaskNotSupported:
+            with pytest.raises(MaskNotSupported):
+                read_band(make(), length)
+            continue
+        assert read_band(make(), length) == alone, length
+
+
+def test_rows_of_many_lengths_share_a_few_readings(monkeypatch):
+    """A run whose packed rows all differ in length reads a mask function once per power-of-two grid
+    (before: once per length, and not at all reused after 256 lengths)."""
+    from hasten.integrations import masks
+
+    monkeypatch.setattr(masks, "_READINGS", {})
+    calls = []
+    real_read = masks._read
+    monkeypatch.setattr(masks, "_read", lambda f, n, d: calls.append(n) or real_read(f, n, d))
+    for length in range(3000, 4500, 7):
+        assert read_band(masking_utils.sliding_window_causal_mask_function(128), length) == BandMask(True, 128)
+    assert sorted(calls) == [4096, 8192]
+
+
 def test_bidirectional_mask_reads_as_not_causal():
     assert read_band(masking_utils.bidirectional_mask_function, 40) == BandMask(False, None)
 

@@ -132,7 +132,25 @@ def _fingerprint(function, depth: int = 0):
     return (code, tuple(cells))
 
 
-_READINGS: dict[tuple, BandMask] = {}  # (fingerprint, length) -> band; a handful of entries per run
+# (fingerprint, grid length) -> band, None where the function is not a band on that grid; a few
+# entries per mask function
+_READINGS: dict[tuple, BandMask | None] = {}
+
+
+def _grid(length: int) -> int:
+    """The grid a reusable reading is taken on: `length` rounded up to a power of two, so a run whose
+    packed rows vary in length (every batch its own token count) reads each mask function about
+    log2(longest row) times, not once per length (before: about 5 ms of host time per new length, and
+    none reused once 256 lengths had been seen)."""
+    return 1 << (length - 1).bit_length()
+
+
+def _fit(band: BandMask, length: int) -> BandMask:
+    """A band read on a longer grid, as a reading on `length` gives it: a window or a chunk as long
+    as the row or longer limits nothing there, and such a reading says None."""
+    window = band.window if band.window is not None and band.window < length else None
+    chunk = band.chunk if band.chunk is not None and band.chunk < length else None
+    return band if (window, chunk) == (band.window, band.chunk) else BandMask(band.causal, window, chunk)
 
 
 @torch.compiler.disable  # host work with a cache keyed by code objects: runs eagerly under a whole-model compile
@@ -141,16 +159,38 @@ def read_band(mask_function, length: int, device: torch.device | None = None) ->
 
     Evaluated on the CPU (no host sync): transformers' causal, sliding-window and bidirectional
     functions are index arithmetic. A function that reads device tensors is evaluated there.
-    A reading is reused for a function of the same code and closure values and the same length
-    (about 1 ms of host time per mask at 16k tokens otherwise)."""
+    A function of index arithmetic over plain values (its fingerprint) is read once per grid of a
+    power-of-two length at or above `length` and the reading reused for every length in it: the
+    band of a pure function on the shorter grid is its band on the longer one cut to that size
+    (`_fit`). Where that reading fails (a function whose pattern changes past `length`, say one that
+    bounds the keys by a number it holds), it reads `length` itself, as it would without reuse.
+    A function holding anything else (a tensor) is read afresh on `length` every time."""
     if mask_function is None or length == 0:
         return BandMask(True, None)
     fingerprint = _fingerprint(mask_function)
-    if fingerprint is not None and (fingerprint, length) in _READINGS:
-        return _READINGS[(fingerprint, length)]
-    band = _read(mask_function, length, device)
-    if fingerprint is not None and len(_READINGS) < 256:
-        _READINGS[(fingerprint, length)] = band
+    if fingerprint is None:
+        return _read(mask_function, length, device)
+    grid = _grid(length)
+    band = _reading(fingerprint, grid, mask_function, device) if grid != length else None
+    if band is None:
+        band = _reading(fingerprint, length, mask_function, device)
+    if band is None:  # not a band on `length` either: read it once more for the refusal's reason
+        band = _read(mask_function, length, device)
+    return _fit(band, length)
+
+
+def _reading(fingerprint: tuple, grid: int, mask_function, device) -> BandMask | None:
+    """The reading of a reusable mask function on `grid`, from the cache or taken and kept there;
+    None where it is not a band on that grid."""
+    key = (fingerprint, grid)
+    if key in _READINGS:
+        return _READINGS[key]
+    try:
+        band = _read(mask_function, grid, device)
+    except MaskNotSupported:
+        band = None
+    if len(_READINGS) < 256:
+        _READINGS[key] = band
     return band
 
 
