@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from hasten.cli.main import main
 from hasten.training.telemetry import REDACTED, TensorBoardSink, flatten, redact, version_record
 
@@ -32,6 +34,25 @@ def test_tensorboard_off_or_missing_is_a_no_op(tmp_path):
     sink.write({"step": 1, "loss": 1.0})
     sink.close()
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_tensorboard_rows_read_back_as_scalars(tmp_path):
+    """Each row is one event of all its numeric scalars (nested keys flattened, booleans, strings and
+    the step itself left out), read back by TensorBoard's own reader as add_scalar's would be."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path, "auto")
+    rows = [{"step": s, "loss": 5.0 - s, "tokens_per_s": 1000.0 * s, "gpu": {"util_pct": 50 + s},
+             "correct": True, "note": "x"} for s in (1, 2, 3)]
+    for row in rows:
+        sink.write(row)
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["gpu/util_pct", "loss", "tokens_per_s"]
+    for tag, expect in (("loss", lambda s: 5.0 - s), ("gpu/util_pct", lambda s: 50.0 + s)):
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [(s, expect(s)) for s in (1, 2, 3)]
 
 
 def test_run_writes_versions_and_no_secrets(tmp_path, monkeypatch):
