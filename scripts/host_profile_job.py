@@ -34,4 +34,6 @@ callers = io.StringIO()
 stats = pstats.Stats(profiler, stream=callers)
 for pattern in ("_io.open", "_cuda_getDeviceCount", "getmodule", "builtins.compile", "gc.collect", "read_band"):
     stats.print_callers(pattern)
+for pattern in ("hasten_attention_forward", "_grouped_forward", "_lib.py:69", "_train_loop"):
+    stats.print_callees(pattern)
 (out / "host_profile_callers.txt").write_text(callers.getvalue())
