@@ -125,7 +125,7 @@ def main() -> int:
                 continue
             lead = "n/a" if row["host_lead_ms"] is None else f"{row['host_lead_ms']:.1f} ms"
             print(f"{name:>18}: {row['tokens_per_s']:>10,.0f} tok/s  step {row['step_s'] * 1e3:7.1f} ms  "
-                  f"first step {row['first_step_s']:.1f} s  peak {row['peak_gib']:.2f} GiB  host lead {lead}  "
+                  f"first step {row['first_step_s'] * 1e3:.0f} ms  peak {row['peak_gib']:.2f} GiB  host lead {lead}  "
                   f"syncs {row['host_syncs_per_step']}  fallbacks {row['fallbacks'] or 'none'}  "
                   f"correct {row.get('correct', '-')} (max loss diff {row.get('loss_max_abs_diff_vs_eager', 0):.2e})",
                   flush=True)
