@@ -25,7 +25,6 @@ default_job.jsonl (results/ or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -37,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from hasten.config import Config  # noqa: E402
-from hasten.training.bench import run_variant, variant_configs  # noqa: E402
-from hasten.training.metrics import read_metrics  # noqa: E402
+from hasten.training.bench import read_summary, run_variant, variant_configs  # noqa: E402
+from hasten.training.metrics import median_rates, read_metrics  # noqa: E402
 
 VARIANTS = ("eager", "compiled", "graphed_optimizer", "compiled_graphed", "baseline")
 SETTINGS = {"eager": {}, "compiled": {"compile": True}, "graphed_optimizer": {"cuda_graphs": "optimizer"},
@@ -48,8 +47,7 @@ SETTINGS = {"eager": {}, "compiled": {"compile": True}, "graphed_optimizer": {"c
 def variant_config(name: str, steps: int, size: str) -> Config:
     """The default job's config for one variant: `steps` steps, a metrics row per step, no
     checkpoint inside them (hasten bench's settings), the named training switches."""
-    raw = Config.from_dict({"model": {"default_size": size}}).to_dict()
-    configs = variant_configs(Config.from_dict(raw), steps)
+    configs = variant_configs(Config.from_dict({"model": {"default_size": size}}), steps)
     if name == "baseline":
         return configs["baseline"]
     raw = configs["hasten"].to_dict()
@@ -75,15 +73,15 @@ def run(name: str, steps: int, warmup: int, size: str, folder: Path, reference: 
     result = run_variant(name, variant_config(name, steps, size), folder, progress=False)
     rows = read_metrics(Path(result.log_dir) / "metrics.jsonl")[-len(result.curve_loss):]
     timed = rows[warmup:] or rows
-    summary = json.loads((Path(result.log_dir) / "summary.json").read_text(encoding="utf-8"))
+    tokens_per_s, step_s = median_rates(rows, warmup)
     losses = [round(x, 5) for x in result.curve_loss]
     row = {"workload": "default_job", "variant": name, "model": f"embedded default ({size})",
            **common.environment(), "steps": steps, "warmup_steps": min(warmup, len(rows) - 1),
-           "tokens_per_s": median_of(timed, "tokens_per_s"), "step_s": median_of(timed, "step_s"),
+           "tokens_per_s": tokens_per_s, "step_s": step_s,
            "peak_gib": result.peak_gib, "host_lead_ms": median_of(timed, "host_lead_ms"),
            "host_syncs_per_step": max((r.get("host_syncs_per_step") or 0) for r in rows),
            "first_step_s": rows[0]["step_s"] if rows else None, "losses": losses,
-           "fallbacks": result.fallbacks, "compile": summary.get("compile"),
+           "fallbacks": result.fallbacks, "compile": read_summary(Path(result.log_dir)).get("compile"),
            "device": result.device, "dtype": result.dtype}
     if reference is not None and name != "baseline":
         row["loss_max_abs_diff_vs_eager"], row["correct"] = loss_check(reference, losses, tolerance)

@@ -146,7 +146,8 @@ def _prepare_dir(folder: Path) -> None:
         raise ConfigError(f"cannot create {folder}: {exc.strerror}; choose a writable --output_dir") from exc
 
 
-def _read_summary(log_dir: Path) -> dict[str, Any]:
+def read_summary(log_dir: Path) -> dict[str, Any]:
+    """A finished run's summary.json."""
     return json.loads((log_dir / "summary.json").read_text(encoding="utf-8"))
 
 
@@ -164,7 +165,7 @@ def run_variant(name: str, config: Config, output_dir: Path, progress: bool) -> 
     rows = read_metrics(Path(result.metrics_path))[-count:] if count else []
     if not rows:
         raise ConfigError(f"the {name} run logged no metrics in {result.metrics_path}")
-    summary = _read_summary(log_dir)
+    summary = read_summary(log_dir)
     warmup_skipped = len(rows) >= 3
     tokens_per_s, step_s = median_rates(rows, warmup_rows=1 if warmup_skipped else 0)
     packing = summary.get("packing") or {}
