@@ -9,6 +9,8 @@ a metrics row per step), differing only in these settings:
   compiled            training.compile: true (each decoder layer under torch.compile)
   graphed_optimizer   training.cuda_graphs: optimizer (the AdamW step in a CUDA graph)
   compiled_graphed    both
+  graphed_step        training.cuda_graphs: step (each micro-batch's forward and backward replayed
+                      from a CUDA graph of its padded shape, and the AdamW step)
   baseline            hasten off (hasten bench's baseline: padded micro-batches through
                       transformers' own code), for scale
 
@@ -39,9 +41,9 @@ from hasten.config import Config  # noqa: E402
 from hasten.training.bench import read_summary, run_variant, variant_configs  # noqa: E402
 from hasten.training.metrics import median_rates, read_metrics  # noqa: E402
 
-VARIANTS = ("eager", "compiled", "graphed_optimizer", "compiled_graphed", "baseline")
+VARIANTS = ("eager", "compiled", "graphed_optimizer", "compiled_graphed", "graphed_step", "baseline")
 SETTINGS = {"eager": {}, "compiled": {"compile": True}, "graphed_optimizer": {"cuda_graphs": "optimizer"},
-            "compiled_graphed": {"compile": True, "cuda_graphs": "optimizer"}}
+            "compiled_graphed": {"compile": True, "cuda_graphs": "optimizer"}, "graphed_step": {"cuda_graphs": "step"}}
 
 
 def variant_config(name: str, steps: int, size: str) -> Config:
@@ -75,13 +77,14 @@ def run(name: str, steps: int, warmup: int, size: str, folder: Path, reference: 
     timed = rows[warmup:] or rows
     tokens_per_s, step_s = median_rates(rows, warmup)
     losses = [round(x, 5) for x in result.curve_loss]
+    summary = read_summary(Path(result.log_dir))
     row = {"workload": "default_job", "variant": name, "model": f"embedded default ({size})",
            **common.environment(), "steps": steps, "warmup_steps": min(warmup, len(rows) - 1),
            "tokens_per_s": tokens_per_s, "step_s": step_s,
            "peak_gib": result.peak_gib, "host_lead_ms": median_of(timed, "host_lead_ms"),
            "host_syncs_per_step": max((r.get("host_syncs_per_step") or 0) for r in rows),
            "first_step_s": rows[0]["step_s"] if rows else None, "losses": losses,
-           "fallbacks": result.fallbacks, "compile": read_summary(Path(result.log_dir)).get("compile"),
+           "fallbacks": result.fallbacks, "compile": summary.get("compile"), "step_graphs": summary.get("step_graphs"),
            "device": result.device, "dtype": result.dtype}
     if reference is not None and name != "baseline":
         row["loss_max_abs_diff_vs_eager"], row["correct"] = loss_check(reference, losses, tolerance)
@@ -92,7 +95,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the medians (compile, capture)")
-    parser.add_argument("--variants", default="eager,compiled,graphed_optimizer,compiled_graphed,baseline")
+    parser.add_argument("--variants", default="eager,compiled,graphed_optimizer,compiled_graphed,graphed_step,baseline")
     parser.add_argument("--size", default="small", choices=("tiny", "small", "qwen3-0.6b"),
                         help="model.default_size (the default job's is small)")
     parser.add_argument("--tolerance", type=float, default=2e-2, help="largest loss difference from eager, any step")

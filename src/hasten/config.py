@@ -143,8 +143,13 @@ class TrainingConfig:
     # CUDA graphs: false (none), or optimizer: the AdamW step is captured once in a CUDA graph and
     # replayed every step (the LR schedule is read from a device tensor; gradients are zeroed in
     # place, never freed, so each parameter keeps its gradient's memory through the forward).
-    # Runs eagerly, with one warning, on the CPU, under fsdp2, or if capture fails.
-    cuda_graphs: Literal["false", "optimizer"] = "false"
+    # Runs eagerly, with one warning, on the CPU, under fsdp2, or if capture fails. step: that, and
+    # each micro-batch's forward and backward replayed from a CUDA graph of its shape (batches
+    # padded on the host to a few shapes: tokens to multiples of max_tokens / 8, the sequence count
+    # and longest sample to powers of two; the padding is a sequence of its own without loss); for
+    # host-bound runs (small models). Runs eagerly, with one warning, under torchrun, for MoE
+    # models, with dropout, activation offload, compile or padded batches.
+    cuda_graphs: Literal["false", "optimizer", "step"] = "false"
 
 
 @dataclass
@@ -455,6 +460,29 @@ def validate(config: Config, *, source: str = "config") -> None:
         if blockers:
             raise refuse("`training.compile: true` compiles each decoder layer as one graph, which cannot combine "
                          f"with {'; nor with '.join(blockers)}. Turn those off, or set training.compile: false.")
+    if t.cuda_graphs == "step":
+        # settings that put host work or random numbers inside a micro-batch, or change its shapes
+        blockers = []
+        if not t.packed_sequence:
+            blockers.append("`training.packed_sequence: false` (padded batches change shape with every batch)")
+        if checkpoint.offload_mode() != "none":
+            which = f"offload: {checkpoint.offload}" if checkpoint.offload != "none" else "double_buffer: true"
+            blockers.append(f"`training.checkpoint.{which}` (activation offload copies on its own streams from "
+                            "Python hooks)")
+        if checkpoint.mlp_tile_tokens:
+            blockers.append("`training.checkpoint.mlp_tile_tokens` (not verified under graphs)")
+        if t.compile:
+            blockers.append("`training.compile: true` (not combined yet)")
+        if not t.metadata_cache:
+            blockers.append("`training.metadata_cache: false` (each layer reads the sequence count back)")
+        if config.attention.verify:
+            blockers.append("`attention.verify: true` (each layer compares the metadata on the host)")
+        if config.lora.enabled and config.lora.dropout > 0:
+            blockers.append(f"`lora.dropout: {config.lora.dropout}` (random masks are not replayed from a graph)")
+        if blockers:
+            raise refuse("`training.cuda_graphs: step` replays each micro-batch from a CUDA graph, which cannot "
+                         f"combine with {'; nor with '.join(blockers)}. Turn those off, or set training.cuda_graphs: "
+                         "optimizer (the optimizer step alone) or false.")
     if checkpoint.max_memory_gib is not None and checkpoint.max_memory_gib <= 0:
         raise refuse("`training.checkpoint.max_memory_gib` must be a positive number of GiB, or empty for the lowest "
                      f"memory that costs no step time; got {checkpoint.max_memory_gib}")

@@ -356,3 +356,116 @@ def test_the_whole_packed_step_in_one_graph_follows_the_eager_step():
     finally:
         for handle in reversed(handles):
             handle.undo()
+
+
+# --- training.cuda_graphs: step (hasten.training.graphed_step) ------------------------------------
+
+def _tiny_qwen3(seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config).to("cuda", torch.bfloat16)
+
+
+def _host_batch(lengths, seed):
+    import hasten
+
+    gen = torch.Generator().manual_seed(seed)
+    samples = [{"input_ids": torch.randint(0, 1000, (n,), generator=gen).tolist()} for n in lengths]
+    return hasten.PackingCollator(max_tokens=512)(samples)
+
+
+def test_step_graphs_replay_each_micro_batch_as_its_eager_run():
+    """StepGraphs on a tiny Qwen3 with hasten's defaults: the bucket's first batch runs eagerly, the
+    second is captured and replayed, later ones replay with their own data; each micro-batch's loss
+    and gradients against the same padded batch run eagerly (bf16: cuDNN's backward sums dQ in any
+    order), no host sync in a replay, and a gradient set to None turns the graphs off, said once."""
+    import hasten
+    from hasten.observability import reset_fallbacks
+    from hasten.packing import move_batch
+    from hasten.training.graphed_step import FALLBACK as STEP_FALLBACK
+    from hasten.training.graphed_step import StepGraphs
+
+    model = _tiny_qwen3()
+    model.train()
+    reset_fallbacks()
+    handle = hasten.accelerate(model)
+    try:
+        params = [p for p in model.parameters() if p.requires_grad]
+        graphs = StepGraphs(model, params, max_tokens=512, pad_token_id=0, accumulation=2, device=torch.device("cuda"))
+
+        def eager_reference(device_batch):
+            for p in params:
+                p.grad = None
+            loss = model(**device_batch).loss / 2
+            loss.backward()
+            return loss.detach(), [p.grad.clone() for p in params]
+
+        # four batches of one bucket (<= 8 sequences, longest <= 256, padded to 512 tokens)
+        host = [_host_batch(lengths, seed) for seed, lengths in
+                enumerate([[1, 37, 5, 200, 64, 1, 129], [250, 3, 100], [90] * 5, [1, 255]])]
+        padded = [graphs.pad(b) for b in host]
+        assert len({tuple(p["input_ids"].shape) for p in padded}) == 1 and padded[0]["input_ids"].shape[-1] == 512
+        references = [eager_reference(move_batch(p, "cuda")) for p in padded]
+        for p in params:
+            p.grad.zero_()  # the graphs add into gradients that stay in place
+        for i, (batch, (want_loss, want_grads)) in enumerate(zip(padded, references)):
+            with count_host_syncs() as syncs:
+                loss = graphs.forward_backward(move_batch(batch, "cuda"))
+            torch.cuda.synchronize()
+            diffs = [_rel(p.grad, g) for p, g in zip(params, want_grads)]
+            exact = all(torch.equal(p.grad, g) for p, g in zip(params, want_grads))
+            print(f"\nmicro-batch {i}: loss {float(loss):.5f} (eager {float(want_loss):.5f}), gradients max rel diff "
+                  f"{max(diffs):.2e}, bitwise equal {exact}, syncs {syncs.count}, {graphs.summary()}")
+            assert float(loss) == pytest.approx(float(want_loss), rel=1e-2)
+            assert max(diffs) <= 1e-2, diffs
+            if i >= 2:
+                assert syncs.count == 0
+            for p in params:
+                p.grad.zero_()
+        assert graphs.summary() == {"graphs": 1, "shapes": 1, "captures": 1, "replays": 3, "eager_micro_batches": 1,
+                                    "disabled_reason": None}
+        assert fallback_counts() == {}, fallback_counts()
+        params[0].grad = None  # e.g. zero_grad(set_to_none=True) by other code: the graph's adds would be lost
+        loss = graphs.forward_backward(move_batch(padded[1], "cuda"))
+        assert graphs.disabled_reason is not None and "replaced or set to None" in graphs.disabled_reason
+        assert fallback_counts() == {STEP_FALLBACK: 1} and params[0].grad is not None and torch.isfinite(loss)
+    finally:
+        handle.undo()
+
+
+STEP_TINY = {"model": {"default_size": "tiny"},
+             "training": {"max_tokens": 512, "max_steps": 12, "learning_rate": 0.003, "warmup_steps": 2,
+                          "logging_steps": 1, "gradient_accumulation_steps": 2,
+                          "checkpoint": {"interval_steps": 4, "keep_last": 2}}}
+
+
+@pytest.mark.parametrize("activations", ["none", "full"])
+def test_hasten_train_with_step_graphs_follows_the_eager_run(tmp_path, activations):
+    from hasten.training.graphed_step import FALLBACK as STEP_FALLBACK
+
+    raw = json.loads(json.dumps(STEP_TINY))
+    raw["training"]["checkpoint"]["activations"] = activations
+    eager = loop.train(Config.from_dict(raw), tmp_path / "a", tmp_path / "a" / "logs", progress=False)
+    raw["training"]["cuda_graphs"] = "step"
+    graphed = loop.train(Config.from_dict(raw), tmp_path / "b", tmp_path / "b" / "logs", progress=False)
+    summary = json.loads((tmp_path / "b" / "logs" / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "b" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    eager_rows = [json.loads(line) for line in (tmp_path / "a" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    print(f"\nactivations {activations}\neager losses   {[round(v, 5) for v in eager.losses]}\ngraphed losses "
+          f"{[round(v, 5) for v in graphed.losses]}\nstep_graphs {summary['step_graphs']}; optimizer_graph "
+          f"{summary['optimizer_graph']}; fallbacks {summary['fallbacks']}\nsyncs per step "
+          f"{[r['host_syncs_per_step'] for r in rows]}; tokens {[r['tokens'] for r in rows]}")
+    assert summary["step_graphs"]["replays"] > 0 and summary["step_graphs"]["disabled_reason"] is None
+    assert STEP_FALLBACK not in summary["fallbacks"] and summary["optimizer_graph"]["captured"]
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in eager_rows]  # real tokens only, not the padding
+    for step, (a, b) in enumerate(zip(eager.losses, graphed.losses), start=1):
+        assert b == pytest.approx(a, rel=2e-2, abs=2e-2), f"step {step}: eager {a} graphed {b}"
+    raw["training"]["max_steps"] = 14  # resume from the last checkpoint and go on under graphs
+    resumed = loop.train(Config.from_dict(raw), tmp_path / "b", tmp_path / "b" / "logs", progress=False,
+                         resume="auto")
+    assert resumed.steps == 14 and all(v == v for v in resumed.losses)
+    resumed_graphs = json.loads((tmp_path / "b" / "logs" / "summary.json").read_text())["step_graphs"]
+    assert resumed_graphs["replays"] > 0 and resumed_graphs["disabled_reason"] is None, resumed_graphs

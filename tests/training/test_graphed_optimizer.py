@@ -33,7 +33,7 @@ def test_cuda_graphs_defaults_to_false_and_takes_yaml_false_and_optimizer(tmp_pa
 
 @pytest.mark.parametrize("value", [True, "true", "full", "Optimizer", 1, None])
 def test_cuda_graphs_refuses_other_values_naming_the_choices(value):
-    with pytest.raises(ConfigError, match=r"`training.cuda_graphs` must be one of 'false', 'optimizer'"):
+    with pytest.raises(ConfigError, match=r"`training.cuda_graphs` must be one of 'false', 'optimizer', 'step'"):
         Config.from_dict({"training": {"cuda_graphs": value}})
 
 
@@ -46,7 +46,7 @@ def test_cuda_graphs_is_in_the_configuration_reference():
     from hasten.config_docs import leaf_keys, render_config_reference
 
     assert "training.cuda_graphs" in leaf_keys()
-    assert '| `training.cuda_graphs` | one of `"false"`, `"optimizer"` | `"false"` |' in render_config_reference()
+    assert '| `training.cuda_graphs` | one of `"false"`, `"optimizer"`, `"step"` | `"false"` |' in render_config_reference()
 
 
 # --- the CPU fallback ----------------------------------------------------------------------------

@@ -241,11 +241,11 @@ class GraphedAdamW(torch.optim.AdamW):
 
 def build_adamw(params: Iterable, *, lr: float, weight_decay: float, device: torch.device,
                 cuda_graphs: str = "false", distributed: str = "none") -> torch.optim.Optimizer:
-    """The training loop's AdamW: fused on CUDA; with `cuda_graphs` "optimizer" a GraphedAdamW
+    """The training loop's AdamW: fused on CUDA; with `cuda_graphs` "optimizer" (or "step") a GraphedAdamW
     where the step can be captured, else (said once, counted) exactly the eager optimizer."""
     params = list(params)
     fused = device.type == "cuda"
-    if cuda_graphs == "optimizer":
+    if cuda_graphs in ("optimizer", "step"):
         reason = None
         if device.type != "cuda":
             reason = f"this run trains on {device.type}, and CUDA graphs need a CUDA GPU"
@@ -255,7 +255,7 @@ def build_adamw(params: Iterable, *, lr: float, weight_decay: float, device: tor
             reason = "the trainable parameters are on several devices"
         if reason is None:
             return GraphedAdamW(params, lr=lr, weight_decay=weight_decay)
-        record_fallback(FALLBACK, f"training.cuda_graphs optimizer: {reason}; the optimizer step runs eagerly "
+        record_fallback(FALLBACK, f"training.cuda_graphs {cuda_graphs}: {reason}; the optimizer step runs eagerly "
                                   "(same results as cuda_graphs: false)")
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
 

@@ -34,7 +34,7 @@ from hasten.config import Config, ConfigError
 from hasten.data import ByteTokenizer, DataError, load_dataset
 from hasten.data.tokenizer import check_tokenizer_fits, load_model_tokenizer
 from hasten.integrations.transformers import patch_lora_layers
-from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, reset_fallbacks
+from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, record_fallback, reset_fallbacks
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
 from hasten.training.compile import compile_decoder_layers
 from hasten.training.checkpoint import (CheckpointError, CheckpointWriteError, TrainerState, load_checkpoint,
@@ -42,7 +42,9 @@ from hasten.training.checkpoint import (CheckpointError, CheckpointWriteError, T
                                        save_final_model)
 from hasten.training.defaults import embedded_model_config
 from hasten.training.distributed import all_reduce_sum, from_environment, gradient_sync, shutdown, wrap_model
-from hasten.training.graphed_optimizer import build_adamw, optimizer_graph_summary
+from hasten.training.graphed_optimizer import GraphedAdamW, build_adamw, optimizer_graph_summary
+from hasten.training.graphed_step import FALLBACK as STEP_GRAPH_FALLBACK
+from hasten.training.graphed_step import StepGraphs, refusal as step_graph_refusal
 from hasten.training.metrics import HostLeadMeter, MetricsLog, format_row, peak_memory_gib, profiled_step
 from hasten.training.prefetch import NextBatchPrefetcher
 from hasten.training.run_folder import (check_resume_config, config_record, guard_earlier_run, metrics_rows,
@@ -253,6 +255,7 @@ class _Run:
     collator: PackingCollator | None = None
     loader: DataLoader | None = None
     optimizer: Any = None
+    step_graphs: StepGraphs | None = None  # training.cuda_graphs step, where it runs
     scheduler: Any = None
     state: TrainerState | None = None
     metrics: MetricsLog | None = None
@@ -365,6 +368,8 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
     # GraphedAdamW: gradients zeroed in place, the LR read from a device tensor), or says once why not
     run.optimizer = build_adamw(run.trainable, lr=t.learning_rate, weight_decay=t.weight_decay, device=device,
                                 cuda_graphs=t.cuda_graphs, distributed=ctx.strategy)
+    if t.cuda_graphs == "step":
+        _set_up_step_graphs(run)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer,
                                                       lambda s: _lr_factor(s, t.warmup_steps, t.max_steps))
     run.state = TrainerState(step=0, epoch=0, batches_in_epoch=0)
@@ -390,6 +395,28 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
         (log_dir / "config.json").write_text(json.dumps(redact(config.to_dict()), indent=2))
         (log_dir / "versions.json").write_text(json.dumps(redact(version_record()), indent=2))
     return None
+
+
+def _has_experts(config) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(isinstance(getattr(text, key, None), int) and getattr(text, key) > 0
+               for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
+
+
+def _set_up_step_graphs(run: _Run) -> None:
+    """training.cuda_graphs step: a StepGraphs for the loop, or the reason it cannot run, said once."""
+    t, handle = run.config.training, run.handle
+    reason = step_graph_refusal(
+        device=run.device, distributed=run.ctx.enabled, model=run.hf_model,
+        moe=handle.moe_stats is not None or _has_experts(run.hf_model.config),
+        optimizer_captured=isinstance(run.optimizer, GraphedAdamW) and run.optimizer.disabled_reason is None)
+    if reason is not None:
+        record_fallback(STEP_GRAPH_FALLBACK, f"training.cuda_graphs step: {reason}; micro-batches run eagerly "
+                                             "(same results; the optimizer step as with cuda_graphs: optimizer)")
+        return
+    run.step_graphs = StepGraphs(run.model, run.trainable, max_tokens=t.max_tokens,
+                                 pad_token_id=run.collator.pad_token_id,
+                                 accumulation=t.gradient_accumulation_steps, device=run.device)
 
 
 def _memory_preflight(run: _Run) -> None:
@@ -569,8 +596,10 @@ def _train_loop(run: _Run, progress: bool) -> str | None:
     model, optimizer, scheduler, state = run.model, run.optimizer, run.scheduler, run.state
     collator, handle, log_dir = run.collator, run.handle, run.log_dir
     # the next batch's copy to the GPU runs on a side stream while the current step computes
+    # under training.cuda_graphs step the host batch is padded to its bucket before the copy
+    graphs = run.step_graphs
     batches = NextBatchPrefetcher(_batches_from(run.loader, run.sampler, state.epoch, state.batches_in_epoch), device,
-                                  batch_of=lambda item: item[2])
+                                  batch_of=(lambda item: item[2]) if graphs is None else (lambda item: graphs.pad(item[2])))
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
     window_masked = 0  # micro-batches without a trainable token: no loss, left out of the mean
     window_first = state.step + 1  # the window's first step, for messages
@@ -607,9 +636,13 @@ def _train_loop(run: _Run, progress: bool) -> str | None:
                         step_tokens = max(step_tokens, int(host_batch["input_ids"].numel()))
                         has_targets = _has_trainable_tokens(host_batch["labels"])
                         with gradient_sync(model, ctx, last_micro_batch=micro == t.gradient_accumulation_steps - 1):
-                            loss = model(**batch).loss / t.gradient_accumulation_steps
-                            host_lead.mark(step_start=micro == 0)
-                            loss.backward()  # all labels -100: a NaN loss (0/0) but zero gradients
+                            if graphs is not None:  # forward and backward replayed (or run) as one
+                                loss = graphs.forward_backward(batch)
+                                host_lead.mark(step_start=micro == 0)
+                            else:
+                                loss = model(**batch).loss / t.gradient_accumulation_steps
+                                host_lead.mark(step_start=micro == 0)
+                                loss.backward()  # all labels -100: a NaN loss (0/0) but zero gradients
                             host_lead.mark()
                         if has_targets:
                             window_loss += loss.detach()
@@ -785,6 +818,7 @@ def _finish(run: _Run, interrupted_by: str | None) -> TrainResult:
                "hasten_active": run.handle.active, "hasten_inactive": run.handle.inactive,
                "fallbacks": fallback_counts(), "fallback_reasons": fallback_reasons(),
                "optimizer_graph": optimizer_graph_summary(run.optimizer),
+               "step_graphs": None if run.step_graphs is None else run.step_graphs.summary(),
                "interrupted_by": interrupted_by, "world_size": ctx.world_size,
                "distributed": ctx.strategy,
                "compile": (None if run.compiled is None else
