@@ -405,7 +405,7 @@ def test_step_graphs_replay_each_micro_batch_as_its_eager_run():
 
         # four batches of one bucket (<= 8 sequences, longest <= 256, padded to 512 tokens)
         host = [_host_batch(lengths, seed) for seed, lengths in
-                enumerate([[1, 37, 5, 200, 64, 1, 129], [250, 3, 100], [90] * 5, [1, 255]])]
+                enumerate([[1, 37, 5, 200, 64, 1, 160], [250, 3, 200], [90] * 4 + [130], [1, 255, 200]])]
         padded = [graphs.pad(b) for b in host]
         assert len({tuple(p["input_ids"].shape) for p in padded}) == 1 and padded[0]["input_ids"].shape[-1] == 512
         references = [eager_reference(move_batch(p, "cuda")) for p in padded]

@@ -3,6 +3,7 @@ batch trains exactly as the batch itself: loss and every gradient of a float32 m
 settings refused before a run, the run-time refusals, and the CPU fallback (said once, the same
 run as eager). The capture and replay are tested in tests/gpu/test_cuda_graphs_cuda.py."""
 
+import contextlib
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import hasten
 from hasten.config import Config, ConfigError
+from hasten.observability import fallback_counts, fallback_reasons, reset_fallbacks
 from hasten.packing import PackingCollator
 from hasten.training import loop
 from hasten.training.graphed_step import (FALLBACK, pad_packed_batch, refusal, shape_key, token_bucket,
@@ -169,3 +171,177 @@ def test_cpu_run_with_step_graphs_equals_the_eager_run_exactly(tmp_path):
     summary = json.loads((tmp_path / "b" / "logs" / "summary.json").read_text())
     assert "trains on cpu" in summary["fallback_reasons"][FALLBACK]
     assert summary["fallbacks"][FALLBACK] == 1 and summary["step_graphs"] is None
+
+
+# --- StepGraphs' bookkeeping, with a stand-in for CUDA graphs on the CPU --------------------------
+
+class _FakeStream:
+    def __init__(self, device=None):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+class _FakeGraph:
+    """A capture runs nothing (the body runs, then the gradients it wrote are put back); a replay
+    runs the captured micro-batch again on the graph's static inputs, adding into the gradients and
+    writing its loss tensor in place, as the CUDA graph would."""
+
+    owner = None  # the StepGraphs under test
+    fail_with: Exception | None = None
+
+    def replay(self):
+        graphs = _FakeGraph.owner
+        entry = next(e for e in graphs.entries.values() if e.graph is self)
+        loss = graphs.model(**entry.static).loss / graphs.accumulation
+        loss.backward()
+        entry.loss.copy_(loss.detach())
+
+
+class _fake_capture:
+    def __init__(self, graph, pool=None, stream=None, capture_error_mode="global"):
+        graphs = _FakeGraph.owner
+        assert pool is graphs.pool and stream is graphs.stream and capture_error_mode == "thread_local"
+
+    def __enter__(self):
+        if _FakeGraph.fail_with is not None:
+            raise _FakeGraph.fail_with
+        graphs = _FakeGraph.owner
+        self.saved = [(p, p.grad.clone()) for p in graphs.params if p.grad is not None]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for p, grad in self.saved:
+                p.grad.copy_(grad)
+        return False
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    from hasten.training import graphed_step
+
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    _FakeGraph.fail_with = None
+    model = _model()
+    model.train()
+    handle = hasten.accelerate(model)
+    params = list(model.parameters())
+
+    def make(**kwargs):
+        graphs = graphed_step.StepGraphs(model, params, max_tokens=512, pad_token_id=0, device=torch.device("cpu"),
+                                         **({"accumulation": 2} | kwargs))
+        _FakeGraph.owner = graphs
+        return graphs
+
+    yield make, model, params
+    _FakeGraph.owner = None
+    handle.undo()
+
+
+def _reference(model, params, batch, accumulation=2):
+    """The micro-batch run eagerly, its gradients alone; the gradients stay the same tensors (as
+    GraphedAdamW keeps them), zeroed after."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.zero_()
+    loss = model(**batch).loss / accumulation
+    loss.backward()
+    want = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad.zero_()  # in place, as GraphedAdamW's zero_grad
+    return loss.detach(), want
+
+
+# one shape: 449-512 tokens padded to 512, at most 7 samples (8 sequences with the padding), longest <= 256
+BUCKET = [[1, 37, 5, 200, 64, 1, 160], [250, 3, 200], [90] * 4 + [130], [1, 255, 200]]
+
+
+def test_step_graphs_warm_up_capture_and_replay_each_batch_as_its_eager_run(fake_cuda):
+    make, model, params = fake_cuda
+    graphs = make()
+    for i, lengths in enumerate(BUCKET):
+        batch = graphs.pad(_batch(lengths, seed=i))
+        want_loss, want = _reference(model, params, batch)
+        loss = graphs.forward_backward(batch)
+        assert torch.equal(loss, want_loss), i
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, want)), i  # the replay read this batch's data
+        for p in params:
+            p.grad.zero_()
+    assert graphs.summary() == {"graphs": 1, "shapes": 1, "captures": 1, "replays": 3, "eager_micro_batches": 1,
+                                "disabled_reason": None}
+
+
+def test_step_graphs_accumulate_micro_batches_into_the_gradients(fake_cuda):
+    make, model, params = fake_cuda
+    graphs = make()
+    batches = [graphs.pad(_batch(lengths, seed=i)) for i, lengths in enumerate(BUCKET)]
+    graphs.forward_backward(batches[0])  # the warm-up
+    for p in params:
+        p.grad.zero_()
+    want = [torch.zeros_like(p) for p in params]
+    for batch in batches[1:]:
+        for w, g in zip(want, _reference(model, params, batch)[1]):
+            w += g
+    for batch in batches[1:]:  # capture + replay, replay, replay: three micro-batches of one step
+        graphs.forward_backward(batch)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-7)
+
+
+def test_step_graphs_turn_off_when_a_gradient_is_replaced(fake_cuda):
+    make, model, params = fake_cuda
+    graphs = make()
+    batches = [graphs.pad(_batch(lengths, seed=i)) for i, lengths in enumerate(BUCKET)]
+    graphs.forward_backward(batches[0])
+    graphs.forward_backward(batches[1])  # captured
+    params[1].grad = None  # zero_grad(set_to_none=True) by other code: the graph's adds would land elsewhere
+    graphs.forward_backward(batches[2])
+    params[1].grad = None
+    loss = graphs.forward_backward(batches[3])
+    assert "replaced or set to None" in graphs.disabled_reason and not graphs.entries
+    assert fallback_counts()[FALLBACK] == 1 and "micro-batches run eagerly" in fallback_reasons()[FALLBACK]
+    assert graphs.summary()["eager_micro_batches"] == 3 and torch.isfinite(loss)
+    assert graphs.pad(batches[0]) is batches[0]  # no padding once off
+
+
+def test_a_failed_capture_runs_the_micro_batch_eagerly_once_and_turns_graphs_off(fake_cuda):
+    make, model, params = fake_cuda
+    graphs = make()
+    batches = [graphs.pad(_batch(lengths, seed=i)) for i, lengths in enumerate(BUCKET[:2])]
+    graphs.forward_backward(batches[0])
+    for p in params:
+        p.grad.zero_()
+    want_loss, want = _reference(model, params, batches[1])
+    _FakeGraph.fail_with = RuntimeError("operation not permitted when stream is capturing")
+    loss = graphs.forward_backward(batches[1])
+    assert torch.equal(loss, want_loss) and all(torch.equal(p.grad, g) for p, g in zip(params, want))
+    assert "capturing a micro-batch failed (RuntimeError: operation not permitted" in graphs.disabled_reason
+    assert fallback_counts()[FALLBACK] == 1
+
+
+def test_shapes_past_the_limit_run_eagerly_said_once(fake_cuda):
+    make, model, params = fake_cuda
+    graphs = make(max_graphs=1)
+    small = graphs.pad(_batch([30, 20], seed=1))  # 64 tokens
+    large = graphs.pad(_batch([300], seed=2))  # 320 tokens: another shape
+    assert small["input_ids"].shape[-1] == 64 and large["input_ids"].shape[-1] == 320
+    for batch in (small, large, large, small, small):
+        graphs.forward_backward(batch)
+    assert graphs.summary() == {"graphs": 1, "shapes": 1, "captures": 1, "replays": 2, "eager_micro_batches": 3,
+                                "disabled_reason": None}
+    assert fallback_counts()[FALLBACK] == 1 and "more than 1 batch shapes" in fallback_reasons()[FALLBACK]
+
+
+def test_batches_of_several_rows_keep_their_shape():
+    from hasten.training.graphed_step import StepGraphs
+
+    graphs = StepGraphs.__new__(StepGraphs)
+    graphs.disabled_reason, graphs.max_tokens, graphs.pad_token_id = None, 64, 0
+    two_rows = PackingCollator(max_tokens=40)([{"input_ids": list(range(1, 31))}, {"input_ids": list(range(1, 21))}])
+    assert two_rows["input_ids"].shape[0] == 2 and graphs.pad(two_rows) is two_rows
