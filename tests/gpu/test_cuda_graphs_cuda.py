@@ -427,11 +427,11 @@ def test_step_graphs_replay_each_micro_batch_as_its_eager_run():
                 p.grad.zero_()
         assert graphs.summary() == {"graphs": 1, "shapes": 1, "captures": 1, "replays": 3, "eager_micro_batches": 1,
                                     "disabled_reason": None}
-        assert fallback_counts() == {}, fallback_counts()
+        assert STEP_FALLBACK not in fallback_counts(), fallback_counts()  # (a build without the cuDNN op counts its own)
         params[0].grad = None  # e.g. zero_grad(set_to_none=True) by other code: the graph's adds would be lost
         loss = graphs.forward_backward(move_batch(padded[1], "cuda"))
         assert graphs.disabled_reason is not None and "replaced or set to None" in graphs.disabled_reason
-        assert fallback_counts() == {STEP_FALLBACK: 1} and params[0].grad is not None and torch.isfinite(loss)
+        assert fallback_counts()[STEP_FALLBACK] == 1 and params[0].grad is not None and torch.isfinite(loss)
     finally:
         handle.undo()
 
