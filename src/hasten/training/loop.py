@@ -34,7 +34,8 @@ from hasten.config import Config, ConfigError
 from hasten.data import ByteTokenizer, DataError, load_dataset
 from hasten.data.tokenizer import check_tokenizer_fits, load_model_tokenizer
 from hasten.integrations.transformers import patch_lora_layers
-from hasten.observability import count_host_syncs, fallback_counts, fallback_reasons, logger, record_fallback, reset_fallbacks
+from hasten.observability import (count_host_syncs, fallback_counts, fallback_reasons, logger, record_fallback,
+                                  reset_fallbacks)
 from hasten.packing import IGNORE_INDEX, PackingCollator, TokenBudgetBatchSampler, move_batch
 from hasten.training.compile import compile_decoder_layers
 from hasten.training.checkpoint import (CheckpointError, CheckpointWriteError, TrainerState, load_checkpoint,
@@ -598,8 +599,9 @@ def _train_loop(run: _Run, progress: bool) -> str | None:
     # the next batch's copy to the GPU runs on a side stream while the current step computes
     # under training.cuda_graphs step the host batch is padded to its bucket before the copy
     graphs = run.step_graphs
+    host_batch_of = (lambda item: item[2]) if graphs is None else (lambda item: graphs.pad(item[2]))
     batches = NextBatchPrefetcher(_batches_from(run.loader, run.sampler, state.epoch, state.batches_in_epoch), device,
-                                  batch_of=(lambda item: item[2]) if graphs is None else (lambda item: graphs.pad(item[2])))
+                                  batch_of=host_batch_of)
     window_tokens, window_loss, window_micro = 0, torch.zeros((), device=device), 0
     window_masked = 0  # micro-batches without a trainable token: no loss, left out of the mean
     window_first = state.step + 1  # the window's first step, for messages
