@@ -325,6 +325,22 @@ def test_a_failed_capture_runs_the_micro_batch_eagerly_once_and_turns_graphs_off
     assert fallback_counts()[FALLBACK] == 1
 
 
+def test_a_gradient_first_made_inside_a_capture_turns_graphs_off_and_the_batch_runs_eagerly(fake_cuda):
+    """A replay would write such a gradient instead of adding to it (and the capture never wrote
+    it): it is set back to None, the graphs go off and the micro-batch runs eagerly."""
+    make, model, params = fake_cuda
+    graphs = make()
+    batches = [graphs.pad(_batch(lengths, seed=i)) for i, lengths in enumerate(BUCKET[:2])]
+    graphs.forward_backward(batches[0])
+    for p in params:
+        p.grad.zero_()
+    want_loss, want = _reference(model, params, batches[1])
+    params[2].grad = None  # before the first capture: not yet a gradient the graphs add into
+    loss = graphs.forward_backward(batches[1])
+    assert "first gradient inside a capture" in graphs.disabled_reason and graphs.captures == 0
+    assert torch.equal(loss, want_loss) and all(torch.equal(p.grad, g) for p, g in zip(params, want))
+
+
 def test_shapes_past_the_limit_run_eagerly_said_once(fake_cuda):
     make, model, params = fake_cuda
     graphs = make(max_graphs=1)

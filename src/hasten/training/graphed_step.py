@@ -230,6 +230,7 @@ class StepGraphs:
         static = map_batch_tensors(batch, lambda t: t.clone())
         graph = torch.cuda.CUDAGraph()
         main = torch.cuda.current_stream(self.device)
+        without_grad = [p for p in self.params if p.grad is None]
         self.stream.wait_stream(main)
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
@@ -237,9 +238,15 @@ class StepGraphs:
                 loss.backward()
         except Exception as exc:  # noqa: BLE001 - any failure: say it once, run eagerly from now on
             main.wait_stream(self.stream)
+            self._drop_gradients_made_in_capture(without_grad)
             self._disable(f"capturing a micro-batch failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})")
             return False
         main.wait_stream(self.stream)
+        if self._drop_gradients_made_in_capture(without_grad):
+            # its replays would write that gradient, not add to it: accumulation would lose micro-batches
+            self._disable("a parameter got its first gradient inside a capture (its graph would overwrite the "
+                          "gradient instead of adding to it)")
+            return False
         entry.graph, entry.static, entry.loss = graph, static, loss.detach()
         # what the graphs add into (the bucket's eager warm-up made them); a parameter without one
         # gets none from the graph either (unused), and one that gains or swaps it turns graphs off
@@ -249,6 +256,15 @@ class StepGraphs:
             logger.info("hasten: training.cuda_graphs step: micro-batches replay from CUDA graphs, one per batch "
                         "shape (tokens padded to multiples of %d)", token_step(self.max_tokens))
         return True
+
+    @staticmethod
+    def _drop_gradients_made_in_capture(without_grad: list[torch.Tensor]) -> bool:
+        """Gradients that backward created during a capture were never written (a capture runs
+        nothing): set them back to None. Whether there were any."""
+        made = [p for p in without_grad if p.grad is not None]
+        for p in made:
+            p.grad = None
+        return bool(made)
 
     def _gradients_in_place(self) -> bool:
         if any(p.grad is not g for p, g in self.grads):
