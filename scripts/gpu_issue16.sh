@@ -15,7 +15,7 @@
 #             arguments, e.g. --profile hasten), liger (last: it
 #             patches transformers' Qwen3 for the rest of the process; where liger_kernel imports)
 #   job       benchmarks/default_job.py: the embedded default job (make train's) eager, compiled,
-#             graphed optimizer, both, and hasten off; 30 steps each (JOB_ARGS: others)       cap 300 s
+#             graphed optimizer, both, step graphs, and hasten off; 30 steps each (JOB_ARGS)  cap 300 s
 #   ops       tests/ops, and tests/integrations/test_compile.py when it exists (mostly CPU tests:
 #             last, with the time that is left)                                              cap 90 s
 # Each part's log, rc and seconds go to $OUT/logs/summary.txt (key lines too); benchmark rows are
