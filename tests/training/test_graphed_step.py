@@ -11,7 +11,7 @@ import torch
 
 import hasten
 from hasten.config import Config, ConfigError
-from hasten.observability import fallback_counts, fallback_reasons, reset_fallbacks
+from hasten.observability import fallback_counts, fallback_reasons
 from hasten.packing import PackingCollator
 from hasten.training import loop
 from hasten.training.graphed_step import (FALLBACK, pad_packed_batch, refusal, shape_key, token_bucket,
@@ -142,8 +142,7 @@ def test_step_graphs_refuse_settings_they_cannot_replay(setting, named):
 
 
 def _refusal(**overrides):
-    args = dict(device=torch.device("cuda", 0), distributed=False, model=torch.nn.Linear(2, 2), moe=False,
-                optimizer_captured=True)
+    args = dict(device=torch.device("cuda", 0), distributed=False, model=_model(), optimizer_captured=True)
     return refusal(**(args | overrides))
 
 
@@ -151,10 +150,19 @@ def test_step_graphs_refusals_at_run_time(monkeypatch):
     assert _refusal() is None
     assert "trains on cpu" in _refusal(device=torch.device("cpu"))
     assert "torchrun" in _refusal(distributed=True)
-    assert "routes tokens to experts" in _refusal(moe=True)
-    assert "dropout is on (1)" in _refusal(model=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
-    assert _refusal(model=torch.nn.Sequential(torch.nn.Dropout(0.0))) is None
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    assert "model type 'llama': padded packed batches are verified to train as unpadded only for qwen3" in \
+        _refusal(model=llama)
+    assert "model type '?'" in _refusal(model=torch.nn.Linear(2, 2))
     model = _model()
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.1))
+    assert "dropout is on (model.layers.0.mlp.act_fn.1)" in _refusal(model=model)
+    model = _model()
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.0))
+    assert _refusal(model=model) is None
     model.config.attention_dropout = 0.1
     assert "dropout is on (attention_dropout)" in _refusal(model=model)
     assert "optimizer step is not captured" in _refusal(optimizer_captured=False)
@@ -171,6 +179,8 @@ def test_cpu_run_with_step_graphs_equals_the_eager_run_exactly(tmp_path):
     summary = json.loads((tmp_path / "b" / "logs" / "summary.json").read_text())
     assert "trains on cpu" in summary["fallback_reasons"][FALLBACK]
     assert summary["fallbacks"][FALLBACK] == 1 and summary["step_graphs"] is None
+    assert any(item.startswith("CUDA graphs per micro-batch (training.cuda_graphs step: this run trains on cpu")
+               for item in summary["hasten_inactive"])
 
 
 # --- StepGraphs' bookkeeping, with a stand-in for CUDA graphs on the CPU --------------------------
@@ -310,16 +320,22 @@ def test_step_graphs_turn_off_when_a_gradient_is_replaced(fake_cuda):
     assert graphs.pad(batches[0]) is batches[0]  # no padding once off
 
 
-def test_a_failed_capture_runs_the_micro_batch_eagerly_once_and_turns_graphs_off(fake_cuda):
+def _warmed_up(fake_cuda):
+    """StepGraphs after its bucket's eager warm-up (gradients zeroed in place), the bucket's next
+    batch and that batch's eager loss and gradients."""
     make, model, params = fake_cuda
     graphs = make()
     batches = [graphs.pad(_batch(lengths, seed=i)) for i, lengths in enumerate(BUCKET[:2])]
     graphs.forward_backward(batches[0])
     for p in params:
         p.grad.zero_()
-    want_loss, want = _reference(model, params, batches[1])
+    return graphs, params, batches[1], *_reference(model, params, batches[1])
+
+
+def test_a_failed_capture_runs_the_micro_batch_eagerly_once_and_turns_graphs_off(fake_cuda):
+    graphs, params, batch, want_loss, want = _warmed_up(fake_cuda)
     _FakeGraph.fail_with = RuntimeError("operation not permitted when stream is capturing")
-    loss = graphs.forward_backward(batches[1])
+    loss = graphs.forward_backward(batch)
     assert torch.equal(loss, want_loss) and all(torch.equal(p.grad, g) for p, g in zip(params, want))
     assert "capturing a micro-batch failed (RuntimeError: operation not permitted" in graphs.disabled_reason
     assert fallback_counts()[FALLBACK] == 1
@@ -328,15 +344,9 @@ def test_a_failed_capture_runs_the_micro_batch_eagerly_once_and_turns_graphs_off
 def test_a_gradient_first_made_inside_a_capture_turns_graphs_off_and_the_batch_runs_eagerly(fake_cuda):
     """A replay would write such a gradient instead of adding to it (and the capture never wrote
     it): it is set back to None, the graphs go off and the micro-batch runs eagerly."""
-    make, model, params = fake_cuda
-    graphs = make()
-    batches = [graphs.pad(_batch(lengths, seed=i)) for i, lengths in enumerate(BUCKET[:2])]
-    graphs.forward_backward(batches[0])
-    for p in params:
-        p.grad.zero_()
-    want_loss, want = _reference(model, params, batches[1])
+    graphs, params, batch, want_loss, want = _warmed_up(fake_cuda)
     params[2].grad = None  # before the first capture: not yet a gradient the graphs add into
-    loss = graphs.forward_backward(batches[1])
+    loss = graphs.forward_backward(batch)
     assert "first gradient inside a capture" in graphs.disabled_reason and graphs.captures == 0
     assert torch.equal(loss, want_loss) and all(torch.equal(p.grad, g) for p, g in zip(params, want))
 

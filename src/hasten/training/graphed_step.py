@@ -34,9 +34,9 @@ eagerly, so no batch is lost or counted twice.
 
 Settings that cannot combine (padded batches, activation offload, MLP tiles, compile, metadata
 read back per layer, LoRA dropout) are refused by the config's validation (exit 2). At the start of
-a run (said once, counted under `cuda_graph_step`; the run is then the eager one): the CPU,
-torchrun, MoE models (the padding tokens would be routed: load statistics and any auxiliary loss
-would see them), dropout in the model, HASTEN_VERIFY, an optimizer step that is not captured.
+a run (said once, counted under `cuda_graph_step`, named in the handle's inactive list; the run
+is then the eager one): the CPU, torchrun, a model type outside VERIFIED_MODEL_TYPES, dropout in
+the model, HASTEN_VERIFY, an optimizer step that is not captured.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hasten.integrations.architectures import model_type_of
 from hasten.observability import logger, record_fallback
 from hasten.packing.collator import IGNORE_INDEX
 from hasten.packing.meta import CU_K, CU_Q, MAX_K, MAX_Q, map_batch_tensors, verify_enabled
@@ -116,17 +117,27 @@ def shape_key(batch: dict) -> tuple:
                         for name, v in batch.items() if name != "num_samples"))
 
 
-def refusal(*, device: torch.device, distributed: bool, model: torch.nn.Module, moe: bool,
-            optimizer_captured: bool) -> str | None:
+# Model types whose packed batches, padded as above, were shown to train as unpadded: the loss and
+# every gradient of a padded batch against the batch itself (tests/training/test_graphed_step.py,
+# float32 on the CPU) and each replay against the same padded batch run eagerly plus `hasten
+# train` against eager (tests/gpu/test_cuda_graphs_cuda.py, bf16 on the GPU). A type joins when
+# both ran for it; others (hybrid layers that read cu_seqlens back, chunked attention, MoE routing
+# of the padding tokens) run eagerly, said once.
+VERIFIED_MODEL_TYPES = frozenset({"qwen3"})
+
+
+def refusal(*, device: torch.device, distributed: bool, model: torch.nn.Module, optimizer_captured: bool) -> str | None:
     """Why this run's micro-batches cannot replay from graphs, or None. (Settings that cannot
     combine with step graphs are refused by the config's validation before the run starts.)"""
     if device.type != "cuda":
         return f"this run trains on {device.type}, and CUDA graphs need a CUDA GPU"
     if distributed:
         return "under torchrun the gradients' all-reduce runs inside the backward, which is not captured"
-    if moe:
-        return ("the model routes tokens to experts: the padding tokens would be routed too (the load statistics "
-                "and any auxiliary loss would count them)")
+    model_type = model_type_of(getattr(model, "config", None))
+    if model_type not in VERIFIED_MODEL_TYPES:
+        return (f"model type '{model_type}': padded packed batches are verified to train as unpadded only for "
+                f"{', '.join(sorted(VERIFIED_MODEL_TYPES))} (tests/training/test_graphed_step.py, "
+                "tests/gpu/test_cuda_graphs_cuda.py)")
     dropout = next((name for name, m in model.named_modules()
                     if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0), None)
     if dropout is None:

@@ -398,22 +398,16 @@ def _set_up(run: _Run, resume: str | None, overwrite: bool, allowed: tuple[str, 
     return None
 
 
-def _has_experts(config) -> bool:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return any(isinstance(getattr(text, key, None), int) and getattr(text, key) > 0
-               for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
-
-
 def _set_up_step_graphs(run: _Run) -> None:
     """training.cuda_graphs step: a StepGraphs for the loop, or the reason it cannot run, said once."""
     t, handle = run.config.training, run.handle
     reason = step_graph_refusal(
         device=run.device, distributed=run.ctx.enabled, model=run.hf_model,
-        moe=handle.moe_stats is not None or _has_experts(run.hf_model.config),
         optimizer_captured=isinstance(run.optimizer, GraphedAdamW) and run.optimizer.disabled_reason is None)
     if reason is not None:
         record_fallback(STEP_GRAPH_FALLBACK, f"training.cuda_graphs step: {reason}; micro-batches run eagerly "
                                              "(same results; the optimizer step as with cuda_graphs: optimizer)")
+        handle.inactive.append(f"CUDA graphs per micro-batch (training.cuda_graphs step: {reason})")
         return
     run.step_graphs = StepGraphs(run.model, run.trainable, max_tokens=t.max_tokens,
                                  pad_token_id=run.collator.pad_token_id,
